@@ -1,0 +1,97 @@
+# Settings and helpers for weave's own tests, benchmarks and examples (never for consumers).
+option(WEAVE_WERROR "Treat warnings in weave's own targets as errors" OFF)
+# The `cuda` preset builds only what needs nvcc, NCCL or a GPU; the host build covers the rest.
+option(WEAVE_CUDA_TARGETS_ONLY "Build only CUDA/NCCL tests, benchmarks and header checks" OFF)
+
+add_library(weave_dev_flags INTERFACE)
+target_compile_options(weave_dev_flags INTERFACE
+  $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor>
+  $<$<AND:$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>,$<BOOL:${WEAVE_WERROR}>>:-Werror>)
+
+# CUDA sources of tests and benchmarks need the CUDA language; consumers of weave::cuda do not.
+set(WEAVE_CUDA_LANGUAGE OFF)
+if(TARGET weave_cuda)
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90) # Hopper (H100/H200); override on the command line
+    endif()
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 20)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(WEAVE_CUDA_LANGUAGE ON)
+  elseif(WEAVE_ENABLE_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "WEAVE_ENABLE_CUDA=ON but no CUDA compiler (nvcc) was found")
+  endif()
+endif()
+
+if(WEAVE_ENABLE_TESTING)
+  find_package(doctest QUIET)
+  if(NOT doctest_FOUND)
+    message(FATAL_ERROR "weave's tests need doctest (Debian: doctest-dev), "
+                        "or configure with -DWEAVE_ENABLE_TESTING=OFF")
+  endif()
+  include(doctest)
+endif()
+
+# MPI launcher settings shared by tests, benchmarks and examples run under mpirun.
+if(TARGET weave_mpi)
+  set(WEAVE_MPIEXEC_FLAGS --oversubscribe)
+  # Open MPI refuses root unless asked; containers and CI run as root.
+  set(WEAVE_MPI_ENVIRONMENT
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+    OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo)
+endif()
+
+# weave_add_test(<name> SOURCES <files...> [LIBS <targets...>] [LABELS <labels...>])
+# A doctest executable; each test case becomes one CTest test named <name>/<case>.
+function(weave_add_test name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;LIBS;LABELS" ${ARGN})
+  if(WEAVE_CUDA_TARGETS_ONLY)
+    return()
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE weave_test_main weave_dev_flags ${ARG_LIBS})
+  target_include_directories(${name} PRIVATE "${PROJECT_SOURCE_DIR}/tests/support")
+  doctest_discover_tests(${name} TEST_PREFIX "${name}/" PROPERTIES TIMEOUT 300)
+  # Discovered tests cannot take a list-valued property; the directory's LABELS apply to them.
+  set_property(DIRECTORY APPEND PROPERTY LABELS ${ARG_LABELS})
+endfunction()
+
+# weave_add_mpi_test(<name> SOURCES <files...> NP <counts...> [LIBS ...] [LABELS ...])
+# A doctest executable run under mpirun once per process count, as CTest test <name>/np<N>.
+function(weave_add_mpi_test name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;NP;LIBS;LABELS" ${ARGN})
+  if(NOT TARGET weave_mpi OR WEAVE_CUDA_TARGETS_ONLY)
+    return()
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE weave_test_main weave_dev_flags weave_mpi ${ARG_LIBS})
+  target_include_directories(${name} PRIVATE "${PROJECT_SOURCE_DIR}/tests/support")
+  foreach(np IN LISTS ARG_NP)
+    add_test(NAME ${name}/np${np}
+      COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} ${np} ${WEAVE_MPIEXEC_FLAGS}
+              ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${name}> ${MPIEXEC_POSTFLAGS})
+    set_tests_properties(${name}/np${np} PROPERTIES
+      LABELS "mpi;${ARG_LABELS}" TIMEOUT 300 PROCESSORS ${np}
+      ENVIRONMENT "${WEAVE_MPI_ENVIRONMENT}")
+  endforeach()
+endfunction()
+
+# weave_add_cuda_test(<name> SOURCES <files...> [LIBS ...])
+# A doctest executable with CUDA sources. Without a GPU it prints "skipped: no GPU" and exits
+# 77, which CTest reports as skipped (never as passed).
+function(weave_add_cuda_test name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;LIBS;LABELS" ${ARGN})
+  if(NOT WEAVE_CUDA_LANGUAGE)
+    return()
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  target_link_libraries(${name} PRIVATE weave_cuda_test_main weave_dev_flags weave_cuda ${ARG_LIBS})
+  target_include_directories(${name} PRIVATE "${PROJECT_SOURCE_DIR}/tests/support")
+  add_test(NAME ${name} COMMAND ${name})
+  set_tests_properties(${name} PROPERTIES LABELS "cuda;${ARG_LABELS}" TIMEOUT 300
+    SKIP_RETURN_CODE 77)
+endfunction()

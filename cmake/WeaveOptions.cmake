@@ -1,0 +1,22 @@
+# Tri-state backend options: AUTO (use when found), ON (required), OFF.
+function(weave_tristate_option name default help)
+  set(${name} ${default} CACHE STRING "${help}: AUTO, ON or OFF")
+  set_property(CACHE ${name} PROPERTY STRINGS AUTO ON OFF)
+  string(TOUPPER "${${name}}" value)
+  if(value STREQUAL "TRUE" OR value STREQUAL "YES" OR value STREQUAL "1")
+    set(value ON)
+  elseif(value STREQUAL "FALSE" OR value STREQUAL "NO" OR value STREQUAL "0")
+    set(value OFF)
+  endif()
+  if(NOT value MATCHES "^(AUTO|ON|OFF)$")
+    message(FATAL_ERROR "${name} must be AUTO, ON or OFF (got '${${name}}')")
+  endif()
+  set(${name} ${value} PARENT_SCOPE)
+endfunction()
+
+# Fails configuration when option `name` is ON but `found_var` is false.
+function(weave_require_if_on name found_var what)
+  if(${name} STREQUAL "ON" AND NOT ${found_var})
+    message(FATAL_ERROR "${name}=ON but ${what} was not found")
+  endif()
+endfunction()

@@ -1,0 +1,8 @@
+//! \file
+//! Execution vocabulary: the stream/event concepts and the host stream. The CUDA wrappers are in
+//! `weave/exec/cuda_stream.hpp` (component `weave::cuda`).
+#pragma once
+
+#include "weave/exec/host_stream.hpp"
+#include "weave/exec/stream.hpp"
+#include "weave/exec/unique_task.hpp"

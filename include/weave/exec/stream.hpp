@@ -1,0 +1,48 @@
+//! \file
+//! The stream and event vocabulary every weave algorithm is written against.
+//!
+//! A stream runs work in submission order; an event marks a point in a stream. The model is
+//! CUDA's: `record()` marks the point reached by all work submitted so far, `wait(e)` makes all
+//! later work on a stream wait for `e`'s point, `synchronize()` blocks the caller until the
+//! stream is drained and reports the first failure. `host_stream` implements it with a worker
+//! thread, `cuda_stream_ref` over a borrowed `cudaStream_t`.
+#pragma once
+
+#include "weave/core/config.hpp"
+
+#include <concepts>
+#include <utility>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! A point in a stream that other streams and the host can wait for.
+template <class E>
+concept event = std::movable<E> && requires(E& e, const E& ce) {
+  { ce.query() } -> std::convertible_to<bool>; // true once the point is reached
+  ce.synchronize();                            // block the caller until reached
+};
+
+//! An ordered queue of work with CUDA stream semantics.
+template <class S>
+concept stream = requires(S& s, typename S::event_type& e) {
+  typename S::event_type;
+  requires event<typename S::event_type>;
+  { s.record() } -> std::same_as<typename S::event_type>; // a new event at the current point
+  s.record(e);                                            // move an existing event there
+  s.wait(std::as_const(e));                               // order later work after e
+  s.synchronize();                                        // drain; rethrow the first failure
+};
+
+//! A stream that also runs arbitrary host callables in order (`host_stream`).
+template <class S>
+concept host_executor = stream<S> && requires(S& s) {
+  s.submit([] {});
+};
+
+//! Makes `consumer` wait for everything submitted to `producer` so far.
+template <stream S>
+void order_after(S& consumer, S& producer) {
+  consumer.wait(producer.record());
+}
+
+WEAVE_NAMESPACE_END

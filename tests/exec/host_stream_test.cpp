@@ -1,0 +1,162 @@
+// host_stream must behave as a CUDA stream: FIFO order, events that mark points, cross-stream
+// waits, sticky failures that surface at synchronize() and never deadlock a waiter.
+#include <doctest/doctest.h>
+
+#include <weave/core/error.hpp>
+#include <weave/exec/host_stream.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+
+TEST_CASE("tasks run in submission order") {
+  weave::host_stream s;
+  std::vector<int> order;
+  for (int i = 0; i < 2000; ++i)
+    s.submit([&order, i] { order.push_back(i); });
+  s.synchronize();
+  REQUIRE(order.size() == 2000);
+  for (int i = 0; i < 2000; ++i)
+    REQUIRE(order[static_cast<std::size_t>(i)] == i);
+}
+
+TEST_CASE("an event completes only when the stream reaches it") {
+  weave::host_stream s;
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  s.submit([opened] { opened.wait(); });
+  weave::host_event e = s.record();
+  std::this_thread::sleep_for(5ms);
+  CHECK_FALSE(e.query());
+  CHECK_FALSE(s.query());
+  gate.set_value();
+  e.synchronize();
+  CHECK(e.query());
+  s.synchronize();
+  CHECK(s.query());
+  CHECK(weave::host_event().query()); // never recorded: complete, as in CUDA
+}
+
+TEST_CASE("wait orders work across streams") {
+  weave::host_stream producer("producer"), consumer("consumer");
+  for (int round = 0; round < 50; ++round) {
+    std::promise<void> gate;
+    auto opened = gate.get_future().share();
+    std::atomic<int> value{0};
+    int seen = -1;
+    producer.submit([opened, &value, round] {
+      opened.wait();
+      value.store(round + 1, std::memory_order_relaxed);
+    });
+    consumer.wait(producer.record());
+    consumer.submit([&] { seen = value.load(std::memory_order_relaxed); });
+    gate.set_value();
+    consumer.synchronize();
+    producer.synchronize();
+    REQUIRE(seen == round + 1);
+  }
+}
+
+TEST_CASE("re-recording an event does not move earlier waits") {
+  weave::host_stream a("a"), b("b");
+  weave::host_event e;
+  std::promise<void> first_gate, second_gate;
+  auto first = first_gate.get_future().share();
+  auto second = second_gate.get_future().share();
+  std::atomic<int> stage{0};
+  a.submit([first, &stage] {
+    first.wait();
+    stage = 1;
+  });
+  a.record(e);
+  int seen = -1;
+  b.wait(e); // waits for stage 1 only
+  b.submit([&] { seen = stage.load(); });
+  a.submit([second, &stage] {
+    second.wait();
+    stage = 2;
+  });
+  a.record(e); // moves e past the second gate
+  first_gate.set_value();
+  b.synchronize(); // must finish although the second gate is still closed
+  CHECK(seen == 1);
+  CHECK_FALSE(e.query());
+  second_gate.set_value();
+  e.synchronize();
+  a.synchronize();
+}
+
+TEST_CASE("a failing task surfaces at synchronize, skips later tasks, then the stream recovers") {
+  weave::host_stream s;
+  bool ran_after = false;
+  s.submit([] { throw weave::error(weave::errc::out_of_range, "expert id 70 >= 64"); });
+  s.submit([&] { ran_after = true; });
+  try {
+    s.synchronize();
+    FAIL("synchronize did not rethrow");
+  } catch (const weave::error& e) {
+    CHECK(e.code() == weave::errc::out_of_range);
+    CHECK(e.message() == "expert id 70 >= 64");
+  }
+  CHECK_FALSE(ran_after);
+  s.submit([&] { ran_after = true; });
+  CHECK_NOTHROW(s.synchronize());
+  CHECK(ran_after);
+}
+
+TEST_CASE("a waiter on a failed stream fails instead of hanging or running on bad data") {
+  weave::host_stream producer("producer"), consumer("consumer");
+  producer.submit([] { throw std::runtime_error("dispatch failed"); });
+  weave::host_event e = producer.record();
+  bool consumer_ran = false;
+  consumer.wait(e);
+  consumer.submit([&] { consumer_ran = true; });
+  CHECK_THROWS_WITH_AS(consumer.synchronize(), "dispatch failed", std::runtime_error);
+  CHECK_FALSE(consumer_ran);
+  CHECK_THROWS_WITH_AS(e.synchronize(), "dispatch failed", std::runtime_error);
+  CHECK_THROWS_AS(producer.synchronize(), std::runtime_error);
+  CHECK_NOTHROW(producer.synchronize()); // cleared
+}
+
+TEST_CASE("many threads may submit concurrently") {
+  weave::host_stream s;
+  std::atomic<int> executed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&] {
+      for (int i = 0; i < 500; ++i)
+        s.submit([&] { executed.fetch_add(1, std::memory_order_relaxed); });
+    });
+  for (auto& t : threads)
+    t.join();
+  s.synchronize();
+  CHECK(executed.load() == 2000);
+}
+
+TEST_CASE("the destructor drains pending work") {
+  std::atomic<int> executed{0};
+  {
+    weave::host_stream s;
+    for (int i = 0; i < 100; ++i)
+      s.submit([&] {
+        std::this_thread::sleep_for(10us);
+        executed.fetch_add(1);
+      });
+  }
+  CHECK(executed.load() == 100);
+}
+
+TEST_CASE("event timestamps order with the stream and measure elapsed time") {
+  weave::host_stream s;
+  weave::host_event start = s.record();
+  s.submit([] { std::this_thread::sleep_for(20ms); });
+  weave::host_event end = s.record();
+  s.synchronize();
+  const double ms = weave::host_event::elapsed_ms(start, end);
+  CHECK(ms >= 19.0); // a lower bound only: sleeping can overrun, never underrun
+}
