@@ -43,3 +43,43 @@ TEST_CASE("invalid placements are rejected with the offending value") {
     CHECK(e.message().find("expert 9") != std::string::npos);
   }
 }
+
+#include <weave/placement/statistics.hpp>
+
+TEST_CASE("expert_statistics counts loads and symmetric co-activation like a naive count") {
+  const int E = 6, k = 3;
+  const std::vector<std::int32_t> ids = {0, 1, 2, 2, 1, 5, 4, -1, 0, 3, 3, 3};
+  weave::expert_statistics s(E);
+  s.accumulate(ids, k);
+  std::vector<double> load(E, 0), pair(E * E, 0);
+  for (std::size_t t = 0; t < ids.size() / k; ++t)
+    for (int a = 0; a < k; ++a) {
+      const int ea = ids[t * k + a];
+      if (ea < 0)
+        continue;
+      load[ea] += 1;
+      for (int b = 0; b < k; ++b) { // every ordered pair of positions
+        const int eb = ids[t * k + b];
+        if (b != a && eb >= 0 && eb != ea)
+          pair[ea * E + eb] += 1;
+      }
+    }
+  for (int e = 0; e < E; ++e)
+    CHECK(s.load(e) == load[e]);
+  for (int a = 0; a < E; ++a)
+    for (int b = 0; b < E; ++b)
+      CHECK(s.coactivation(a, b) == pair[a * E + b]);
+  CHECK(s.coactivation(1, 2) == 2.0);
+  CHECK(s.coactivation(3, 3) == 0.0);
+
+  weave::expert_statistics other(E);
+  other.accumulate(ids, k);
+  s.merge(other);
+  s.decay(0.5);
+  CHECK(s.load(3) == 3.0);
+  CHECK(s.raw().size() == static_cast<std::size_t>(E + E * E));
+  CHECK_THROWS_AS(s.accumulate(std::vector<std::int32_t>{0, 6, 1}, 3), weave::error);
+  CHECK_THROWS_AS(s.accumulate(std::vector<std::int32_t>{0, 1}, 3), weave::error);
+  CHECK_THROWS_AS(s.merge(weave::expert_statistics(5)), weave::error);
+  CHECK_THROWS_AS(s.decay(1.5), weave::error);
+}
