@@ -117,17 +117,20 @@ TEST_CASE("bad graphs and plans are rejected with the offending value") {
     t0.op = a;
     t1.op = b;
     t1.deps = {1}; // waits for itself: not an earlier task
-    CHECK(code_of([&] { weave::overlap::schedule::from_tasks({t0, t1}, 2); }) ==
-          errc::invalid_argument);
+    CHECK(code_of([&] {
+            weave::overlap::schedule::from_tasks({t0, t1}, 2);
+          }) == errc::invalid_argument);
     t2.op = b;
     t2.chunk = 2;
     t2.chunks = 2;
-    CHECK(code_of([&] { weave::overlap::schedule::from_tasks({t0, t2}, 2); }) ==
-          errc::invalid_argument);
+    CHECK(code_of([&] {
+            weave::overlap::schedule::from_tasks({t0, t2}, 2);
+          }) == errc::invalid_argument);
     CHECK(code_of([&] { weave::overlap::schedule::from_tasks({t0}, 2); }) ==
           errc::invalid_argument); // op b has no task
     t3.op = 4;
-    CHECK(code_of([&] { weave::overlap::schedule::from_tasks({t0, t3}, 2); }) ==
-          errc::out_of_range);
+    CHECK(code_of([&] {
+            weave::overlap::schedule::from_tasks({t0, t3}, 2);
+          }) == errc::out_of_range);
   }
 }

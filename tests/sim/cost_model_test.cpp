@@ -84,8 +84,7 @@ TEST_CASE("fitting rejects inputs that determine no line") {
         errc::invalid_argument);
   CHECK(code_of([&] { weave::sim::fit_kernel(same, three); }) == errc::invalid_argument);
   CHECK(code_of([&] { weave::sim::fit_line(three, nan); }) == errc::invalid_argument);
-  CHECK(code_of([&] { weave::sim::a2a_cost::from_bandwidth(1.0, 0.0); }) ==
-        errc::invalid_argument);
+  CHECK(code_of([&] { weave::sim::a2a_cost::from_bandwidth(1.0, 0.0); }) == errc::invalid_argument);
   CHECK(code_of([&] { weave::sim::a2a_cost::from_bandwidth(-1.0, 10.0); }) ==
         errc::invalid_argument);
 }

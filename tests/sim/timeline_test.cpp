@@ -95,7 +95,7 @@ TEST_CASE("an a2a starts on every rank once the slowest rank is ready") {
   // both; C [7,8] on rank 0 and [7,9] on rank 1.
   const auto t = weave::sim::simulate(s, 2, [&](std::size_t r, std::size_t i) {
     return s[i].stream == weave::overlap::stream_kind::comm ? s[i].predicted_us
-                                                             : s[i].predicted_us * (1.0 + r);
+                                                            : s[i].predicted_us * (1.0 + r);
   });
   CHECK(t.at(0, task_of(s, x)).begin_us == 4);
   CHECK(t.at(1, task_of(s, x)).begin_us == 4);
@@ -134,8 +134,9 @@ TEST_CASE("the simulator rejects bad durations and mismatched timelines") {
     }
     return weave::errc::internal;
   };
-  CHECK(code_of([&] { weave::sim::simulate(s, 1, [](std::size_t, std::size_t) { return -1.0; }); }) ==
-        weave::errc::invalid_argument);
+  CHECK(code_of([&] {
+          weave::sim::simulate(s, 1, [](std::size_t, std::size_t) { return -1.0; });
+        }) == weave::errc::invalid_argument);
   CHECK(code_of([&] {
           weave::sim::simulate(s, 1, [](std::size_t, std::size_t) {
             return std::numeric_limits<double>::quiet_NaN();

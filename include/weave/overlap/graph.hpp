@@ -101,8 +101,8 @@ class graph {
                 std::vector<op_id> deps = {}, bool partitionable = true) {
     WEAVE_EXPECT(std::isfinite(bytes) && bytes >= 0.0, errc::invalid_argument, "a2a '", name,
                  "': bytes = ", bytes);
-    return add(std::move(name), op_kind::a2a, op_cost::from_a2a(model, bytes), bytes,
-               partitionable, std::move(deps));
+    return add(std::move(name), op_kind::a2a, op_cost::from_a2a(model, bytes), bytes, partitionable,
+               std::move(deps));
   }
 
   //! Adds an all-to-all with an explicit cost (measured, or from another model).

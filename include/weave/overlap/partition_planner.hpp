@@ -107,8 +107,8 @@ inline plan plan_partitions_in_order(const graph& g, std::vector<op_id> order,
   return out;
 }
 
-//! `plan_partitions_in_order` over the graph's own topological order (`graph::topological_order`), which
-//! throws `errc::invalid_argument` for a cyclic graph.
+//! `plan_partitions_in_order` over the graph's own topological order (`graph::topological_order`),
+//! which throws `errc::invalid_argument` for a cyclic graph.
 inline plan plan_partitions(const graph& g, const partition_options& options = {}) {
   return plan_partitions_in_order(g, g.topological_order(), options);
 }

@@ -77,8 +77,8 @@ struct task {
   std::int64_t chunks = 1; //!< the op's chunk count
   double fraction = 1.0;   //!< batch fraction this chunk processes (1 / chunks)
   stream_kind stream = stream_kind::compute;
-  double predicted_us = 0.0;      //!< cost-model time, overhead included
-  std::vector<std::size_t> deps;  //!< earlier tasks this one waits for (any stream)
+  double predicted_us = 0.0;     //!< cost-model time, overhead included
+  std::vector<std::size_t> deps; //!< earlier tasks this one waits for (any stream)
 };
 
 //! Knobs of `make_schedule`.
@@ -127,8 +127,8 @@ class schedule {
                    num_ops);
       WEAVE_EXPECT(t.chunks >= 1 && t.chunk >= 0 && t.chunk < t.chunks, errc::invalid_argument,
                    "task ", i, ": chunk ", t.chunk, " of ", t.chunks);
-      WEAVE_EXPECT(std::isfinite(t.predicted_us) && t.predicted_us >= 0.0,
-                   errc::invalid_argument, "task ", i, ": predicted time ", t.predicted_us);
+      WEAVE_EXPECT(std::isfinite(t.predicted_us) && t.predicted_us >= 0.0, errc::invalid_argument,
+                   "task ", i, ": predicted time ", t.predicted_us);
       for (std::size_t d : t.deps)
         WEAVE_EXPECT(d < i, errc::invalid_argument, "task ", i, " depends on task ", d,
                      ", which is not issued before it");
@@ -166,8 +166,8 @@ inline void check_plan(const graph& g, const plan& p) {
   for (std::size_t i = 0; i < n; ++i) {
     const op_id v = p.order[i];
     WEAVE_EXPECT(v < n, errc::out_of_range, "plan position ", i, " names op ", v, " of ", n);
-    WEAVE_EXPECT(pos[v] == std::numeric_limits<std::size_t>::max(), errc::invalid_argument,
-                 "op ", v, " appears twice in the plan order");
+    WEAVE_EXPECT(pos[v] == std::numeric_limits<std::size_t>::max(), errc::invalid_argument, "op ",
+                 v, " appears twice in the plan order");
     pos[v] = i;
   }
   for (std::size_t i = 0; i < n; ++i)

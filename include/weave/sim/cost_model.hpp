@@ -61,8 +61,8 @@ inline line_fit fit_line(std::span<const double> x, std::span<const double> y) {
   const double n = static_cast<double>(x.size());
   double mean_x = 0.0, mean_y = 0.0;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    WEAVE_EXPECT(std::isfinite(x[i]) && std::isfinite(y[i]), errc::invalid_argument,
-                 "measurement ", i, " is not finite (x = ", x[i], ", y = ", y[i], ")");
+    WEAVE_EXPECT(std::isfinite(x[i]) && std::isfinite(y[i]), errc::invalid_argument, "measurement ",
+                 i, " is not finite (x = ", x[i], ", y = ", y[i], ")");
     mean_x += x[i];
     mean_y += y[i];
   }
@@ -74,8 +74,8 @@ inline line_fit fit_line(std::span<const double> x, std::span<const double> y) {
     sxx += (x[i] - mean_x) * (x[i] - mean_x);
     sxy += (x[i] - mean_x) * (y[i] - mean_y);
   }
-  WEAVE_EXPECT(sxx > 0.0, errc::invalid_argument,
-               "all x values are equal (", mean_x, "): the slope is undetermined");
+  WEAVE_EXPECT(sxx > 0.0, errc::invalid_argument, "all x values are equal (", mean_x,
+               "): the slope is undetermined");
   line_fit fit;
   fit.slope = sxy / sxx;
   fit.intercept = mean_y - fit.slope * mean_x;

@@ -165,8 +165,8 @@ timeline simulate(const overlap::schedule& s, std::size_t ranks, Duration&& dura
     };
     auto length_on = [&](std::size_t r) {
       const double d = static_cast<double>(duration_us(r, i));
-      WEAVE_EXPECT(std::isfinite(d) && d >= 0.0, errc::invalid_argument, "task ", i, " on rank ",
-                   r, " lasts ", d, " us");
+      WEAVE_EXPECT(std::isfinite(d) && d >= 0.0, errc::invalid_argument, "task ", i, " on rank ", r,
+                   " lasts ", d, " us");
       return d;
     };
     if (task.stream == overlap::stream_kind::comm) {
