@@ -91,6 +91,22 @@ TEST_CASE("closest fit fills a shadow with the largest dW ops that fit") {
   CHECK(r.plan.order == std::vector<op_id>{g0, x, w4, w2, c, w3});
 }
 
+TEST_CASE("a dW op that delays the a2a's producer moves into its shadow, however long") {
+  graph g;
+  const auto g0 = g.add_compute("grad0", {1, 0});
+  const auto w = g.add_weight_grad("W", {7, 0}, {g0});
+  const auto p = g.add_compute("P", {1, 0}, {g0});
+  const auto x = g.add_a2a("X", 0.0, op_cost{5, 0}, {p});
+  const auto c = g.add_compute("C", {1, 0}, {x});
+  // Autograd order g0 W P X C: grad0 [0,1], W [1,8], P [8,9], X [9,14], C [14,15] -> 15.
+  const auto r = weave::overlap::schedule_weight_grads(g);
+  CHECK(r.baseline_us == 15);
+  // W is longer than the 5 us shadow, but moving it lets X start at 2: grad0 [0,1], P [1,2],
+  // X [2,7], W [2,9], C [9,10] -> 10.
+  CHECK(r.scheduled_us == 10);
+  CHECK(r.plan.order == std::vector<op_id>{g0, p, x, w, c});
+}
+
 TEST_CASE("dW scheduling respects dependencies and never does worse (random DAGs)") {
   std::mt19937_64 rng(11);
   std::size_t improved = 0;

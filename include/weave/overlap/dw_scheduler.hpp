@@ -5,10 +5,13 @@
 //! A dW op's output is needed only by the optimizer, so it can run anywhere its dependencies
 //! allow. For each all-to-all X (in issue order) the shadow is the compute-stream gap before the
 //! first compute op that waits for X. Candidates are dW ops with no ordering relation to X
-//! (neither ancestor nor descendant) whose dependencies are issued before the gap and whose
-//! dependants after it; the greedy fills the gap closest-fit (largest op that still fits the
-//! remaining gap and is ready when the gap opens). Each fill is then simulated and kept only if
-//! the makespan drops, so the result is never slower than the input order.
+//! (neither ancestor nor descendant) whose dependencies are issued before the gap, are done when
+//! it opens, and whose dependants are issued after it. The greedy fills the gap closest-fit, as
+//! Lancet does (the largest op that still fits), and goes one step further: a dW op issued
+//! before X's last compute producer delays X itself, so moving it into the shadow starts X
+//! earlier by as much as it fills; such ops are taken first, whatever their length. Every move is
+//! simulated and kept only if the makespan drops, so the result is never slower than the input
+//! order, and only dW ops move.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -83,85 +86,79 @@ inline dw_result schedule_weight_grads(const graph& g, std::vector<op_id> order)
   };
 
   for (op_id x : a2as) {
-    std::vector<char> related(n, 0);
-    detail::mark_reachable(x, succ, related); // descendants
-    std::vector<char> ancestors(n, 0);
+    std::vector<char> descendants(n, 0), ancestors(n, 0), rejected(n, 0);
+    detail::mark_reachable(x, succ, descendants);
     detail::mark_reachable(x, pred, ancestors);
-    for (op_id v = 0; v < n; ++v)
-      related[v] = related[v] || ancestors[v];
-
-    refresh_pos();
-    // Q: the first compute op (in issue order) that waits for x.
-    std::size_t q_pos = n;
-    for (std::size_t i = pos[x] + 1; i < n && q_pos == n; ++i)
-      if (related[cur[i]] && stream_of(g.ops()[cur[i]].kind) == stream_kind::compute &&
-          !ancestors[cur[i]])
-        q_pos = i;
-    if (q_pos == n)
-      continue;
-    const schedule s = make_schedule(g, plan::unpartitioned(cur));
-    const sim::timeline t = sim::simulate(s);
-    const op_id q = cur[q_pos];
-    double gap_open = 0.0;
-    for (std::size_t i = q_pos; i-- > 0;)
-      if (stream_of(g.ops()[cur[i]].kind) == stream_kind::compute) {
-        gap_open = t.at(0, s.first_task(cur[i])).end_us;
-        break;
-      }
-    const double gap = t.at(0, s.first_task(q)).begin_us - gap_open;
-    if (gap <= 0.0)
-      continue;
-
-    std::vector<op_id> trial = cur;
-    double used = 0.0;
-    std::vector<op_id> picks;
     for (;;) {
-      // Positions in `trial`, where q may have moved as fills went in before it.
-      std::vector<std::size_t> tpos(n);
-      for (std::size_t i = 0; i < n; ++i)
-        tpos[trial[i]] = i;
-      const std::size_t at = tpos[q];
+      refresh_pos();
+      // Q: the first compute op (in issue order) that waits for x.
+      std::size_t q_pos = n;
+      for (std::size_t i = pos[x] + 1; i < n && q_pos == n; ++i)
+        if (descendants[cur[i]] && stream_of(g.ops()[cur[i]].kind) == stream_kind::compute)
+          q_pos = i;
+      if (q_pos == n)
+        break;
+      const schedule s = make_schedule(g, plan::unpartitioned(cur));
+      const sim::timeline t = sim::simulate(s);
+      double gap_open = 0.0;
+      for (std::size_t i = q_pos; i-- > 0;)
+        if (stream_of(g.ops()[cur[i]].kind) == stream_kind::compute) {
+          gap_open = t.at(0, s.first_task(cur[i])).end_us;
+          break;
+        }
+      const double gap = t.at(0, s.first_task(cur[q_pos])).begin_us - gap_open;
+      if (gap <= 0.0)
+        break;
+      // Compute issued before x's last compute producer delays x itself: moving such a dW op
+      // into the shadow starts x earlier by as much as it fills, so it needs no room.
+      std::size_t producer_pos = 0;
+      for (op_id a = 0; a < n; ++a)
+        if (ancestors[a] && stream_of(g.ops()[a].kind) == stream_kind::compute)
+          producer_pos = std::max(producer_pos, pos[a]);
+
       op_id pick = n;
+      bool pick_delays = false;
       double pick_length = -1.0;
       for (op_id d = 0; d < n; ++d) {
         const op& o = g.ops()[d];
-        if (o.kind != op_kind::weight_grad || placed[d] || related[d])
+        if (o.kind != op_kind::weight_grad || placed[d] || rejected[d] || descendants[d] ||
+            ancestors[d])
           continue;
+        const bool delays = pos[d] < producer_pos;
         const double length = o.cost.at(1.0);
-        if (length > gap - used || length <= pick_length)
+        if (!delays && length > gap)
+          continue;
+        // Closest fit: ops that delay x first, then the largest that fits.
+        if (pick != n && (pick_delays > delays || (pick_delays == delays && length <= pick_length)))
           continue;
         bool legal = true;
         double ready = 0.0;
         for (op_id p : pred[d]) {
-          legal = legal && tpos[p] < at;
+          legal = legal && pos[p] < q_pos;
           ready = std::max(ready, t.at(0, s.first_task(p)).end_us);
         }
         for (op_id c : succ[d])
-          legal = legal && tpos[c] > at;
-        if (!legal || ready > gap_open + used)
+          legal = legal && pos[c] > q_pos;
+        if (!legal || ready > gap_open)
           continue;
         pick = d;
+        pick_delays = delays;
         pick_length = length;
       }
       if (pick == n)
         break;
-      trial.erase(trial.begin() + static_cast<std::ptrdiff_t>(tpos[pick]));
-      const auto q_at = std::find(trial.begin(), trial.end(), q);
-      trial.insert(q_at, pick);
-      placed[pick] = 1;
-      used += pick_length;
-      picks.push_back(pick);
-    }
-    if (picks.empty())
-      continue;
-    const double tried = detail::makespan_of(g, trial);
-    if (tried < current) {
-      cur = std::move(trial);
-      current = tried;
-      out.moved += picks.size();
-    } else {
-      for (op_id v : picks) // not better: give them back so a later shadow may take them
-        placed[v] = 0;
+      std::vector<op_id> trial = cur;
+      trial.erase(trial.begin() + static_cast<std::ptrdiff_t>(pos[pick]));
+      trial.insert(std::find(trial.begin(), trial.end(), cur[q_pos]), pick);
+      const double tried = detail::makespan_of(g, trial);
+      if (tried < current) {
+        cur = std::move(trial);
+        current = tried;
+        placed[pick] = 1;
+        ++out.moved;
+      } else {
+        rejected[pick] = 1; // not better here; a later shadow may still take it
+      }
     }
   }
   out.plan = plan::unpartitioned(std::move(cur));
