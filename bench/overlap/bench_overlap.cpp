@@ -386,8 +386,42 @@ void predicted_vs_measured(benchmark::State& state) {
   state.SetLabel(strategy == 0 ? "no overlap" : strategy == 1 ? "expert-only (Tutel)" : "weave");
 }
 
+// Cost-model fitting from measurements: time the emulated link at a sweep of sizes, as a2a
+// microbenchmarks do, fit alpha-beta, and compare with the link's configured parameters.
+void fit_emulated_link(benchmark::State& state) {
+  const weave::sim::a2a_cost truth = weave::sim::a2a_cost::from_bandwidth(200.0, 5.0);
+  emulated_link link(truth, 1);
+  graph g;
+  g.add_a2a("probe", 1.0, truth);
+  const op& probe = g.at(0);
+  std::vector<double> bytes, time;
+  (void)sleep_overshoot_us();
+  for (auto _ : state) {
+    bytes.clear();
+    time.clear();
+    for (double b = 64e3; b <= 8e6; b *= 2)
+      for (int rep = 0; rep < 3; ++rep) {
+        task t;
+        t.fraction = b; // probe.bytes is 1: the fraction carries the size
+        const auto t0 = std::chrono::steady_clock::now();
+        link.transfer(probe, t, 0.0);
+        bytes.push_back(b);
+        time.push_back(
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                .count());
+      }
+  }
+  const auto fit = weave::sim::fit_line(bytes, time);
+  state.counters["alpha_us_true"] = truth.alpha_us;
+  state.counters["alpha_us_fit"] = fit.intercept;
+  state.counters["gbps_true"] = 1e-3 / truth.us_per_byte;
+  state.counters["gbps_fit"] = 1e-3 / fit.slope;
+  state.counters["rms_residual_us"] = fit.rms_residual;
+}
+
 } // namespace
 
+BENCHMARK(fit_emulated_link)->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(plan_weave)
     ->Arg(50)
     ->Arg(100)
