@@ -141,3 +141,43 @@ TEST_CASE("plan_partitions handles an empty graph and a caller-given order") {
   CHECK(q.order == std::vector<op_id>{1, 0});
   CHECK_THROWS_AS(weave::overlap::plan_partitions_in_order(g, {0}), weave::error);
 }
+
+TEST_CASE("the DP is never worse than expert-only pipelining, a plan it can choose") {
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> cost(50.0, 1500.0), alpha(5.0, 60.0);
+  for (int trial = 0; trial < 20; ++trial) {
+    graph g;
+    std::vector<std::pair<std::size_t, std::size_t>> expert_ranges; // [dispatch, combine]
+    op_id prev = g.add_compute("embed", {5, cost(rng)});
+    const std::size_t layers = 1 + static_cast<std::size_t>(trial % 5);
+    for (std::size_t l = 0; l < layers; ++l) {
+      const op_id attn = g.add_compute("attention", {10, cost(rng)}, {prev});
+      const op_id gate = g.add_compute("gate", {10, cost(rng) / 10}, {attn});
+      const op_id d = g.add_a2a("dispatch", 1e6, op_cost{alpha(rng), cost(rng)}, {gate});
+      const op_id e = g.add_compute("experts", {10, cost(rng)}, {d});
+      const op_id c = g.add_a2a("combine", 1e6, op_cost{alpha(rng), cost(rng)}, {e});
+      expert_ranges.emplace_back(d, c);
+      prev = g.add_compute("residual", {5, cost(rng) / 10}, {c, attn});
+    }
+    const double overhead = 5.0;
+    const plan ours = weave::overlap::plan_partitions(g, {.chunk_overhead_us = overhead});
+    // Ops were added in topological order, so positions equal ids.
+    REQUIRE(g.topological_order() == ours.order);
+    for (std::int64_t degree : {1, 2, 4, 8}) {
+      plan tutel;
+      tutel.order = ours.order;
+      tutel.chunk_overhead_us = overhead;
+      std::size_t next = 0;
+      for (const auto& [d, c] : expert_ranges) {
+        for (; next < d; ++next)
+          tutel.ranges.push_back({next, next + 1, 1});
+        tutel.ranges.push_back({d, c + 1, degree});
+        next = c + 1;
+      }
+      for (; next < g.size(); ++next)
+        tutel.ranges.push_back({next, next + 1, 1});
+      const auto s = weave::overlap::make_schedule(g, tutel, {.range_barriers = true});
+      CHECK(ours.predicted_us <= weave::sim::simulate(s).makespan_us() + 1e-9);
+    }
+  }
+}
