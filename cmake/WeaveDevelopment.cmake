@@ -44,7 +44,11 @@ if(TARGET weave_mpi)
   set(WEAVE_MPI_ENVIRONMENT
     OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
-    OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo)
+    OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+    # Under ASan: keep Open MPI's plugins loaded and unwind fully at malloc, so its
+    # process-lifetime allocations name their libraries and the suppressions match them.
+    OMPI_MCA_mca_base_component_disable_dlclose=1
+    "LSAN_OPTIONS=suppressions=${PROJECT_SOURCE_DIR}/tests/support/lsan.supp:fast_unwind_on_malloc=0")
 endif()
 
 # weave_add_test(<name> SOURCES <files...> [LIBS <targets...>] [LABELS <labels...>])
