@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <random>
 #include <numeric>
+#include <random>
 #include <set>
 #include <tuple>
 #include <vector>
@@ -83,9 +83,13 @@ TEST_CASE("Hungarian assignment equals the brute-force best permutation") {
 
 TEST_CASE("migration plans transform current into new exactly with the fewest moves") {
   std::mt19937 rng(3);
-  for (const auto& [E, D, extra, nodes] :
-       {std::tuple{8, 2, 0, 1}, {8, 4, 0, 1}, {12, 4, 0, 2}, {10, 4, 2, 1}, {9, 3, 3, 1},
-        {12, 6, 6, 3}, {16, 4, 4, 2}}) {
+  for (const auto& [E, D, extra, nodes] : {std::tuple{8, 2, 0, 1},
+                                           {8, 4, 0, 1},
+                                           {12, 4, 0, 2},
+                                           {10, 4, 2, 1},
+                                           {9, 3, 3, 1},
+                                           {12, 6, 6, 3},
+                                           {16, 4, 4, 2}}) {
     const auto topo = weave::topology::grid(nodes, D / nodes);
     for (int rep = 0; rep < 10; ++rep) {
       const auto cur = random_placement(E, D, extra, rng);
@@ -118,7 +122,8 @@ TEST_CASE("migration plans transform current into new exactly with the fewest mo
       std::size_t best = static_cast<std::size_t>(-1);
       brute::permutations(D, [&](const std::vector<int>& perm) {
         for (int j = 0; j < D; ++j)
-          if (perm[static_cast<std::size_t>(j)] / dpn != perm[static_cast<std::size_t>(j / dpn * dpn)] / dpn)
+          if (perm[static_cast<std::size_t>(j)] / dpn !=
+              perm[static_cast<std::size_t>(j / dpn * dpn)] / dpn)
             return;
         best = std::min(best, moves_under(cur, next, perm));
       });
@@ -155,10 +160,11 @@ TEST_CASE("migration rejects placements of different shapes") {
   const auto a = weave::placement::contiguous(8, 4);
   CHECK_THROWS_AS(weave::plan_migration(a, weave::placement::contiguous(12, 4), topo),
                   weave::error);
-  CHECK_THROWS_AS(weave::plan_migration(a, weave::placement::contiguous(8, 2),
-                                        weave::topology::flat(2)),
-                  weave::error);
+  CHECK_THROWS_AS(
+      weave::plan_migration(a, weave::placement::contiguous(8, 2), weave::topology::flat(2)),
+      weave::error);
   CHECK_THROWS_AS(weave::plan_migration(a, a, weave::topology::flat(2)), weave::error);
-  CHECK_THROWS_AS(weave::plan_migration(a, weave::placement(8, 4, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}), topo),
-                  weave::error);
+  CHECK_THROWS_AS(
+      weave::plan_migration(a, weave::placement(8, 4, {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}), topo),
+      weave::error);
 }

@@ -284,9 +284,10 @@ TEST_CASE("collaboration-aware placement rejects bad input") {
   CHECK_THROWS_AS(weave::place_collaborative(s, weave::topology::flat(4), o), weave::error);
   s.raw()[20] = std::nan("");
   CHECK_THROWS_AS(weave::place_collaborative(s, weave::topology::flat(4)), weave::error);
-  CHECK_THROWS_AS(weave::collaboration_objective(weave::expert_statistics(8),
-                                                 weave::place_contiguous(12, weave::topology::flat(4))),
-                  weave::error);
+  CHECK_THROWS_AS(
+      weave::collaboration_objective(weave::expert_statistics(8),
+                                     weave::place_contiguous(12, weave::topology::flat(4))),
+      weave::error);
   // All-zero statistics still give a valid placement.
   check_balanced(weave::place_collaborative(weave::expert_statistics(12), weave::topology::flat(4)),
                  12, 4);

@@ -38,15 +38,17 @@ double reference_peak(const std::vector<double>& loads, int D, int R) {
     int best = -1;
     for (int e = 0; e < E; ++e)
       if (count[static_cast<std::size_t>(e)] < D &&
-          (best < 0 || loads[static_cast<std::size_t>(e)] / count[static_cast<std::size_t>(e)] >
-                           loads[static_cast<std::size_t>(best)] / count[static_cast<std::size_t>(best)]))
+          (best < 0 ||
+           loads[static_cast<std::size_t>(e)] / count[static_cast<std::size_t>(e)] >
+               loads[static_cast<std::size_t>(best)] / count[static_cast<std::size_t>(best)]))
         best = e;
     ++count[static_cast<std::size_t>(best)];
   }
   std::vector<std::pair<double, int>> copies;
   for (int e = 0; e < E; ++e)
     for (int c = 0; c < count[static_cast<std::size_t>(e)]; ++c)
-      copies.emplace_back(loads[static_cast<std::size_t>(e)] / count[static_cast<std::size_t>(e)], e);
+      copies.emplace_back(loads[static_cast<std::size_t>(e)] / count[static_cast<std::size_t>(e)],
+                          e);
   std::stable_sort(copies.begin(), copies.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   std::vector<double> load(static_cast<std::size_t>(D), 0.0);
@@ -90,9 +92,13 @@ TEST_CASE("replica_counts gives extra slots to the largest load per replica") {
 TEST_CASE("replicated placement: invariants and never worse than replicate-hottest + LPT") {
   std::mt19937 rng(21);
   int strictly_better = 0, cases = 0;
-  for (const auto& [E, D, R, nodes] :
-       {std::tuple{8, 4, 4, 1}, {12, 4, 4, 2}, {60, 8, 4, 1}, {60, 8, 12, 2}, {64, 16, 16, 4},
-        {256, 32, 32, 4}, {64, 8, 64, 1}}) {
+  for (const auto& [E, D, R, nodes] : {std::tuple{8, 4, 4, 1},
+                                       {12, 4, 4, 2},
+                                       {60, 8, 4, 1},
+                                       {60, 8, 12, 2},
+                                       {64, 16, 16, 4},
+                                       {256, 32, 32, 4},
+                                       {64, 8, 64, 1}}) {
     for (const double s : {0.0, 0.6, 1.2}) {
       const auto loads = zipf_loads(E, s, rng);
       const auto topo = weave::topology::grid(nodes, D / nodes);

@@ -51,9 +51,9 @@ TEST_CASE("synthetic traces: k distinct valid ids per token, deterministic by se
     CHECK(*s.rbegin() < 60);
   }
   CHECK(std::accumulate(a.popularity.begin(), a.popularity.end(), 0.0) == doctest::Approx(1.0));
-  for (const auto bad : {weave::trace_options{8, 9}, weave::trace_options{8, 0},
-                         weave::trace_options{8, 2, 10, 9}, weave::trace_options{8, 2, 10, 2, 1.5},
-                         weave::trace_options{8, 2, 10, 2, 0.5, -1.0}})
+  for (const auto bad :
+       {weave::trace_options{8, 9}, weave::trace_options{8, 0}, weave::trace_options{8, 2, 10, 9},
+        weave::trace_options{8, 2, 10, 2, 1.5}, weave::trace_options{8, 2, 10, 2, 0.5, -1.0}})
     CHECK_THROWS_AS(weave::generate_trace(bad), weave::error);
 }
 
@@ -128,7 +128,8 @@ TEST_CASE("copies per token matches the random-placement formula and a naive cou
     const auto topo = weave::topology::flat(D);
     const auto p = weave::place_contiguous(E, topo);
     const auto m = weave::evaluate_placement(p, topo, t.ids, k, 4096.0);
-    CHECK(m.copies_per_token == doctest::Approx(weave::copies_per_token_random(E, k, D)).epsilon(0.01));
+    CHECK(m.copies_per_token ==
+          doctest::Approx(weave::copies_per_token_random(E, k, D)).epsilon(0.01));
     CHECK(m.copies_per_token >= weave::copies_per_token_lower_bound(E, k, D));
     CHECK(m.copies_per_token <= weave::copies_per_token_upper_bound(k, D));
     // Naive: a set of devices per token; the source is device t % D.

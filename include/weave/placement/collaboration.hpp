@@ -2,9 +2,11 @@
 //! Collaboration-aware placement (Occult): experts that one token activates together
 //! "collaborate"; keeping them on one device means the token is copied to fewer devices.
 //!
-//! The policy partitions experts into equal device groups maximising
-//!   J = (co-activation weight inside groups) − λ · Σ_groups (L_g − mean L)² / mean L,
-//! where L_g is a group's token load and λ = `load_weight` (0: co-activation only). It seeds
+//! The policy partitions experts into G equal groups (devices) maximising
+//!   J = K − λ · W · CV²,   CV² = Σ_g (L_g − m)² / (G · m²),
+//! where K is the co-activation weight kept inside groups, W the total co-activation weight,
+//! L_g a group's token load, m their mean, and λ = `load_weight` (0: co-activation only). The
+//! load term is scale free: λ = 1 trades 1 % of W for 0.01 of squared load variation. It seeds
 //! groups greedily (heaviest remaining expert, then the expert most attached to the group) and
 //! refines with Kernighan-Lin passes of pair swaps, so the result is at least a local optimum
 //! under single swaps. Two-level mode first partitions experts over nodes (keeping
@@ -28,7 +30,8 @@ WEAVE_NAMESPACE_BEGIN
 
 //! Options of `place_collaborative`.
 struct collaboration_options {
-  //! λ: weight of the load-imbalance penalty against kept co-activation (0 = ignore load).
+  //! λ: weight of the load imbalance (squared coefficient of variation of group loads) against
+  //! the share of co-activation kept (0 = ignore load).
   double load_weight = 0.0;
   //! On a multi-node topology, partition over nodes first, then inside each node.
   bool two_level = true;
@@ -39,7 +42,8 @@ struct collaboration_options {
 namespace detail {
 
 //! Balanced partition of `n` items into `parts` groups of n/parts maximising
-//! Σ_{a<b same group} w(a, b) − λ Σ_g (L_g − mean)² / mean. `w` is n×n symmetric row-major.
+//! Σ_{a<b same group} w(a, b) − λ · W · Σ_g (L_g − m)² / (G m²), W = Σ_{a<b} w(a, b).
+//! `w` is n×n symmetric row-major. Internally the load term is c · Σ_g (L_g − m)² / m.
 class balanced_partitioner {
  public:
   balanced_partitioner(std::span<const double> w, std::span<const double> loads, int parts,
@@ -53,8 +57,14 @@ class balanced_partitioner {
     for (const double l : loads)
       total += l;
     mean_ = total / static_cast<double>(parts_);
+    double pairs = 0;
+    for (const double x : w)
+      pairs += x;
+    pairs /= 2;
     if (!(mean_ > 0))
       lambda_ = 0; // no load: the penalty is identically zero
+    else
+      lambda_ *= pairs / (static_cast<double>(parts_) * mean_);
   }
 
   std::vector<int> run(int max_passes) {
@@ -211,8 +221,8 @@ partition_experts(std::span<const std::int32_t> members, std::span<const double>
   for (std::size_t a = 0; a < n; ++a) {
     l[a] = loads[static_cast<std::size_t>(members[a])];
     for (std::size_t b = 0; b < n; ++b)
-      w[a * n + b] = coact[static_cast<std::size_t>(members[a]) * E +
-                           static_cast<std::size_t>(members[b])];
+      w[a * n + b] =
+          coact[static_cast<std::size_t>(members[a]) * E + static_cast<std::size_t>(members[b])];
   }
   const std::vector<int> part =
       balanced_partitioner(w, l, parts, options.load_weight).run(options.max_passes);
@@ -224,29 +234,31 @@ partition_experts(std::span<const std::int32_t> members, std::span<const double>
 
 } // namespace detail
 
-//! The objective `place_collaborative` maximises, for a placement without replicas: kept
-//! co-activation minus `options.load_weight` · Σ_d (L_d − mean)² / mean over devices.
+//! The objective `place_collaborative` maximises (flat mode), for a placement without
+//! replicas: kept co-activation K minus `options.load_weight` · W · CV² over devices.
 //! Throws `errc::size_mismatch` if `stats` and `p` disagree on the number of experts.
 inline double collaboration_objective(const expert_statistics& stats, const placement& p,
                                       const collaboration_options& options = {}) {
   WEAVE_EXPECT(stats.num_experts() == p.num_experts(), errc::size_mismatch, "statistics of ",
                stats.num_experts(), " experts for a placement of ", p.num_experts());
   const int E = p.num_experts();
-  double kept = 0, total = 0;
+  double kept = 0, total = 0, pairs = 0;
   std::vector<double> load(static_cast<std::size_t>(p.num_devices()), 0.0);
   for (int a = 0; a < E; ++a) {
     load[static_cast<std::size_t>(p.device_of(a))] += stats.load(a);
     total += stats.load(a);
-    for (int b = a + 1; b < E; ++b)
+    for (int b = a + 1; b < E; ++b) {
+      pairs += stats.coactivation(a, b);
       if (p.device_of(a) == p.device_of(b))
         kept += stats.coactivation(a, b);
+    }
   }
   const double mean = total / p.num_devices();
-  double penalty = 0;
+  double cv2 = 0;
   if (mean > 0)
     for (const double l : load)
-      penalty += (l - mean) * (l - mean) / mean;
-  return kept - options.load_weight * penalty;
+      cv2 += (l - mean) * (l - mean) / (mean * mean * p.num_devices());
+  return kept - options.load_weight * pairs * cv2;
 }
 
 //! Co-activation weight kept inside devices: the objective with λ = 0.
@@ -263,8 +275,8 @@ inline placement place_collaborative(const expert_statistics& stats, const topol
   detail::expect_even_split(E, topo);
   WEAVE_EXPECT(std::isfinite(options.load_weight) && options.load_weight >= 0,
                errc::invalid_argument, "load_weight = ", options.load_weight);
-  WEAVE_EXPECT(options.max_passes >= 0, errc::invalid_argument, "max_passes = ",
-               options.max_passes);
+  WEAVE_EXPECT(options.max_passes >= 0, errc::invalid_argument,
+               "max_passes = ", options.max_passes);
   detail::expect_loads(stats.raw());
   std::vector<std::int32_t> all(static_cast<std::size_t>(E));
   for (int e = 0; e < E; ++e)
@@ -276,8 +288,7 @@ inline placement place_collaborative(const expert_statistics& stats, const topol
         E, detail::partition_experts(all, coact, loads, E, topo.num_devices(), options));
   std::vector<std::vector<std::int32_t>> groups;
   for (const auto& node : detail::partition_experts(all, coact, loads, E, topo.nodes, options))
-    for (auto& g :
-         detail::partition_experts(node, coact, loads, E, topo.devices_per_node, options))
+    for (auto& g : detail::partition_experts(node, coact, loads, E, topo.devices_per_node, options))
       groups.push_back(std::move(g));
   return detail::placement_from_groups(E, std::move(groups));
 }

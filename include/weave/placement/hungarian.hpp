@@ -19,11 +19,12 @@ WEAVE_NAMESPACE_BEGIN
 //! chosen weights. Deterministic for a given matrix. Throws `errc::size_mismatch` unless
 //! `weights.size() == n·n`, `errc::invalid_argument` for a non-finite weight.
 inline std::vector<int> max_weight_assignment(std::span<const double> weights, int n) {
-  WEAVE_EXPECT(n >= 0 && weights.size() == static_cast<std::size_t>(n) * static_cast<std::size_t>(n),
+  WEAVE_EXPECT(n >= 0 &&
+                   weights.size() == static_cast<std::size_t>(n) * static_cast<std::size_t>(n),
                errc::size_mismatch, weights.size(), " weights for a ", n, "x", n, " assignment");
   for (std::size_t i = 0; i < weights.size(); ++i)
-    WEAVE_EXPECT(std::isfinite(weights[i]), errc::invalid_argument, "assignment weight ", i,
-                 " is ", weights[i]);
+    WEAVE_EXPECT(std::isfinite(weights[i]), errc::invalid_argument, "assignment weight ", i, " is ",
+                 weights[i]);
   const auto N = static_cast<std::size_t>(n);
   const double inf = std::numeric_limits<double>::infinity();
   // Minimise cost = -weight. 1-based potentials u (rows), v (columns); way/match per column.

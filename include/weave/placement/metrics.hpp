@@ -36,8 +36,8 @@ inline double copies_per_token_upper_bound(int k, int num_devices) noexcept {
 //! Expected CT when `k` distinct experts are drawn uniformly and each of `g` devices holds
 //! E/g of them: g·(1 − C(E − E/g, k) / C(E, k)).
 inline double copies_per_token_random(int num_experts, int k, int g) {
-  WEAVE_EXPECT(g > 0 && num_experts % g == 0 && k > 0 && k <= num_experts,
-               errc::invalid_argument, "random CT of k = ", k, ", E = ", num_experts, ", g = ", g);
+  WEAVE_EXPECT(g > 0 && num_experts % g == 0 && k > 0 && k <= num_experts, errc::invalid_argument,
+               "random CT of k = ", k, ", E = ", num_experts, ", g = ", g);
   // C(E - m, k) / C(E, k) = prod_{i<k} (E - m - i) / (E - i), computed without overflow.
   const int m = num_experts / g;
   double ratio = 1.0;
@@ -48,11 +48,11 @@ inline double copies_per_token_random(int num_experts, int k, int g) {
 
 //! What `evaluate_placement` measures on a trace.
 struct placement_metrics {
-  std::int64_t tokens = 0;         //!< tokens with at least one expert
-  double copies_per_token = 0;     //!< mean distinct destination devices (CT)
-  double remote_per_token = 0;     //!< mean destination devices other than the source device
-  double cross_node_per_token = 0; //!< mean destination nodes other than the source node
-  double bytes_per_token = 0;      //!< remote copies × `row_bytes` (one direction)
+  std::int64_t tokens = 0;               //!< tokens with at least one expert
+  double copies_per_token = 0;           //!< mean distinct destination devices (CT)
+  double remote_per_token = 0;           //!< mean destination devices other than the source device
+  double cross_node_per_token = 0;       //!< mean destination nodes other than the source node
+  double bytes_per_token = 0;            //!< remote copies × `row_bytes` (one direction)
   std::vector<std::int64_t> device_rows; //!< (token, expert) rows each device computes
   double max_mean_load = 0;              //!< max / mean of `device_rows` (1 = perfectly even)
 };
@@ -112,9 +112,9 @@ inline placement_metrics evaluate_placement(const placement& p, const topology& 
     total += r;
     peak = std::max(peak, r);
   }
-  m.max_mean_load = total > 0 ? static_cast<double>(peak) * static_cast<double>(D) /
-                                    static_cast<double>(total)
-                              : 0.0;
+  m.max_mean_load =
+      total > 0 ? static_cast<double>(peak) * static_cast<double>(D) / static_cast<double>(total)
+                : 0.0;
   return m;
 }
 

@@ -72,14 +72,12 @@ inline std::vector<double> overlap_matrix(const placement& current, const placem
 inline migration_plan plan_migration(const placement& current, const placement& next,
                                      const topology& topo) {
   topo.validated();
-  WEAVE_EXPECT(current.num_experts() == next.num_experts(), errc::size_mismatch,
-               "migrating ", current.num_experts(), " experts to a placement of ",
-               next.num_experts());
-  WEAVE_EXPECT(current.num_devices() == next.num_devices() &&
-                   current.num_slots() == next.num_slots(),
-               errc::size_mismatch, "migrating ", current.num_devices(), " devices x ",
-               current.slots_per_device(), " slots to ", next.num_devices(), " x ",
-               next.slots_per_device());
+  WEAVE_EXPECT(current.num_experts() == next.num_experts(), errc::size_mismatch, "migrating ",
+               current.num_experts(), " experts to a placement of ", next.num_experts());
+  WEAVE_EXPECT(
+      current.num_devices() == next.num_devices() && current.num_slots() == next.num_slots(),
+      errc::size_mismatch, "migrating ", current.num_devices(), " devices x ",
+      current.slots_per_device(), " slots to ", next.num_devices(), " x ", next.slots_per_device());
   WEAVE_EXPECT(topo.num_devices() == current.num_devices(), errc::size_mismatch, "topology has ",
                topo.num_devices(), " devices, placements ", current.num_devices());
   const int D = current.num_devices(), S = current.slots_per_device();
@@ -150,8 +148,8 @@ inline migration_plan plan_migration(const placement& current, const placement& 
       int from = -1;
       for (const std::int32_t s : current.slots_of(e)) {
         const int d = current.device_of_slot(s);
-        if (from < 0 || (topo.node_of(d) == topo.node_of(dev) &&
-                         topo.node_of(from) != topo.node_of(dev)))
+        if (from < 0 ||
+            (topo.node_of(d) == topo.node_of(dev) && topo.node_of(from) != topo.node_of(dev)))
           from = d;
       }
       slots[static_cast<std::size_t>(dev * S + cs)] = e;

@@ -66,9 +66,8 @@ inline std::vector<int> balanced_lpt(std::span<const double> w, int parts) {
   const std::size_t cap = n / static_cast<std::size_t>(parts);
   std::vector<std::size_t> order(n);
   std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return w[a] > w[b];
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return w[a] > w[b]; });
   std::vector<int> part_of(n, -1);
   std::vector<double> load(static_cast<std::size_t>(parts), 0.0);
   std::vector<std::size_t> count(static_cast<std::size_t>(parts), 0);
@@ -95,7 +94,8 @@ inline std::vector<int> balanced_lpt(std::span<const double> w, int parts) {
         if (part_of[b] == hi || w[b] >= w[a])
           continue;
         const double delta = w[a] - w[b];
-        const double peak = std::max(top - delta, load[static_cast<std::size_t>(part_of[b])] + delta);
+        const double peak =
+            std::max(top - delta, load[static_cast<std::size_t>(part_of[b])] + delta);
         if (peak < best_peak - 1e-12 * std::max(1.0, top)) {
           best_peak = peak;
           best_a = a;

@@ -51,8 +51,7 @@ inline std::vector<int> replica_counts(std::span<const double> loads, int redund
                                        int max_replicas) {
   detail::expect_loads(loads);
   const auto E = loads.size();
-  WEAVE_EXPECT(redundant_slots >= 0, errc::invalid_argument, "redundant_slots = ",
-               redundant_slots);
+  WEAVE_EXPECT(redundant_slots >= 0, errc::invalid_argument, "redundant_slots = ", redundant_slots);
   WEAVE_EXPECT(static_cast<long long>(redundant_slots) <=
                    static_cast<long long>(E) * (max_replicas - 1),
                errc::invalid_argument, redundant_slots, " redundant slots exceed what ", E,
@@ -61,8 +60,7 @@ inline std::vector<int> replica_counts(std::span<const double> loads, int redund
   for (int r = 0; r < redundant_slots; ++r) {
     std::size_t best = E;
     for (std::size_t e = 0; e < E; ++e)
-      if (count[e] < max_replicas &&
-          (best == E || loads[e] * count[best] > loads[best] * count[e]))
+      if (count[e] < max_replicas && (best == E || loads[e] * count[best] > loads[best] * count[e]))
         best = e;
     ++count[best];
   }
@@ -200,7 +198,9 @@ struct replica_packing {
   }
 };
 
-inline double peak_of(const std::vector<double>& l) { return *std::max_element(l.begin(), l.end()); }
+inline double peak_of(const std::vector<double>& l) {
+  return *std::max_element(l.begin(), l.end());
+}
 
 //! All copies of all experts (copy i of expert e carries load[e] / count[e]).
 inline replica_packing make_copies(std::span<const double> loads, const std::vector<int>& count,
@@ -293,7 +293,8 @@ inline placement place_replicated(std::span<const double> loads, const topology&
     std::vector<std::size_t> first_copy(static_cast<std::size_t>(E) + 1, 0);
     for (int e = 0; e < E; ++e)
       first_copy[static_cast<std::size_t>(e) + 1] =
-          first_copy[static_cast<std::size_t>(e)] + static_cast<std::size_t>(count[static_cast<std::size_t>(e)]);
+          first_copy[static_cast<std::size_t>(e)] +
+          static_cast<std::size_t>(count[static_cast<std::size_t>(e)]);
     std::vector<int> order(static_cast<std::size_t>(cur.num_slots()));
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) {

@@ -20,8 +20,8 @@ WEAVE_NAMESPACE_BEGIN
 
 //! A routing trace: `k` expert ids per token, token-major; -1 marks "no expert" (dropped).
 struct routing_trace {
-  int num_experts = 0;          //!< E
-  int k = 0;                    //!< experts per token
+  int num_experts = 0;           //!< E
+  int k = 0;                     //!< experts per token
   std::vector<std::int32_t> ids; //!< tokens × k
 
   std::size_t num_tokens() const noexcept {
@@ -63,7 +63,8 @@ namespace detail {
 //! splitmix64: a small, fast, portable generator (std distributions differ between libraries).
 class trace_rng {
  public:
-  explicit trace_rng(std::uint64_t seed) : state_(seed) {}
+  explicit trace_rng(std::uint64_t seed)
+      : state_(seed) {}
   std::uint64_t next() noexcept {
     std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -101,8 +102,8 @@ inline synthetic_trace generate_trace(const trace_options& o) {
                " outside [1, ", o.num_experts, "]");
   WEAVE_EXPECT(o.clusters > 0 && o.clusters <= o.num_experts, errc::invalid_argument,
                "clusters = ", o.clusters, " outside [1, ", o.num_experts, "]");
-  WEAVE_EXPECT(o.affinity >= 0 && o.affinity <= 1, errc::invalid_argument, "affinity = ",
-               o.affinity, " outside [0, 1]");
+  WEAVE_EXPECT(o.affinity >= 0 && o.affinity <= 1, errc::invalid_argument,
+               "affinity = ", o.affinity, " outside [0, 1]");
   WEAVE_EXPECT(std::isfinite(o.zipf) && o.zipf >= 0, errc::invalid_argument, "zipf = ", o.zipf);
   const auto E = static_cast<std::size_t>(o.num_experts);
   const auto C = static_cast<std::size_t>(o.clusters);
@@ -167,7 +168,9 @@ inline synthetic_trace generate_trace(const trace_options& o) {
         const std::size_t n = pool_cum.size();
         for (std::size_t i = 0; i < n; ++i) {
           const std::int32_t cand = pool_expert(i);
-          acc += taken[static_cast<std::size_t>(cand)] ? 0.0 : t.popularity[static_cast<std::size_t>(cand)];
+          acc += taken[static_cast<std::size_t>(cand)]
+                     ? 0.0
+                     : t.popularity[static_cast<std::size_t>(cand)];
           scratch[i] = acc;
         }
         if (acc > 0) {

@@ -71,14 +71,14 @@ inline std::vector<long long> trace_fields(std::string_view line, std::size_t nu
 
 inline long long trace_header(std::istream& in, std::string& line, std::size_t& number,
                               std::string_view key) {
-  WEAVE_EXPECT(next_trace_line(in, line, number), errc::invalid_argument,
-               "trace ends before the '", key, "' header");
+  WEAVE_EXPECT(next_trace_line(in, line, number), errc::invalid_argument, "trace ends before the '",
+               key, "' header");
   const auto first = line.find_first_not_of(" \t");
   const std::string_view rest = std::string_view(line).substr(first);
   WEAVE_EXPECT(rest.starts_with(key) && rest.size() > key.size() &&
                    (rest[key.size()] == ' ' || rest[key.size()] == '\t'),
-               errc::invalid_argument, "trace line ", number, ": expected '", key,
-               " <n>', got '", line, "'");
+               errc::invalid_argument, "trace line ", number, ": expected '", key, " <n>', got '",
+               line, "'");
   const auto fields = trace_fields(rest.substr(key.size()), number);
   WEAVE_EXPECT(fields.size() == 1, errc::invalid_argument, "trace line ", number, ": '", key,
                "' takes one value, got ", fields.size());
@@ -107,8 +107,8 @@ inline routing_trace read_trace(std::istream& in) {
   routing_trace t;
   t.num_experts = static_cast<int>(E);
   t.k = static_cast<int>(k);
-  const auto expected = checked_mul(static_cast<std::size_t>(tokens), static_cast<std::size_t>(k),
-                                    "trace ids");
+  const auto expected =
+      checked_mul(static_cast<std::size_t>(tokens), static_cast<std::size_t>(k), "trace ids");
   t.ids.reserve(std::min<std::size_t>(expected, std::size_t{1} << 24));
   std::size_t read = 0;
   while (detail::next_trace_line(in, line, number)) {
@@ -142,8 +142,8 @@ inline routing_trace read_trace_file(const std::string& path) {
 inline void write_trace(std::ostream& out, const routing_trace& t) {
   WEAVE_EXPECT(t.num_experts > 0 && t.k > 0 && t.k <= t.num_experts, errc::invalid_argument,
                "trace of k = ", t.k, " over ", t.num_experts, " experts");
-  WEAVE_EXPECT(t.ids.size() % static_cast<std::size_t>(t.k) == 0, errc::size_mismatch,
-               t.ids.size(), " ids are not a whole number of tokens with k = ", t.k);
+  WEAVE_EXPECT(t.ids.size() % static_cast<std::size_t>(t.k) == 0, errc::size_mismatch, t.ids.size(),
+               " ids are not a whole number of tokens with k = ", t.k);
   out << "weave-trace 1\nexperts " << t.num_experts << "\nk " << t.k << "\ntokens "
       << t.num_tokens() << '\n';
   for (std::size_t i = 0; i < t.ids.size(); ++i) {
