@@ -158,6 +158,21 @@ int main(int argc, char** argv) {
          o.current = &base;
          o.keep_tolerance = 0.05;
          p = weave::place_replicated(s, t, o);
+         r = plain;
+         return true;
+       }},
+      {"collab+replicated/visited",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         weave::collaboration_options c;
+         c.load_weight = load_weight;
+         const auto base = weave::place_collaborative(s, t, c);
+         weave::replication_options o;
+         o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
+         o.current = &base;
+         o.keep_tolerance = 0.05;
+         p = weave::place_replicated(s, t, o);
          r = visited;
          return true;
        }},

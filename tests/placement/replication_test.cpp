@@ -258,3 +258,36 @@ TEST_CASE("replica router policies against a naive choice") {
   in_turn.route(none, 0, 0, out);
   CHECK(out == std::vector<std::int32_t>{-1, 4});
 }
+
+#include <weave/placement/collaboration.hpp>
+#include <weave/placement/trace.hpp>
+
+TEST_CASE("replicating a collaboration-aware placement keeps collaborators together") {
+  for (const auto& [E, k, D] : {std::tuple{64, 8, 8}, {256, 8, 16}}) {
+    weave::trace_options o;
+    o.num_experts = E;
+    o.k = k;
+    o.clusters = E / 8;
+    o.affinity = 0.8;
+    o.zipf = 0.6;
+    o.tokens = 10000;
+    const auto trace = weave::generate_trace(o);
+    weave::expert_statistics stats(E);
+    stats.accumulate(trace.ids, k);
+    const auto topo = weave::topology::flat(D);
+    const auto base = weave::place_collaborative(stats, topo);
+    weave::replication_options ro;
+    ro.redundant_slots = D;
+    const auto fresh = weave::place_replicated(stats, topo, ro);
+    ro.current = &base;
+    const auto grown = weave::place_replicated(stats, topo, ro);
+    const std::vector<double> loads(stats.loads().begin(), stats.loads().end());
+    CHECK(peak_load(grown, loads) <= peak_load(fresh, loads) * (1 + ro.keep_tolerance) + 1e-9);
+    const auto ct_fresh = weave::evaluate_placement(fresh, topo, trace.ids, k).copies_per_token;
+    const auto ct_grown = weave::evaluate_placement(grown, topo, trace.ids, k).copies_per_token;
+    const auto ct_base = weave::evaluate_placement(base, topo, trace.ids, k).copies_per_token;
+    MESSAGE("E=", E, " D=", D, ": CT collaborative ", ct_base, ", grown ", ct_grown, ", fresh ",
+            ct_fresh);
+    CHECK(ct_grown < 0.8 * ct_fresh);
+  }
+}

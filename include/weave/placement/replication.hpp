@@ -85,6 +85,20 @@ struct replica_packing {
     return l;
   }
   std::vector<int> held; // bin × experts: copies of each expert in each bin
+  // Optional E×E co-activation: when set, `pack_rest` puts a copy in the bin it collaborates
+  // with most among those whose load stays within `cap`.
+  std::span<const double> affinity;
+  double cap = 0;
+
+  double affinity_to(std::size_t i, int bin) const {
+    const auto E = static_cast<std::size_t>(std::sqrt(static_cast<double>(affinity.size())) + 0.5);
+    double a = 0;
+    for (std::size_t x = 0; x < bin_of.size(); ++x)
+      if (bin_of[x] == bin)
+        a +=
+            affinity[static_cast<std::size_t>(expert[i]) * E + static_cast<std::size_t>(expert[x])];
+    return a;
+  }
   int num_experts = 0;
 
   // Rebuilds `held` after `bin_of` was written directly.
@@ -131,6 +145,20 @@ struct replica_packing {
         if (size[static_cast<std::size_t>(b)] < capacity && copies_in(b, expert[i]) < per_bin &&
             (best < 0 || load[static_cast<std::size_t>(b)] < load[static_cast<std::size_t>(best)]))
           best = b;
+      if (best >= 0 && !affinity.empty()) {
+        // Among bins that stay under the cap, the one whose copies collaborate most with it.
+        double best_aff = -1;
+        for (int b = 0; b < bins; ++b) {
+          if (size[static_cast<std::size_t>(b)] >= capacity || copies_in(b, expert[i]) >= per_bin ||
+              load[static_cast<std::size_t>(b)] + weight[i] > cap)
+            continue;
+          const double a = affinity_to(i, b);
+          if (a > best_aff) {
+            best_aff = a;
+            best = b;
+          }
+        }
+      }
       if (best < 0)
         best = make_room(i);
       set_bin(i, best);
@@ -158,14 +186,18 @@ struct replica_packing {
     WEAVE_THROW(errc::internal, "no bin can take a copy of expert ", expert[i]);
   }
 
-  // Swaps between the heaviest bin and the others while one lowers the pair maximum.
-  void refine() {
+  // Swaps between the heaviest bin and the others while one lowers the pair maximum, until
+  // the maximum is at most `good_enough` (each swap moves two copies; stopping early keeps
+  // more of a starting placement).
+  void refine(double good_enough = 0) {
     sync();
     std::vector<double> load = bin_loads();
     const std::size_t n = bin_of.size();
     for (std::size_t round = 0; round < 4 * n * n + 16; ++round) {
       const auto hi = static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
       const double top = load[static_cast<std::size_t>(hi)];
+      if (top <= good_enough)
+        break;
       double best_peak = top;
       std::size_t ba = n, bb = n;
       for (std::size_t a = 0; a < n; ++a) {
@@ -227,12 +259,10 @@ inline placement placement_from_packing(int E, const replica_packing& p) {
 
 } // namespace detail
 
-//! Replicated placement of `loads.size()` experts with `options.redundant_slots` extra slots
-//! (see the file comment). Throws `errc::invalid_argument` when E + redundant_slots does not
-//! divide over the devices or cannot be filled without two copies on a device, for bad loads,
-//! and `errc::size_mismatch` when `options.current` has other experts or devices.
-inline placement place_replicated(std::span<const double> loads, const topology& topo,
-                                  const replication_options& options) {
+namespace detail {
+
+inline placement place_replicated(std::span<const double> loads, std::span<const double> coact,
+                                  const topology& topo, const replication_options& options) {
   topo.validated();
   const int E = static_cast<int>(loads.size());
   const int D = topo.num_devices();
@@ -247,19 +277,19 @@ inline placement place_replicated(std::span<const double> loads, const topology&
   const std::vector<int> count = replica_counts(loads, options.redundant_slots, D);
 
   // Flat: replicate-hottest + LPT + swaps.
-  auto flat = detail::make_copies(loads, count, D, S, 1);
+  auto flat = make_copies(loads, count, D, S, 1);
   flat.pack_rest();
   flat.refine();
   auto best = flat;
   if (topo.nodes > 1) {
     // Hierarchical: copies onto nodes first, then onto each node's devices.
-    auto nodes = detail::make_copies(loads, count, topo.nodes, S * topo.devices_per_node,
-                                     topo.devices_per_node);
+    auto nodes =
+        make_copies(loads, count, topo.nodes, S * topo.devices_per_node, topo.devices_per_node);
     nodes.pack_rest();
     nodes.refine();
     auto hier = flat;
     for (int n = 0; n < topo.nodes; ++n) {
-      detail::replica_packing inner;
+      replica_packing inner;
       inner.bins = topo.devices_per_node;
       inner.capacity = S;
       std::vector<std::size_t> ids;
@@ -279,7 +309,7 @@ inline placement place_replicated(std::span<const double> loads, const topology&
       }
     }
     hier.refine();
-    if (detail::peak_of(hier.bin_loads()) <= detail::peak_of(flat.bin_loads()))
+    if (peak_of(hier.bin_loads()) <= peak_of(flat.bin_loads()))
       best = hier;
   }
   if (options.current != nullptr) {
@@ -287,7 +317,7 @@ inline placement place_replicated(std::span<const double> loads, const topology&
     WEAVE_EXPECT(cur.num_experts() == E && cur.num_devices() == D, errc::size_mismatch,
                  "current placement has ", cur.num_experts(), " experts on ", cur.num_devices(),
                  " devices, expected ", E, " on ", D);
-    auto sticky = detail::make_copies(loads, count, D, S, 1);
+    auto sticky = make_copies(loads, count, D, S, 1);
     // Keep each expert's copies on the devices that hold it now, heaviest first per device.
     std::vector<int> kept(static_cast<std::size_t>(E), 0), size(static_cast<std::size_t>(D), 0);
     std::vector<std::size_t> first_copy(static_cast<std::size_t>(E) + 1, 0);
@@ -310,19 +340,34 @@ inline placement place_replicated(std::span<const double> loads, const topology&
         ++size[d];
       }
     }
+    sticky.affinity = coact;
+    sticky.cap = peak_of(best.bin_loads()) * (1.0 + options.keep_tolerance);
     sticky.pack_rest();
-    sticky.refine();
-    if (detail::peak_of(sticky.bin_loads()) <=
-        detail::peak_of(best.bin_loads()) * (1.0 + options.keep_tolerance))
+    sticky.refine(sticky.cap);
+    if (peak_of(sticky.bin_loads()) <= peak_of(best.bin_loads()) * (1.0 + options.keep_tolerance))
       best = sticky;
   }
-  return detail::placement_from_packing(E, best);
+  return placement_from_packing(E, best);
 }
 
-//! `place_replicated` on the loads of `stats`.
+} // namespace detail
+
+//! Replicated placement of `loads.size()` experts with `options.redundant_slots` extra slots
+//! (see the file comment). Throws `errc::invalid_argument` when E + redundant_slots does not
+//! divide over the devices or cannot be filled without two copies on a device, for bad loads,
+//! and `errc::size_mismatch` when `options.current` has other experts or devices.
+inline placement place_replicated(std::span<const double> loads, const topology& topo,
+                                  const replication_options& options) {
+  return detail::place_replicated(loads, {}, topo, options);
+}
+
+//! `place_replicated` on the loads of `stats`; when starting from `options.current`, copies
+//! that do not stay go preferably to the device they co-activate with most (among those whose
+//! load stays within `keep_tolerance` of the fresh packing's maximum), so replicating a
+//! collaboration-aware placement keeps collaborators together.
 inline placement place_replicated(const expert_statistics& stats, const topology& topo,
                                   const replication_options& options) {
-  return place_replicated(stats.loads(), topo, options);
+  return detail::place_replicated(stats.loads(), stats.coactivation_matrix(), topo, options);
 }
 
 WEAVE_NAMESPACE_END
