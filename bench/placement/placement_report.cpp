@@ -4,7 +4,7 @@
 // half of each trace and the placements evaluated on the second half.
 //
 //   placement_report [--tokens N] [--affinity A] [--zipf S] [--cluster-size C]
-//                    [--load-weight L] [--json FILE]
+//                    [--load-weight L] [--spare-per-device R] [--json FILE]
 
 #include <weave/placement.hpp>
 
@@ -38,9 +38,10 @@ struct policy {
   place_fn place; // false when the policy does not apply to this shape
 };
 
-// One spare slot per device, plus padding so E + spare divides over the devices.
+// `spare` slots per device, plus padding so E + redundant divides over the devices.
+int spare = 1;
 int redundant_for(int E, int D) {
-  return D + (D - E % D) % D;
+  return spare * D + (D - E % D) % D;
 }
 
 std::string fixed(double v, int digits) {
@@ -67,6 +68,8 @@ int main(int argc, char** argv) {
       zipf = std::atof(argv[i + 1]);
     else if (a == "--cluster-size")
       cluster_size = std::atoi(argv[i + 1]);
+    else if (a == "--spare-per-device")
+      spare = std::atoi(argv[i + 1]);
     else if (a == "--load-weight")
       load_weight = std::atof(argv[i + 1]);
     else if (a == "--json")
@@ -228,8 +231,8 @@ int main(int argc, char** argv) {
   }
 
   std::printf("tokens %zu (profile) + %zu (evaluate), affinity %.2f, zipf %.2f, cluster size %d, "
-              "load weight %.2f, bf16 rows\n\n",
-              tokens, tokens, affinity, zipf, cluster_size, load_weight);
+              "load weight %.2f, %d spare slot(s) per device, bf16 rows\n\n",
+              tokens, tokens, affinity, zipf, cluster_size, load_weight, spare);
   std::printf(
       "| model | E | k | D | nodes | policy | slots/dev | CT | CT lb | min(k,D) | CT random "
       "| CT vs contiguous | remote/token | cross-node/token | KiB/token | max/mean load |\n");
@@ -248,7 +251,7 @@ int main(int argc, char** argv) {
     std::ofstream out(json);
     out << "{\"tokens\": " << tokens << ", \"affinity\": " << affinity << ", \"zipf\": " << zipf
         << ", \"cluster_size\": " << cluster_size << ", \"load_weight\": " << load_weight
-        << ", \"rows\": [\n";
+        << ", \"spare_per_device\": " << spare << ", \"rows\": [\n";
     for (std::size_t i = 0; i < rows.size(); ++i) {
       const row& x = rows[i];
       out << "  {\"model\": \"" << x.model << "\", \"policy\": \"" << x.policy
