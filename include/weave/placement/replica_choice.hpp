@@ -35,7 +35,8 @@ struct replica_options {
   bool prefer_visited = false;
 };
 
-//! Resolves the logical experts of one token to physical slots under a placement.
+//! Resolves the logical experts of one token to physical slots under a placement. Borrows the
+//! placement: it must outlive the router.
 class replica_router {
  public:
   //! Throws `errc::size_mismatch` unless the topology has `p.num_devices()` devices.
