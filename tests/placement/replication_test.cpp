@@ -291,3 +291,46 @@ TEST_CASE("replicating a collaboration-aware placement keeps collaborators toget
     CHECK(ct_grown < 0.8 * ct_fresh);
   }
 }
+
+TEST_CASE("replicated placement packs every feasible shape, up to every expert everywhere") {
+  std::mt19937 rng(17);
+  for (int rep = 0; rep < 300; ++rep) {
+    const int nodes = 1 + static_cast<int>(rng() % 3);
+    const int per_node = 1 + static_cast<int>(rng() % 4);
+    const int D = nodes * per_node;
+    const int E = 1 + static_cast<int>(rng() % 24);
+    // Any R with (E + R) % D == 0 and R <= E·(D − 1).
+    std::vector<int> options;
+    for (int R = 0; R <= E * (D - 1); ++R)
+      if ((E + R) % D == 0)
+        options.push_back(R);
+    if (options.empty())
+      continue;
+    weave::replication_options o;
+    o.redundant_slots = options[rng() % options.size()];
+    std::vector<double> loads(static_cast<std::size_t>(E));
+    std::exponential_distribution<double> dist(1.0);
+    for (auto& l : loads)
+      l = rep % 5 == 0 ? 0.0 : dist(rng);
+    const auto topo = weave::topology::grid(nodes, per_node);
+    const auto p = weave::place_replicated(loads, topo, o);
+    CHECK(p.num_slots() == E + o.redundant_slots);
+    // Grown from a shuffled version of itself.
+    std::vector<std::int32_t> slots(p.slot_experts().begin(), p.slot_experts().end());
+    for (int tries = 0; tries < 20; ++tries) {
+      std::shuffle(slots.begin(), slots.end(), rng);
+      weave::placement cur;
+      try {
+        cur = weave::placement(E, D, slots);
+      } catch (const weave::error& e) {
+        REQUIRE(e.code() == weave::errc::invalid_argument); // the shuffle put two on a device
+        continue;
+      }
+      o.current = &cur;
+      const auto q = weave::place_replicated(loads, topo, o);
+      CHECK(q.num_slots() == p.num_slots());
+      o.current = nullptr;
+      break;
+    }
+  }
+}
