@@ -5,3 +5,4 @@
 
 #include "weave/core.hpp"
 #include "weave/exec.hpp"
+#include "weave/placement.hpp"

@@ -1,0 +1,271 @@
+// Placement report: copies per token (CT), cross-device bytes per token and max/mean device
+// load for each placement policy, on synthetic traces shaped like OLMoE, DeepSeek-MoE,
+// Qwen-MoE and a 256-expert model, at 4..32 devices. Statistics are profiled on the first
+// half of each trace and the placements evaluated on the second half.
+//
+//   placement_report [--tokens N] [--affinity A] [--zipf S] [--cluster-size C]
+//                    [--load-weight L] [--spare-per-device R] [--json FILE]
+
+#include <weave/placement.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct model {
+  const char* name;
+  int experts, k, hidden;
+};
+
+struct row {
+  std::string model, policy;
+  int experts = 0, k = 0, devices = 0, nodes = 0, slots_per_device = 0;
+  double ct = 0, lower = 0, upper = 0, random = 0, remote = 0, cross_node = 0, bytes = 0;
+  double max_mean = 0, vs_contiguous = 0;
+};
+
+using place_fn = std::function<bool(const weave::expert_statistics&, const weave::topology&,
+                                    weave::placement&, weave::replica_options&)>;
+
+struct policy {
+  std::string name;
+  place_fn place; // false when the policy does not apply to this shape
+};
+
+// `spare` slots per device, plus padding so E + redundant divides over the devices.
+int spare = 1;
+int redundant_for(int E, int D) {
+  return spare * D + (D - E % D) % D;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  std::size_t tokens = 20000;
+  double affinity = 0.8, zipf = 0.6;
+  int cluster_size = 8;
+  double load_weight = 4.0;
+  std::string json;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--tokens")
+      tokens = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (a == "--affinity")
+      affinity = std::atof(argv[i + 1]);
+    else if (a == "--zipf")
+      zipf = std::atof(argv[i + 1]);
+    else if (a == "--cluster-size")
+      cluster_size = std::atoi(argv[i + 1]);
+    else if (a == "--spare-per-device")
+      spare = std::atoi(argv[i + 1]);
+    else if (a == "--load-weight")
+      load_weight = std::atof(argv[i + 1]);
+    else if (a == "--json")
+      json = argv[i + 1];
+    else {
+      std::fprintf(stderr, "unknown option %s\n", argv[i]);
+      return 2;
+    }
+  }
+  const std::vector<model> models = {{"OLMoE", 64, 8, 2048},
+                                     {"DeepSeek-MoE", 64, 6, 2048},
+                                     {"Qwen-MoE", 60, 4, 2048},
+                                     {"E256-k8", 256, 8, 7168}};
+  const weave::replica_options plain{};
+  const weave::replica_options visited{weave::replica_policy::in_turn, true};
+  auto even = [](const weave::expert_statistics& s, const weave::topology& t) {
+    return s.num_experts() % t.num_devices() == 0;
+  };
+  const std::vector<policy> policies = {
+      {"contiguous",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         p = weave::place_contiguous(s.num_experts(), t);
+         r = plain;
+         return true;
+       }},
+      {"round-robin",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         p = weave::place_round_robin(s.num_experts(), t);
+         r = plain;
+         return true;
+       }},
+      {"load-balanced",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         p = weave::place_load_balanced(s, t);
+         r = plain;
+         return true;
+       }},
+      {"collab",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         p = weave::place_collaborative(s, t);
+         r = plain;
+         return true;
+       }},
+      {"collab-flat",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t) || t.nodes == 1)
+           return false;
+         weave::collaboration_options o;
+         o.two_level = false;
+         p = weave::place_collaborative(s, t, o);
+         r = plain;
+         return true;
+       }},
+      {"collab+load",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         weave::collaboration_options o;
+         o.load_weight = load_weight;
+         p = weave::place_collaborative(s, t, o);
+         r = plain;
+         return true;
+       }},
+      {"replicated",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         weave::replication_options o;
+         o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
+         p = weave::place_replicated(s, t, o);
+         r = plain;
+         return true;
+       }},
+      {"collab+replicated",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         weave::collaboration_options c;
+         c.load_weight = load_weight;
+         const auto base = weave::place_collaborative(s, t, c);
+         weave::replication_options o;
+         o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
+         o.current = &base;
+         o.keep_tolerance = 0.05;
+         p = weave::place_replicated(s, t, o);
+         r = plain;
+         return true;
+       }},
+      {"collab+replicated/visited",
+       [&](const auto& s, const auto& t, auto& p, auto& r) {
+         if (!even(s, t))
+           return false;
+         weave::collaboration_options c;
+         c.load_weight = load_weight;
+         const auto base = weave::place_collaborative(s, t, c);
+         weave::replication_options o;
+         o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
+         o.current = &base;
+         o.keep_tolerance = 0.05;
+         p = weave::place_replicated(s, t, o);
+         r = visited;
+         return true;
+       }},
+  };
+
+  std::vector<row> rows;
+  for (const model& m : models) {
+    weave::trace_options o;
+    o.num_experts = m.experts;
+    o.k = m.k;
+    o.tokens = 2 * tokens;
+    o.clusters = std::max(1, m.experts / cluster_size);
+    o.affinity = affinity;
+    o.zipf = zipf;
+    o.seed = 42;
+    const auto trace = weave::generate_trace(o);
+    const std::span<const std::int32_t> ids(trace.ids);
+    const auto profile = ids.first(tokens * static_cast<std::size_t>(m.k));
+    const auto eval = ids.subspan(tokens * static_cast<std::size_t>(m.k));
+    weave::expert_statistics stats(m.experts);
+    stats.accumulate(profile, m.k);
+    for (const int D : {4, 8, 16, 32}) {
+      const auto topo = D <= 8 ? weave::topology::flat(D) : weave::topology::grid(D / 8, 8);
+      double contiguous_ct = 0;
+      for (const policy& pol : policies) {
+        weave::placement p;
+        weave::replica_options ro;
+        if (!pol.place(stats, topo, p, ro))
+          continue;
+        const auto r = weave::evaluate_placement(p, topo, eval, m.k, 2.0 * m.hidden, {}, ro);
+        if (pol.name == "contiguous")
+          contiguous_ct = r.copies_per_token;
+        row x;
+        x.model = m.name;
+        x.policy = pol.name;
+        x.experts = m.experts;
+        x.k = m.k;
+        x.devices = D;
+        x.nodes = topo.nodes;
+        x.slots_per_device = p.slots_per_device();
+        x.ct = r.copies_per_token;
+        x.lower = weave::copies_per_token_lower_bound(m.experts, m.k, D);
+        x.upper = weave::copies_per_token_upper_bound(m.k, D);
+        x.random = m.experts % D == 0 ? weave::copies_per_token_random(m.experts, m.k, D) : -1;
+        x.remote = r.remote_per_token;
+        x.cross_node = r.cross_node_per_token;
+        x.bytes = r.bytes_per_token;
+        x.max_mean = r.max_mean_load;
+        x.vs_contiguous = contiguous_ct > 0 ? 1.0 - r.copies_per_token / contiguous_ct : 0.0;
+        rows.push_back(x);
+      }
+    }
+  }
+
+  std::printf("tokens %zu (profile) + %zu (evaluate), affinity %.2f, zipf %.2f, cluster size %d, "
+              "load weight %.2f, %d spare slot(s) per device, bf16 rows\n\n",
+              tokens, tokens, affinity, zipf, cluster_size, load_weight, spare);
+  std::printf(
+      "| model | E | k | D | nodes | policy | slots/dev | CT | CT lb | min(k,D) | CT random "
+      "| CT vs contiguous | remote/token | cross-node/token | KiB/token | max/mean load |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (const row& x : rows) {
+    const std::string random = x.random < 0 ? "-" : fixed(x.random, 3);
+    const bool baseline = x.policy == "contiguous" || x.vs_contiguous == 0;
+    const std::string delta = baseline ? "-" : fixed(-100.0 * x.vs_contiguous, 1) + " %";
+    std::printf("| %s | %d | %d | %d | %d | %s | %d | %.3f | %.0f | %.0f | %s | %s | %.3f | %.3f "
+                "| %.1f | %.3f |\n",
+                x.model.c_str(), x.experts, x.k, x.devices, x.nodes, x.policy.c_str(),
+                x.slots_per_device, x.ct, x.lower, x.upper, random.c_str(), delta.c_str(), x.remote,
+                x.cross_node, x.bytes / 1024.0, x.max_mean);
+  }
+  if (!json.empty()) {
+    std::ofstream out(json);
+    out << "{\"tokens\": " << tokens << ", \"affinity\": " << affinity << ", \"zipf\": " << zipf
+        << ", \"cluster_size\": " << cluster_size << ", \"load_weight\": " << load_weight
+        << ", \"spare_per_device\": " << spare << ", \"rows\": [\n";
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      const row& x = rows[i];
+      out << "  {\"model\": \"" << x.model << "\", \"policy\": \"" << x.policy
+          << "\", \"experts\": " << x.experts << ", \"k\": " << x.k
+          << ", \"devices\": " << x.devices << ", \"nodes\": " << x.nodes
+          << ", \"slots_per_device\": " << x.slots_per_device << ", \"ct\": " << x.ct
+          << ", \"ct_lower_bound\": " << x.lower << ", \"ct_upper_bound\": " << x.upper
+          << ", \"ct_random\": " << x.random
+          << ", \"ct_reduction_vs_contiguous\": " << x.vs_contiguous
+          << ", \"remote_per_token\": " << x.remote
+          << ", \"cross_node_per_token\": " << x.cross_node << ", \"bytes_per_token\": " << x.bytes
+          << ", \"max_mean_load\": " << x.max_mean << "}" << (i + 1 < rows.size() ? ",\n" : "\n");
+    }
+    out << "]}\n";
+  }
+  return 0;
+}
