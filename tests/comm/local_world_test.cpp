@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <random>
 #include <span>
 #include <vector>
@@ -248,4 +249,29 @@ TEST_CASE("local_world rejects bad layouts with a typed error") {
           const std::vector<std::int64_t> c{1}, d{0};
           weave::detail::check_layout(1, c, d, 0, "send");
         }) == weave::errc::invalid_argument);
+}
+
+TEST_CASE("operations return at once and complete in stream order while the caller computes") {
+  weave::local_world world(2);
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  world.run([&](weave::local_communicator& comm) {
+    weave::host_stream s;
+    std::vector<std::int64_t> v{1, 2}, out(2);
+    if (comm.rank() == 1)
+      opened.wait(); // rank 1 joins only after rank 0 has checked
+    comm.all_reduce(s, std::span<const std::int64_t>(v), std::span<std::int64_t>(out),
+                    weave::reduce_op::sum);
+    weave::host_event done = s.record();
+    if (comm.rank() == 0) {
+      std::int64_t work = 0;
+      for (int i = 0; i < 1000; ++i) // the caller's thread is free while the exchange waits
+        work += i;
+      CHECK(work == 499500);
+      CHECK_FALSE(done.query());
+      gate.set_value();
+    }
+    done.synchronize();
+    CHECK(out == std::vector<std::int64_t>{2, 4});
+  });
 }
