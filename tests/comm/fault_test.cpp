@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <future>
 #include <stdexcept>
 #include <vector>
 
@@ -202,4 +203,32 @@ TEST_CASE("ranks calling different collectives fail with invalid_state or size_m
       CHECK((code == weave::errc::size_mismatch || code == weave::errc::peer_failure));
     }
   }
+}
+
+TEST_CASE("one communicator's operations running out of order are rejected") {
+  weave::local_world world(2, quick());
+  auto failures = world.run_collect([&](weave::local_communicator& comm) {
+    weave::host_stream first("first"), second("second");
+    if (comm.rank() == 0) {
+      std::promise<void> gate;
+      auto opened = gate.get_future().share();
+      first.submit([opened] { opened.wait(); }); // holds operation #1 back
+      comm.barrier(first);                       // #1
+      comm.barrier(second);                      // #2 runs first
+      try {
+        second.synchronize();
+      } catch (...) {
+        gate.set_value();
+        throw;
+      }
+      gate.set_value();
+      first.synchronize();
+    } else {
+      comm.barrier(first);
+      comm.barrier(first);
+      first.synchronize();
+    }
+  });
+  CHECK(code_of(failures[0]) == weave::errc::invalid_state);
+  CHECK(code_of(failures[1]) == weave::errc::peer_failure);
 }

@@ -134,6 +134,16 @@ class local_world_state {
     }
     const auto r = static_cast<std::size_t>(rank);
     std::unique_lock lock(mutex_);
+    if (!failed_ && posts_[r].seq + 1 != post.seq) {
+      const std::string message =
+          detail::concat("local_world rank ", rank, ": operation #", post.seq, " (",
+                         to_string(post.op), ") ran after #", posts_[r].seq,
+                         "; one communicator's operations must run in the order "
+                         "they were enqueued (use one stream, or order the streams)");
+      lock.unlock();
+      abort(rank, message);
+      WEAVE_THROW(errc::invalid_state, message);
+    }
     posts_[r] = post;
     changed_.notify_all();
     await(lock, rank, post, true, [&] {
