@@ -21,13 +21,13 @@
 namespace {
 
 // MPI lives for the whole test executable (doctest's main runs inside it).
-struct mpi_session {
-  mpi_session() {
+struct mpi_lifetime {
+  mpi_lifetime() {
     int provided = 0;
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   }
-  ~mpi_session() { MPI_Finalize(); }
-} session;
+  ~mpi_lifetime() { MPI_Finalize(); }
+} mpi_for_the_whole_run;
 
 int world_rank() {
   int r = 0;
