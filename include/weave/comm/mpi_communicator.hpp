@@ -1,0 +1,317 @@
+//! \file
+//! `mpi_communicator`: weave's communicator over MPI (component `weave::mpi`).
+//!
+//! Wraps a caller's `MPI_Comm` without owning it: the constructor duplicates it (collective) and
+//! owns only the duplicate, on which it installs `MPI_ERRORS_RETURN` (so MPI failures become
+//! `errc::mpi` errors instead of aborting the job; the caller's communicator and its handler
+//! are left untouched, and weave's traffic cannot match the caller's messages). Operations are
+//! non-blocking MPI calls (MPI_Ialltoallv, MPI_Ialltoall, MPI_Iallreduce, MPI_Ibarrier) issued
+//! and progressed by a task on a `host_stream`, so they compose with compute on other streams.
+//!
+//! 64-bit sizes: MPI 3.1 (Open MPI 4.1) counts are `int`. A peer block of more than
+//! `max_chunk_units` units (at most INT_MAX / size) is sent point to point in pieces of at most
+//! that many units, beside the MPI_Ialltoallv carrying the other blocks; sender and receiver
+//! agree on which blocks go that way because both know the block's count. If a displacement of
+//! the remaining blocks does not fit an `int`, that side packs (or receives) them through a
+//! temporary buffer. Results are identical to one MPI_Alltoallv in every case.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/mpi_error.hpp"
+#include "weave/exec/host_stream.hpp"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <thread>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! Settings of an `mpi_communicator`.
+struct mpi_options {
+  //! How long an operation may take once its stream reaches it before it fails with
+  //! `errc::timeout`. MPI cannot cancel a collective: after a timeout the communicator is
+  //! unusable (abort the job, or at least stop using it).
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  //! Peer blocks of more units than this go point to point, in pieces of at most this many
+  //! units (clamped to INT_MAX / size). Lower it only to test the large-message path.
+  std::int64_t max_chunk_units = INT_MAX;
+  //! Displacements above this many units make a side stage its blocks contiguously (clamped to
+  //! INT_MAX). Lower it only to test that path.
+  std::int64_t max_displacement_units = INT_MAX;
+};
+
+namespace detail {
+
+template <class T>
+MPI_Datatype mpi_type() {
+  if constexpr (std::is_same_v<T, float>)
+    return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>)
+    return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, std::int32_t>)
+    return MPI_INT32_T;
+  else
+    return MPI_INT64_T;
+}
+
+} // namespace detail
+
+//! One rank of an MPI communicator. Not copyable or movable (queued tasks refer to it); its
+//! operations must run one at a time (enqueue them on one stream, or order the streams), and it
+//! must be destroyed before `MPI_Finalize` once its streams are drained. Needs MPI initialized
+//! with at least `MPI_THREAD_SERIALIZED` (operations run on the stream's thread); below
+//! `MPI_THREAD_MULTIPLE` no other thread may call MPI while operations are queued.
+class mpi_communicator {
+ public:
+  using stream_type = host_stream;
+
+  explicit mpi_communicator(MPI_Comm comm, mpi_options options = {})
+      : options_(options) {
+    int initialized = 0;
+    WEAVE_MPI_CHECK(MPI_Initialized(&initialized));
+    WEAVE_EXPECT(initialized, errc::invalid_state, "mpi_communicator: MPI is not initialized");
+    int provided = MPI_THREAD_SINGLE;
+    WEAVE_MPI_CHECK(MPI_Query_thread(&provided));
+    WEAVE_EXPECT(provided >= MPI_THREAD_SERIALIZED, errc::not_supported,
+                 "mpi_communicator needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (got level ",
+                 provided, "): initialize MPI with MPI_Init_thread");
+    WEAVE_EXPECT(options.timeout.count() > 0, errc::invalid_argument,
+                 "mpi_communicator: timeout must be positive");
+    WEAVE_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
+    WEAVE_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    WEAVE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    WEAVE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    const auto n = static_cast<std::size_t>(size_);
+    ints_.resize(4 * n);
+    options_.max_chunk_units =
+        std::max<std::int64_t>(1, std::min<std::int64_t>(options.max_chunk_units, INT_MAX / size_));
+    options_.max_displacement_units =
+        std::max<std::int64_t>(0, std::min<std::int64_t>(options.max_displacement_units, INT_MAX));
+  }
+
+  mpi_communicator(const mpi_communicator&) = delete;
+  mpi_communicator& operator=(const mpi_communicator&) = delete;
+
+  //! Frees the duplicate communicator (and cached datatype); never throws.
+  ~mpi_communicator() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized)
+      return;
+    if (unit_type_ != MPI_DATATYPE_NULL)
+      MPI_Type_free(&unit_type_);
+    MPI_Comm_free(&comm_);
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  //! The duplicate communicator weave uses.
+  MPI_Comm get() const noexcept { return comm_; }
+
+  //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`).
+  void all_to_all_v(host_stream& s, const void* send, std::span<const std::int64_t> send_counts,
+                    std::span<const std::int64_t> send_displs, void* recv,
+                    std::span<const std::int64_t> recv_counts,
+                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
+    s.submit([=, this] {
+      run_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
+                       static_cast<std::byte*>(recv), recv_counts, recv_displs, unit);
+    });
+  }
+
+  //! Sends `send[j*k .. j*k+k)` to rank j, receives rank j's k counts at `recv[j*k ..)`.
+  void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
+                       std::span<std::int64_t> recv) {
+    const auto n = static_cast<std::size_t>(size_);
+    WEAVE_EXPECT(!send.empty() && send.size() % n == 0 && recv.size() == send.size(),
+                 errc::size_mismatch, "exchange_counts: ", send.size(), " send and ", recv.size(),
+                 " receive counts for ", size_,
+                 " ranks (need the same non-zero multiple of the group size)");
+    const int k = checked_cast<int>(send.size() / n, "counts per peer");
+    s.submit([=, this] {
+      MPI_Request request = MPI_REQUEST_NULL;
+      WEAVE_MPI_CHECK(
+          MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T, comm_, &request));
+      wait_all(std::span<MPI_Request>(&request, 1), "exchange_counts");
+    });
+  }
+
+  //! Element-wise reduction into `out` on every rank (`in` may equal `out`).
+  template <reducible T>
+  void all_reduce(host_stream& s, std::span<const T> in, std::span<T> out, reduce_op op) {
+    WEAVE_EXPECT(in.size() == out.size(), errc::size_mismatch, "all_reduce: ", in.size(),
+                 " inputs for ", out.size(), " outputs");
+    const int count = checked_cast<int>(in.size(), "all_reduce element count");
+    s.submit([=, this] {
+      const void* source = in.data() == out.data() ? MPI_IN_PLACE : in.data();
+      MPI_Request request = MPI_REQUEST_NULL;
+      WEAVE_MPI_CHECK(MPI_Iallreduce(source, out.data(), count, detail::mpi_type<T>(),
+                                     op == reduce_op::sum ? MPI_SUM : MPI_MAX, comm_, &request));
+      wait_all(std::span<MPI_Request>(&request, 1), "all_reduce");
+    });
+  }
+
+  //! Completes once every rank reached its barrier.
+  void barrier(host_stream& s) {
+    s.submit([this] {
+      MPI_Request request = MPI_REQUEST_NULL;
+      WEAVE_MPI_CHECK(MPI_Ibarrier(comm_, &request));
+      wait_all(std::span<MPI_Request>(&request, 1), "barrier");
+    });
+  }
+
+ private:
+  static constexpr int piece_tag = 0x5EA7;
+
+  // Progresses `requests` until all complete or the timeout expires.
+  void wait_all(std::span<MPI_Request> requests, const char* what) {
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    for (unsigned spins = 0;; ++spins) {
+      int done = 0;
+      WEAVE_MPI_CHECK(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                                  MPI_STATUSES_IGNORE));
+      if (done)
+        return;
+      if (std::chrono::steady_clock::now() > deadline)
+        WEAVE_THROW(errc::timeout, "mpi_communicator rank ", rank_, ": ", what,
+                    " did not complete within ", options_.timeout.count(),
+                    " ms (a peer never arrived or died); the communicator is now unusable");
+      if (spins > 64)
+        std::this_thread::yield(); // let oversubscribed peers run
+    }
+  }
+
+  MPI_Datatype unit_type(std::size_t unit) {
+    if (unit == 1)
+      return MPI_BYTE;
+    if (unit != cached_unit_) {
+      if (unit_type_ != MPI_DATATYPE_NULL)
+        WEAVE_MPI_CHECK(MPI_Type_free(&unit_type_));
+      WEAVE_MPI_CHECK(
+          MPI_Type_contiguous(checked_cast<int>(unit, "unit bytes"), MPI_BYTE, &unit_type_));
+      WEAVE_MPI_CHECK(MPI_Type_commit(&unit_type_));
+      cached_unit_ = unit;
+    }
+    return unit_type_;
+  }
+
+  void run_all_to_all_v(const std::byte* send, std::span<const std::int64_t> send_counts,
+                        std::span<const std::int64_t> send_displs, std::byte* recv,
+                        std::span<const std::int64_t> recv_counts,
+                        std::span<const std::int64_t> recv_displs, std::size_t unit) {
+    detail::check_layout(size_, send_counts, send_displs, unit, "send");
+    detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
+    const MPI_Datatype type = unit_type(unit);
+    const std::int64_t limit = options_.max_chunk_units;
+    const auto n = static_cast<std::size_t>(size_);
+    int* sc = ints_.data();
+    int* sd = sc + n;
+    int* rc = sd + n;
+    int* rd = rc + n;
+    bool large = false;
+    // Blocks above the limit leave the collective (count 0 there) on both sides.
+    auto collective_part = [&](std::span<const std::int64_t> counts,
+                               std::span<const std::int64_t> displs, int* c, int* d) {
+      bool fits = true;
+      for (std::size_t j = 0; j < n; ++j) {
+        const bool big = counts[j] > limit;
+        large = large || big;
+        c[j] = big ? 0 : static_cast<int>(counts[j]);
+        d[j] = 0;
+        if (!big && counts[j] > 0) {
+          if (displs[j] > options_.max_displacement_units)
+            fits = false;
+          else
+            d[j] = static_cast<int>(displs[j]);
+        }
+      }
+      return fits;
+    };
+    const bool send_fits = collective_part(send_counts, send_displs, sc, sd);
+    const bool recv_fits = collective_part(recv_counts, recv_displs, rc, rd);
+    // Staging for a side whose displacements overflow: its small blocks, packed in peer order,
+    // span at most size * limit <= INT_MAX units.
+    std::vector<std::byte> send_stage, recv_stage;
+    auto pack_offsets = [&](int* c, int* d) {
+      std::int64_t offset = 0;
+      for (std::size_t j = 0; j < n; ++j) {
+        d[j] = static_cast<int>(offset);
+        offset += c[j];
+      }
+      return offset;
+    };
+    const std::byte* send_base = send;
+    std::byte* recv_base = recv;
+    if (!send_fits) {
+      send_stage.resize(static_cast<std::size_t>(pack_offsets(sc, sd)) * unit);
+      for (std::size_t j = 0; j < n; ++j)
+        if (sc[j] > 0)
+          std::memcpy(send_stage.data() + std::size_t(sd[j]) * unit,
+                      send + send_displs[j] * std::int64_t(unit), std::size_t(sc[j]) * unit);
+      send_base = send_stage.data();
+    }
+    if (!recv_fits) {
+      recv_stage.resize(static_cast<std::size_t>(pack_offsets(rc, rd)) * unit);
+      recv_base = recv_stage.data();
+    }
+    if (!large) {
+      MPI_Request request = MPI_REQUEST_NULL;
+      WEAVE_MPI_CHECK(
+          MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &request));
+      wait_all(std::span<MPI_Request>(&request, 1), "all_to_all_v");
+    } else {
+      std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+      WEAVE_MPI_CHECK(
+          MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &requests[0]));
+      // Pieces of one block share (source, tag, communicator), so MPI delivers them in order.
+      auto pieces = [&](std::int64_t count, auto&& post) {
+        for (std::int64_t done = 0; done < count; done += limit)
+          post(done, static_cast<int>(std::min(limit, count - done)));
+      };
+      for (std::size_t j = 0; j < n; ++j) {
+        const int peer = static_cast<int>(j);
+        if (recv_counts[j] > limit)
+          pieces(recv_counts[j], [&](std::int64_t at, int count) {
+            requests.push_back(MPI_REQUEST_NULL);
+            WEAVE_MPI_CHECK(MPI_Irecv(recv + (recv_displs[j] + at) * std::int64_t(unit), count,
+                                      type, peer, piece_tag, comm_, &requests.back()));
+          });
+        if (send_counts[j] > limit)
+          pieces(send_counts[j], [&](std::int64_t at, int count) {
+            requests.push_back(MPI_REQUEST_NULL);
+            WEAVE_MPI_CHECK(MPI_Isend(send + (send_displs[j] + at) * std::int64_t(unit), count,
+                                      type, peer, piece_tag, comm_, &requests.back()));
+          });
+      }
+      wait_all(requests, "all_to_all_v");
+    }
+    if (!recv_fits)
+      for (std::size_t j = 0; j < n; ++j)
+        if (rc[j] > 0)
+          std::memcpy(recv + recv_displs[j] * std::int64_t(unit),
+                      recv_stage.data() + std::size_t(rd[j]) * unit, std::size_t(rc[j]) * unit);
+  }
+
+  mpi_options options_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 0;
+  std::vector<int> ints_; // MPI's int counts and displacements, reused by every call
+  MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
+  std::size_t cached_unit_ = 0;
+};
+
+static_assert(has_all_to_all_v<mpi_communicator> && has_exchange_counts<mpi_communicator> &&
+              has_barrier<mpi_communicator> && has_all_reduce<mpi_communicator, double>);
+
+WEAVE_NAMESPACE_END

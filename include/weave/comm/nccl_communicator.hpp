@@ -1,0 +1,217 @@
+//! \file
+//! `nccl_communicator`: weave's communicator over NCCL (component `weave::nccl`).
+//!
+//! Wraps a caller's `ncclComm_t` without owning it. Operations are enqueued on a borrowed CUDA
+//! stream (`cuda_stream_ref`) and return at once; all_to_all_v and send_recv are one NCCL group
+//! of ncclSend/ncclRecv. Unlike the host backends, NCCL needs the sizes on the host when the
+//! operation is enqueued: all_to_all_v reads its count and displacement arrays (host memory)
+//! during the call, while exchange_counts and all_reduce work on device memory. The
+//! counts-then-all_to_all_v pattern therefore copies the exchanged counts to the host and waits
+//! for them (`synchronize`) before enqueuing the all-to-all, as every NCCL MoE layer does.
+//!
+//! Failures: `synchronize(s)` waits for the stream while polling `ncclCommGetAsyncError`; an
+//! asynchronous NCCL error or the timeout aborts the communicator (`ncclCommAbort`, which also
+//! frees it: its owner must then not call `ncclCommDestroy`) and throws `errc::nccl` or
+//! `errc::timeout`.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/cuda_error.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/nccl_error.hpp"
+#include "weave/exec/cuda_stream.hpp"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <thread>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! Settings of an `nccl_communicator`.
+struct nccl_options {
+  //! How long `synchronize` waits for the stream before aborting the communicator.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+namespace detail {
+
+template <class T>
+ncclDataType_t nccl_type() {
+  if constexpr (std::is_same_v<T, float>)
+    return ncclFloat32;
+  else if constexpr (std::is_same_v<T, double>)
+    return ncclFloat64;
+  else if constexpr (std::is_same_v<T, std::int32_t>)
+    return ncclInt32;
+  else
+    return ncclInt64;
+}
+
+} // namespace detail
+
+//! One rank of an NCCL communicator, on the device current when it was constructed.
+//! Not copyable; owns only a 4-byte device scratch word used by `barrier`.
+class nccl_communicator {
+ public:
+  using stream_type = cuda_stream_ref;
+
+  explicit nccl_communicator(ncclComm_t comm, nccl_options options = {})
+      : comm_(comm)
+      , options_(options) {
+    WEAVE_EXPECT(comm != nullptr, errc::invalid_argument, "nccl_communicator: null ncclComm_t");
+    WEAVE_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+    WEAVE_NCCL_CHECK(ncclCommCount(comm_, &size_));
+    WEAVE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&scratch_), sizeof(int)));
+    WEAVE_CUDA_CHECK(cudaMemset(scratch_, 0, sizeof(int)));
+  }
+  nccl_communicator(const nccl_communicator&) = delete;
+  nccl_communicator& operator=(const nccl_communicator&) = delete;
+  ~nccl_communicator() {
+    if (scratch_)
+      (void)cudaFree(scratch_);
+  }
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  //! The wrapped communicator (null after an abort).
+  ncclComm_t get() const noexcept { return comm_; }
+
+  //! One NCCL group of ncclSend/ncclRecv; the transfer list is read during the call.
+  void send_recv(cuda_stream_ref s, std::span<const peer_transfer> transfers) {
+    usable();
+    WEAVE_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t status = ncclSuccess;
+    for (const peer_transfer& t : transfers) {
+      if (status == ncclSuccess && t.send_bytes > 0)
+        status = ncclSend(t.send, static_cast<std::size_t>(t.send_bytes), ncclUint8, t.peer, comm_,
+                          s.get());
+      if (status == ncclSuccess && t.recv_bytes > 0)
+        status = ncclRecv(t.recv, static_cast<std::size_t>(t.recv_bytes), ncclUint8, t.peer, comm_,
+                          s.get());
+    }
+    const ncclResult_t end = ncclGroupEnd(); // always close the group
+    WEAVE_NCCL_CHECK(status);
+    WEAVE_NCCL_CHECK(end);
+  }
+
+  //! Variable all-to-all of device buffers; counts and displacements (host memory, in units of
+  //! `unit` bytes) are read during the call.
+  void all_to_all_v(cuda_stream_ref s, const void* send, std::span<const std::int64_t> send_counts,
+                    std::span<const std::int64_t> send_displs, void* recv,
+                    std::span<const std::int64_t> recv_counts,
+                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
+    detail::check_layout(size_, send_counts, send_displs, unit, "send");
+    detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
+    usable();
+    const auto u = static_cast<std::int64_t>(unit);
+    WEAVE_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t status = ncclSuccess;
+    for (int peer = 0; peer < size_ && status == ncclSuccess; ++peer) {
+      const auto p = static_cast<std::size_t>(peer);
+      if (send_counts[p] > 0)
+        status =
+            ncclSend(static_cast<const std::byte*>(send) + send_displs[p] * u,
+                     static_cast<std::size_t>(send_counts[p] * u), ncclUint8, peer, comm_, s.get());
+      if (status == ncclSuccess && recv_counts[p] > 0)
+        status =
+            ncclRecv(static_cast<std::byte*>(recv) + recv_displs[p] * u,
+                     static_cast<std::size_t>(recv_counts[p] * u), ncclUint8, peer, comm_, s.get());
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    WEAVE_NCCL_CHECK(status);
+    WEAVE_NCCL_CHECK(end);
+  }
+
+  //! Sends device counts `send[j*k .. j*k+k)` to rank j, receives rank j's at `recv[j*k ..)`.
+  void exchange_counts(cuda_stream_ref s, std::span<const std::int64_t> send,
+                       std::span<std::int64_t> recv) {
+    const auto n = static_cast<std::size_t>(size_);
+    WEAVE_EXPECT(!send.empty() && send.size() % n == 0 && recv.size() == send.size(),
+                 errc::size_mismatch, "exchange_counts: ", send.size(), " send and ", recv.size(),
+                 " receive counts for ", size_, " ranks");
+    usable();
+    const std::size_t k = send.size() / n;
+    WEAVE_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t status = ncclSuccess;
+    for (int peer = 0; peer < size_ && status == ncclSuccess; ++peer) {
+      const std::size_t at = static_cast<std::size_t>(peer) * k;
+      status = ncclSend(send.data() + at, k, ncclInt64, peer, comm_, s.get());
+      if (status == ncclSuccess)
+        status = ncclRecv(recv.data() + at, k, ncclInt64, peer, comm_, s.get());
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    WEAVE_NCCL_CHECK(status);
+    WEAVE_NCCL_CHECK(end);
+  }
+
+  //! Element-wise reduction of device arrays (`in` may equal `out`).
+  template <reducible T>
+  void all_reduce(cuda_stream_ref s, std::span<const T> in, std::span<T> out, reduce_op op) {
+    WEAVE_EXPECT(in.size() == out.size(), errc::size_mismatch, "all_reduce: ", in.size(),
+                 " inputs for ", out.size(), " outputs");
+    usable();
+    WEAVE_NCCL_CHECK(ncclAllReduce(in.data(), out.data(), in.size(), detail::nccl_type<T>(),
+                                   op == reduce_op::sum ? ncclSum : ncclMax, comm_, s.get()));
+  }
+
+  //! A stream-ordered barrier (an all-reduce of one device word).
+  void barrier(cuda_stream_ref s) {
+    usable();
+    WEAVE_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, s.get()));
+  }
+
+  //! Waits for `s` while watching the communicator: an asynchronous NCCL error or the timeout
+  //! aborts it and throws (`errc::nccl` / `errc::timeout`).
+  void synchronize(cuda_stream_ref s) {
+    usable();
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    for (;;) {
+      ncclResult_t async = ncclSuccess;
+      WEAVE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &async));
+      if (async != ncclSuccess && async != ncclInProgress) {
+        abort();
+        WEAVE_THROW(errc::nccl, "nccl_communicator rank ", rank_, ": asynchronous NCCL error ",
+                    ncclGetErrorString(async), " (", static_cast<int>(async),
+                    "); the communicator was aborted");
+      }
+      if (s.query())
+        return;
+      if (std::chrono::steady_clock::now() > deadline) {
+        abort();
+        WEAVE_THROW(errc::timeout, "nccl_communicator rank ", rank_, ": stream not done after ",
+                    options_.timeout.count(),
+                    " ms (a peer never arrived or died); the communicator was aborted");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+ private:
+  void usable() const {
+    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state,
+                 "nccl_communicator: used after it was aborted");
+  }
+  void abort() noexcept {
+    (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+
+  ncclComm_t comm_;
+  nccl_options options_;
+  int rank_ = 0;
+  int size_ = 0;
+  int* scratch_ = nullptr;
+};
+
+static_assert(has_all_to_all_v<nccl_communicator> && has_send_recv<nccl_communicator> &&
+              has_exchange_counts<nccl_communicator> && has_barrier<nccl_communicator> &&
+              has_all_reduce<nccl_communicator, float>);
+
+WEAVE_NAMESPACE_END
