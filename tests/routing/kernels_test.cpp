@@ -3,7 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <weave/core/host_matrix.hpp>
-#include <weave/routing/kernels_host.hpp>
+#include <weave/routing/kernels_async.hpp>
 
 #include <random>
 #include <vector>

@@ -3,8 +3,8 @@
 #include <doctest/doctest.h>
 
 #include <weave/core/host_matrix.hpp>
+#include <weave/routing/gate.hpp>
 #include <weave/routing/kernels.cuh>
-#include <weave/routing/routing.hpp>
 
 #include <cuda_runtime.h>
 

@@ -15,7 +15,6 @@
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
-#include "weave/exec/host_stream.hpp"
 #include "weave/routing/dispatch_plan.hpp"
 #include "weave/routing/expert_plan.hpp"
 
@@ -184,19 +183,6 @@ inline void combine_merge(const dispatch_plan& plan, const_token_view returned, 
   WEAVE_EXPECT(returned.rows() == static_cast<std::size_t>(plan.rows()), errc::size_mismatch,
                "combine_merge: ", returned.rows(), " returned rows for a plan of ", plan.rows());
   merge_rows(returned, ori, plan.token_rows(), plan.k());
-}
-
-//! `gather_rows` enqueued on `stream`; the views and spans must stay valid until it runs.
-inline void gather_rows(host_stream& stream, const_token_view src, token_view dst,
-                        std::span<const std::int64_t> index, std::span<const float> scale = {}) {
-  stream.submit([=] { gather_rows(src, dst, index, scale); });
-}
-
-//! `merge_rows` enqueued on `stream`; the views and spans must stay valid until it runs.
-inline void merge_rows(host_stream& stream, const_token_view src, token_view dst,
-                       std::span<const std::int64_t> index, int k,
-                       std::span<const float> weight = {}) {
-  stream.submit([=] { merge_rows(src, dst, index, k, weight); });
 }
 
 WEAVE_NAMESPACE_END

@@ -9,5 +9,6 @@
 #include "weave/routing/dispatch_plan.hpp"
 #include "weave/routing/expert_plan.hpp"
 #include "weave/routing/gate.hpp"
+#include "weave/routing/kernels_async.hpp"
 #include "weave/routing/kernels_host.hpp"
 #include "weave/routing/statistics.hpp"
