@@ -82,7 +82,9 @@ class dispatch_plan {
     const int spd = placement_.slots_per_device();
     tokens_ = T;
     token_offset_ = token_offset;
-    pair_slot_.assign(ids.size(), -1);
+    pair_device_.assign(ids.size(), -1);
+    pair_local_.resize(ids.size());
+    fill_.resize(kk);
     kept_.assign(ids.size(), -1);
     token_devices_.assign(ids.size(), -1);
     counts_.assign(D, 0);
@@ -111,10 +113,11 @@ class dispatch_plan {
           continue;
         }
         const int slot = placement_.slot_for(e, token_offset + t, source_);
-        pair_slot_[p] = slot;
+        const std::int32_t d = slot / spd;
+        pair_device_[p] = d;
+        pair_local_[p] = slot - d * spd;
         kept_[p] = e;
         ++slot_loads_[static_cast<std::size_t>(slot)];
-        const std::int32_t d = slot / spd;
         int at = ndev;
         bool seen = false;
         for (int j = 0; j < ndev; ++j)
@@ -141,19 +144,25 @@ class dispatch_plan {
     token_rows_.assign(ids.size(), -1);
     cursor_.assign(offsets_.begin(), offsets_.end() - 1);
     for (std::size_t t = 0; t < T; ++t) {
-      for (std::size_t j = 0; j < kk; ++j) {
-        const std::int32_t d = token_devices_[t * kk + j];
-        if (d < 0)
-          break;
-        const std::int64_t r = cursor_[static_cast<std::size_t>(d)]++;
+      const std::int32_t* devs = token_devices_.data() + t * kk;
+      std::int64_t* rows_of = token_rows_.data() + t * kk; // rows of the token, device order
+      std::size_t ndev = 0;
+      for (; ndev < kk && devs[ndev] >= 0; ++ndev) {
+        const std::int64_t r = cursor_[static_cast<std::size_t>(devs[ndev])]++;
         row_token_[static_cast<std::size_t>(r)] = static_cast<std::int64_t>(t);
-        token_rows_[t * kk + j] = r;
-        route_entry* entry = routes_.data() + static_cast<std::size_t>(r) * kk;
-        for (std::size_t i = 0; i < kk; ++i) {
-          const int slot = pair_slot_[t * kk + i];
-          if (slot >= 0 && slot / spd == d)
-            *entry++ = {static_cast<std::int32_t>(slot % spd), weights[t * kk + i]};
-        }
+        rows_of[ndev] = r;
+        fill_[ndev] = 0;
+      }
+      // Entries in rank order; a pair finds its row among the token's <= k devices.
+      for (std::size_t i = 0; i < kk; ++i) {
+        const std::int32_t d = pair_device_[t * kk + i];
+        if (d < 0)
+          continue;
+        std::size_t j = 0;
+        while (devs[j] != d)
+          ++j;
+        routes_[static_cast<std::size_t>(rows_of[j]) * kk + fill_[j]++] = {pair_local_[t * kk + i],
+                                                                           weights[t * kk + i]};
       }
     }
   }
@@ -194,7 +203,9 @@ class dispatch_plan {
   int source_ = 0;
   std::size_t tokens_ = 0;
   std::size_t token_offset_ = 0;
-  std::vector<std::int32_t> pair_slot_;     // [T*k] physical slot or -1
+  std::vector<std::int32_t> pair_device_;   // [T*k] destination device or -1
+  std::vector<std::int32_t> pair_local_;    // [T*k] local slot on that device
+  std::vector<std::size_t> fill_;           // [k] entries written per row of one token
   std::vector<std::int32_t> kept_;          // [T*k] logical expert or -1
   std::vector<std::int32_t> token_devices_; // [T*k] distinct devices ascending, -1 padded
   std::vector<std::int64_t> counts_;        // [D]
