@@ -140,7 +140,7 @@ class dispatch_plan {
 
     // Pass 2: place rows; a device's rows come out in token order because t ascends.
     row_token_.resize(rows);
-    routes_.assign(checked_mul(rows, kk, "route entries"), route_entry{});
+    routes_.resize(checked_mul(rows, kk, "route entries")); // each entry written once below
     token_rows_.assign(ids.size(), -1);
     cursor_.assign(offsets_.begin(), offsets_.end() - 1);
     for (std::size_t t = 0; t < T; ++t) {
@@ -164,6 +164,9 @@ class dispatch_plan {
         routes_[static_cast<std::size_t>(rows_of[j]) * kk + fill_[j]++] = {pair_local_[t * kk + i],
                                                                            weights[t * kk + i]};
       }
+      for (std::size_t j = 0; j < ndev; ++j)
+        for (std::size_t f = fill_[j]; f < kk; ++f)
+          routes_[static_cast<std::size_t>(rows_of[j]) * kk + f] = route_entry{};
     }
   }
 
