@@ -1,0 +1,310 @@
+// Routing layer costs beside naive references in one binary:
+// - gating: top_k_gate over [T, E] fp32 logits;
+// - plan: capacity_filter + dispatch_plan (O(T*k) counting sort, one row per (token, device))
+//   beside a Tutel/GShard-style plan from one-hot [T, E] masks and cumulative sums per rank;
+// - gather: ORI -> SFD (de-duplicated per device) and SFD -> EPD beside the mask-based
+//   dispatch that copies one row per (token, expert) into expert-major order, and beside a
+//   memcpy of the same ORI bytes (the bandwidth ceiling).
+// Counters: rows/s (rows written), GB/s (bytes written), CT (copies per token).
+// The default run skips the cases named "long" (hidden 4096, bigger batches); run them with
+// --benchmark_filter=long.
+#include <benchmark/benchmark.h>
+
+#include <weave/core/host_matrix.hpp>
+#include <weave/routing/routing.hpp>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int devices = 8;
+constexpr double capacity_factor = 1.25;
+
+struct routed {
+  weave::host_matrix<float> logits;
+  std::vector<std::int32_t> ids;
+  std::vector<float> weights;
+};
+
+// Inputs are generated once per (T, E, k) and shared by every benchmark of that shape.
+const routed& inputs(std::size_t T, int E, int k) {
+  static std::map<std::tuple<std::size_t, int, int>, std::unique_ptr<routed>> cache;
+  auto& slot = cache[{T, E, k}];
+  if (!slot) {
+    slot = std::make_unique<routed>();
+    slot->logits = weave::host_matrix<float>(T, static_cast<std::size_t>(E));
+    std::mt19937 rng(static_cast<unsigned>(T * 131 + static_cast<std::size_t>(E) * 7 +
+                                           static_cast<std::size_t>(k)));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& v : slot->logits.elements())
+      v = normal(rng);
+    slot->ids.resize(T * static_cast<std::size_t>(k));
+    slot->weights.resize(slot->ids.size());
+    weave::gate_options options;
+    options.k = k;
+    weave::top_k_gate(slot->logits.view(), options, slot->ids, slot->weights);
+  }
+  return *slot;
+}
+
+const weave::host_matrix<weave::bfloat16>& tokens(std::size_t T, std::size_t hidden) {
+  static std::map<std::pair<std::size_t, std::size_t>,
+                  std::unique_ptr<weave::host_matrix<weave::bfloat16>>>
+      cache;
+  auto& slot = cache[{T, hidden}];
+  if (!slot) {
+    slot = std::make_unique<weave::host_matrix<weave::bfloat16>>(T, hidden);
+    for (std::size_t i = 0; i < slot->elements().size(); ++i)
+      slot->elements()[i] = weave::bfloat16(static_cast<float>(i % 251) / 64.0f);
+  }
+  return *slot;
+}
+
+// Tutel/GShard mask dispatch: per rank a one-hot [T, E] mask, a cumsum down each expert column
+// for locations (offset by earlier ranks' counts), keep where location < capacity.
+struct mask_plan {
+  std::vector<std::int32_t> mask, cumsum;
+  std::vector<std::int64_t> location, base;
+  std::int64_t kept = 0;
+  void build(const std::vector<std::int32_t>& ids, std::size_t T, int E, int k, std::int64_t cap) {
+    const auto EE = static_cast<std::size_t>(E);
+    mask.assign(T * EE, 0);
+    cumsum.resize(T * EE);
+    location.assign(ids.size(), -1);
+    base.assign(EE, 0);
+    kept = 0;
+    for (int r = 0; r < k; ++r) {
+      std::fill(mask.begin(), mask.end(), 0);
+      for (std::size_t t = 0; t < T; ++t)
+        mask[t * EE + static_cast<std::size_t>(
+                          ids[t * static_cast<std::size_t>(k) + static_cast<std::size_t>(r)])] = 1;
+      for (std::size_t e = 0; e < EE; ++e) {
+        std::int32_t run = 0;
+        for (std::size_t t = 0; t < T; ++t) {
+          run += mask[t * EE + e];
+          cumsum[t * EE + e] = run;
+        }
+      }
+      for (std::size_t t = 0; t < T; ++t) {
+        const std::size_t q = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(r);
+        const auto e = static_cast<std::size_t>(ids[q]);
+        const std::int64_t loc = base[e] + cumsum[t * EE + e] - 1;
+        if (cap < 0 || loc < cap) {
+          location[q] = loc;
+          ++kept;
+        }
+      }
+      for (std::size_t e = 0; e < EE; ++e)
+        base[e] += cumsum[(T - 1) * EE + e];
+    }
+  }
+};
+
+void set_row_counters(benchmark::State& state, double rows, double row_bytes) {
+  state.counters["rows/s"] =
+      benchmark::Counter(rows, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GB/s"] =
+      benchmark::Counter(rows * row_bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+std::size_t arg(const benchmark::State& s, int i) {
+  return static_cast<std::size_t>(s.range(i));
+}
+
+void gate(benchmark::State& state) {
+  const std::size_t T = arg(state, 0);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  const auto& in = inputs(T, E, k);
+  std::vector<std::int32_t> ids(in.ids.size());
+  std::vector<float> w(ids.size());
+  weave::gate_scratch scratch;
+  weave::gate_options options;
+  options.k = k;
+  for (auto _ : state) {
+    const auto s = weave::top_k_gate(in.logits.view(), options, ids, w, scratch);
+    benchmark::DoNotOptimize(s.aux_loss);
+  }
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void plan_weave(benchmark::State& state) {
+  const std::size_t T = arg(state, 0);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  const auto& in = inputs(T, E, k);
+  weave::capacity_filter filter(E, k, T, {capacity_factor, weave::drop_order::position});
+  std::vector<std::uint8_t> keep(in.ids.size());
+  weave::dispatch_plan plan(weave::placement::contiguous(E, devices < E ? devices : E), k, 0);
+  for (auto _ : state) {
+    filter.reset();
+    filter.admit(in.ids, keep);
+    plan.build(in.ids, in.weights, keep);
+    benchmark::DoNotOptimize(plan.rows());
+  }
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["CT"] = plan.copies_per_token();
+}
+
+void plan_naive_mask(benchmark::State& state) {
+  const std::size_t T = arg(state, 0);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  const auto& in = inputs(T, E, k);
+  const auto cap = weave::expert_capacity(capacity_factor, T, k, E);
+  mask_plan plan;
+  for (auto _ : state) {
+    plan.build(in.ids, T, E, k, cap);
+    benchmark::DoNotOptimize(plan.kept);
+  }
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// ORI -> SFD: one row per (token, device), dropless.
+void gather_weave(benchmark::State& state) {
+  const std::size_t T = arg(state, 0), H = arg(state, 3);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  const auto& in = inputs(T, E, k);
+  const auto& x = tokens(T, H);
+  weave::dispatch_plan plan(weave::placement::contiguous(E, devices < E ? devices : E), k, 0);
+  plan.build(in.ids, in.weights);
+  weave::host_matrix<weave::bfloat16> sfd(static_cast<std::size_t>(plan.rows()), H);
+  for (auto _ : state) {
+    weave::dispatch_gather(plan, x.view(), sfd.view());
+    benchmark::ClobberMemory();
+  }
+  set_row_counters(state, static_cast<double>(plan.rows()), static_cast<double>(H * 2));
+  state.counters["CT"] = plan.copies_per_token();
+}
+
+// SFD -> EPD on the receiving side: one row per (token, local expert), grouped by expert.
+void scatter_weave(benchmark::State& state) {
+  const std::size_t T = arg(state, 0), H = arg(state, 3);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  const auto& in = inputs(T, E, k);
+  const auto& x = tokens(T, H);
+  const auto p = weave::placement::contiguous(E, devices < E ? devices : E);
+  weave::dispatch_plan plan(p, k, 0);
+  plan.build(in.ids, in.weights);
+  weave::host_matrix<weave::bfloat16> sfd(static_cast<std::size_t>(plan.rows()), H);
+  weave::dispatch_gather(plan, x.view(), sfd.view());
+  // All devices' rows received by one device that holds every local slot index.
+  weave::expert_plan eplan(p.slots_per_device(), k);
+  eplan.build(plan.row_routes(), plan.send_counts());
+  weave::host_matrix<weave::bfloat16> epd(static_cast<std::size_t>(eplan.epd_rows()), H);
+  for (auto _ : state) {
+    weave::expert_scatter(eplan, sfd.view(), epd.view());
+    benchmark::ClobberMemory();
+  }
+  set_row_counters(state, static_cast<double>(eplan.epd_rows()), static_cast<double>(H * 2));
+}
+
+// The mask-based dispatch: each kept (token, expert) pair copied to expert-major order.
+void gather_naive_mask(benchmark::State& state) {
+  const std::size_t T = arg(state, 0), H = arg(state, 3);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  const auto& in = inputs(T, E, k);
+  const auto& x = tokens(T, H);
+  mask_plan plan;
+  plan.build(in.ids, T, E, k, -1);
+  std::vector<std::int64_t> offset(static_cast<std::size_t>(E) + 1, 0);
+  for (int e = 0; e < E; ++e)
+    offset[static_cast<std::size_t>(e) + 1] =
+        offset[static_cast<std::size_t>(e)] + plan.base[static_cast<std::size_t>(e)];
+  weave::host_matrix<weave::bfloat16> out(static_cast<std::size_t>(plan.kept), H);
+  const std::size_t bytes = H * 2;
+  for (auto _ : state) {
+    for (std::size_t q = 0; q < in.ids.size(); ++q) {
+      const auto row = offset[static_cast<std::size_t>(in.ids[q])] + plan.location[q];
+      std::memcpy(out.row(static_cast<std::size_t>(row)).data(),
+                  x.row(q / static_cast<std::size_t>(k)).data(), bytes);
+    }
+    benchmark::ClobberMemory();
+  }
+  set_row_counters(state, static_cast<double>(plan.kept), static_cast<double>(bytes));
+}
+
+void memcpy_baseline(benchmark::State& state) {
+  const std::size_t T = arg(state, 0), H = arg(state, 3);
+  const auto& x = tokens(T, H);
+  weave::host_matrix<weave::bfloat16> out(T, H);
+  for (auto _ : state) {
+    std::memcpy(out.data(), x.data(), T * H * 2);
+    benchmark::ClobberMemory();
+  }
+  set_row_counters(state, static_cast<double>(T), static_cast<double>(H * 2));
+}
+
+void shapes(benchmark::internal::Benchmark* b, std::vector<std::int64_t> Ts) {
+  b->ArgNames({"T", "E", "k"});
+  for (const auto T : Ts)
+    for (const std::int64_t E : {8, 64, 256})
+      for (const std::int64_t k : {1, 2, 8})
+        b->Args({T, E, k});
+  b->Unit(benchmark::kMillisecond)->MinTime(0.2)->UseRealTime();
+}
+
+void row_shapes(benchmark::internal::Benchmark* b, std::vector<std::int64_t> Ts, std::int64_t H,
+                bool long_only) {
+  b->ArgNames({"T", "E", "k", "H"});
+  for (const auto T : Ts)
+    for (const std::int64_t E : {8, 64, 256})
+      for (const std::int64_t k : {1, 2, 8}) {
+        // Long cases: hidden 4096 where the output stays under ~1 GiB (T * k <= 128k rows).
+        if (long_only && T * k > 131072)
+          continue;
+        b->Args({T, E, k, H});
+      }
+  b->Unit(benchmark::kMillisecond)->MinTime(0.2)->UseRealTime();
+}
+
+void register_all() {
+  const std::vector<std::int64_t> all = {4096, 16384, 65536}, short_rows = {4096, 16384};
+  shapes(benchmark::RegisterBenchmark("gate", gate), all);
+  shapes(benchmark::RegisterBenchmark("plan/weave", plan_weave), all);
+  shapes(benchmark::RegisterBenchmark("plan/naive_mask", plan_naive_mask), all);
+  for (const bool is_long : {false, true}) {
+    const std::string tag = is_long ? "long/" : "";
+    const std::int64_t H = is_long ? 4096 : 512;
+    const auto& Ts = is_long ? all : short_rows;
+    row_shapes(benchmark::RegisterBenchmark((tag + "gather/weave_sfd").c_str(), gather_weave), Ts,
+               H, is_long);
+    row_shapes(benchmark::RegisterBenchmark((tag + "gather/naive_mask").c_str(), gather_naive_mask),
+               Ts, H, is_long);
+    row_shapes(benchmark::RegisterBenchmark((tag + "scatter/weave_epd").c_str(), scatter_weave), Ts,
+               H, is_long);
+    auto* m = benchmark::RegisterBenchmark((tag + "memcpy").c_str(), memcpy_baseline);
+    m->ArgNames({"T", "E", "k", "H"});
+    for (const auto T : Ts)
+      m->Args({T, 0, 0, H});
+    m->Unit(benchmark::kMillisecond)->MinTime(0.2)->UseRealTime();
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  // Without an explicit filter, skip the long cases so the default run stays short.
+  std::vector<char*> args(argv, argv + argc);
+  bool filtered = false;
+  for (int i = 1; i < argc; ++i)
+    filtered = filtered || std::strncmp(argv[i], "--benchmark_filter", 18) == 0;
+  static char skip_long[] = "--benchmark_filter=-long";
+  if (!filtered)
+    args.push_back(skip_long);
+  int count = static_cast<int>(args.size());
+  args.push_back(nullptr);
+  register_all();
+  benchmark::Initialize(&count, args.data());
+  if (benchmark::ReportUnrecognizedArguments(count, args.data()))
+    return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

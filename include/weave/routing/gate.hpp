@@ -1,0 +1,221 @@
+//! \file
+//! Top-k gating over [T, E] gate logits (f32, f16, bf16 or f64 rows; fp32 math).
+//!
+//! Scores are softmax probabilities or element-wise sigmoids of the logits. Experts are chosen
+//! by selection score = score + bias[e] (the additive per-expert bias of aux-loss-free
+//! balancing, DeepSeek-V3 style; empty bias = none), highest first, ties to the lower expert id,
+//! optionally restricted to M devices (`device_limit`, by score). The weight of a choice is its
+//! unbiased score, optionally renormalized over the token's k choices. The GShard/Tutel
+//! load-balancing loss is returned beside: l_aux = E * sum_e mean_t(p[t, e]) * f[e], where
+//! p are the softmax probabilities (sigmoid scores divided by their token's sum) and f[e] the
+//! fraction of tokens whose first choice is e.
+#pragma once
+
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/routing/device_limit.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! How logits become scores.
+enum class gate_scoring : std::uint8_t {
+  softmax, //!< p = softmax(logits) over the E experts
+  sigmoid, //!< p = 1 / (1 + exp(-logit)), per expert
+};
+
+//! Parameters of `top_k_gate`.
+struct gate_options {
+  int k = 1;                                    //!< choices per token, 1..E
+  gate_scoring scoring = gate_scoring::softmax; //!< score function
+  bool renormalize = false;                     //!< divide the k weights by their sum
+  std::span<const float> bias = {};             //!< per-expert selection bias (E values) or empty
+  const device_limit* limit = nullptr;          //!< restrict each token to M devices (by score)
+};
+
+//! What `top_k_gate` returns beside the choices.
+struct gate_summary {
+  double aux_loss = 0.0;    //!< GShard load-balancing loss of the batch
+  std::size_t tokens = 0;   //!< rows gated
+  std::int64_t limited = 0; //!< tokens whose unrestricted top-k was changed by the device limit
+};
+
+//! Reusable scratch of `top_k_gate`; keeping one across calls avoids allocating per call.
+struct gate_scratch {
+  std::vector<float> score, selection;
+  std::vector<double> mean_prob, first_choice;
+  std::vector<std::uint8_t> allowed;
+  std::vector<std::int32_t> unlimited;
+  device_select_scratch devices;
+};
+
+namespace detail {
+
+// Keeps the k best (selection, id) pairs sorted: higher selection first, then lower id. Ids
+// arrive ascending, so an equal selection never displaces an earlier (lower) id.
+inline void top_k_insert(std::int32_t* ids, float* keys, int& filled, int k, std::int32_t id,
+                         float key) {
+  if (filled == k && !(key > keys[k - 1]))
+    return;
+  int at = filled < k ? filled : k - 1;
+  while (at > 0 && key > keys[at - 1]) {
+    ids[at] = ids[at - 1];
+    keys[at] = keys[at - 1];
+    --at;
+  }
+  ids[at] = id;
+  keys[at] = key;
+  if (filled < k)
+    ++filled;
+}
+
+} // namespace detail
+
+//! Gates `logits` ([T, E], one row per token): writes k expert ids per token to `ids` and their
+//! weights to `weights` (token-major, rank order = descending selection score).
+//! Throws `errc::invalid_argument` for k outside 1..E, NaN or +inf logits, a row of -inf
+//! logits (softmax), non-finite bias or a non-floating logit type; `errc::size_mismatch` for
+//! output spans that are not T * k long or a bias that is not E long.
+inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
+                               std::span<std::int32_t> ids, std::span<float> weights,
+                               gate_scratch& scratch) {
+  const std::size_t T = logits.rows();
+  const std::size_t E = logits.cols();
+  const int k = options.k;
+  WEAVE_EXPECT(E >= 1 && E <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+               errc::invalid_argument, "gate over ", E, " experts");
+  WEAVE_EXPECT(k >= 1 && static_cast<std::size_t>(k) <= E, errc::invalid_argument, "k = ", k,
+               " outside 1..", E, " (the number of experts)");
+  WEAVE_EXPECT(is_floating(logits.element_type()), errc::invalid_argument, "gate logits of type ",
+               logits.element_type(), " (need f32, f16, bf16 or f64)");
+  WEAVE_EXPECT(host_accessible(logits.space()), errc::invalid_argument, "gate logits in ",
+               logits.space(), " memory (the host gate reads them)");
+  const std::size_t kk = static_cast<std::size_t>(k);
+  const std::size_t out = checked_mul(T, kk, "gate outputs");
+  WEAVE_EXPECT(ids.size() == out && weights.size() == out, errc::size_mismatch, "gate outputs of ",
+               ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);
+  WEAVE_EXPECT(options.bias.empty() || options.bias.size() == E, errc::size_mismatch, "bias of ",
+               options.bias.size(), " values for ", E, " experts");
+  for (std::size_t e = 0; e < options.bias.size(); ++e)
+    WEAVE_EXPECT(std::isfinite(options.bias[e]), errc::invalid_argument, "bias[", e,
+                 "] = ", options.bias[e]);
+  if (options.limit != nullptr)
+    detail::validate_limit(*options.limit, static_cast<int>(E), k);
+
+  scratch.score.resize(E);
+  scratch.selection.resize(E);
+  scratch.allowed.resize(E);
+  scratch.unlimited.resize(kk);
+  scratch.mean_prob.assign(E, 0.0);
+  scratch.first_choice.assign(E, 0.0);
+  float* score = scratch.score.data();
+  float* selection = scratch.selection.data();
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  gate_summary summary;
+  summary.tokens = T;
+
+  for (std::size_t t = 0; t < T; ++t) {
+    const std::byte* row = logits.row(t);
+    float top = neg_inf;
+    for (std::size_t e = 0; e < E; ++e) {
+      const float x = load_as_float(row, e, logits.element_type());
+      WEAVE_EXPECT(!std::isnan(x) && x != std::numeric_limits<float>::infinity(),
+                   errc::invalid_argument, "logit[", t, ", ", e, "] = ", x);
+      score[e] = x;
+      top = x > top ? x : top;
+    }
+    float prob_sum = 0.0f;
+    if (options.scoring == gate_scoring::softmax) {
+      WEAVE_EXPECT(top != neg_inf, errc::invalid_argument, "token ", t,
+                   " has only -inf logits: softmax is undefined");
+      for (std::size_t e = 0; e < E; ++e) {
+        score[e] = std::exp(score[e] - top);
+        prob_sum += score[e];
+      }
+      for (std::size_t e = 0; e < E; ++e)
+        score[e] /= prob_sum;
+      prob_sum = 1.0f;
+    } else {
+      for (std::size_t e = 0; e < E; ++e) {
+        score[e] = 1.0f / (1.0f + std::exp(-score[e]));
+        prob_sum += score[e];
+      }
+    }
+    for (std::size_t e = 0; e < E; ++e) {
+      selection[e] = options.bias.empty() ? score[e] : score[e] + options.bias[e];
+      if (prob_sum > 0.0f)
+        scratch.mean_prob[e] += static_cast<double>(score[e] / prob_sum);
+    }
+
+    std::int32_t* tid = ids.data() + t * kk;
+    float* tw = weights.data() + t * kk;
+    int filled = 0;
+    if (options.limit != nullptr) {
+      // The unrestricted choice, only to count tokens the limit changed.
+      int free_filled = 0;
+      for (std::size_t e = 0; e < E; ++e)
+        detail::top_k_insert(scratch.unlimited.data(), tw, free_filled, k,
+                             static_cast<std::int32_t>(e), selection[e]);
+      select_devices(*options.limit, scratch.selection, k, t, scratch.devices, scratch.allowed);
+      for (std::size_t e = 0; e < E; ++e)
+        if (scratch.allowed[e])
+          detail::top_k_insert(tid, tw, filled, k, static_cast<std::int32_t>(e), selection[e]);
+      bool same = true;
+      for (std::size_t i = 0; i < kk; ++i)
+        same = same && scratch.unlimited[i] == tid[i];
+      summary.limited += same ? 0 : 1;
+    } else {
+      for (std::size_t e = 0; e < E; ++e)
+        detail::top_k_insert(tid, tw, filled, k, static_cast<std::int32_t>(e), selection[e]);
+    }
+    float chosen_sum = 0.0f;
+    for (std::size_t i = 0; i < kk; ++i) {
+      tw[i] = score[static_cast<std::size_t>(tid[i])];
+      chosen_sum += tw[i];
+    }
+    if (options.renormalize && chosen_sum > 0.0f)
+      for (std::size_t i = 0; i < kk; ++i)
+        tw[i] /= chosen_sum;
+    scratch.first_choice[static_cast<std::size_t>(tid[0])] += 1.0;
+  }
+  if (T > 0) {
+    double loss = 0.0;
+    for (std::size_t e = 0; e < E; ++e)
+      loss += (scratch.mean_prob[e] / static_cast<double>(T)) *
+              (scratch.first_choice[e] / static_cast<double>(T));
+    summary.aux_loss = loss * static_cast<double>(E);
+  }
+  return summary;
+}
+
+//! `top_k_gate` with its own scratch (allocates; keep a `gate_scratch` to avoid that).
+inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
+                               std::span<std::int32_t> ids, std::span<float> weights) {
+  gate_scratch scratch;
+  return top_k_gate(logits, options, ids, weights, scratch);
+}
+
+//! Per-token priority for batch-prioritized dropping: the largest of its k weights.
+inline void max_weight_priority(std::span<const float> weights, int k, std::span<float> priority) {
+  WEAVE_EXPECT(k >= 1 && weights.size() == priority.size() * static_cast<std::size_t>(k),
+               errc::size_mismatch, weights.size(), " weights for ", priority.size(),
+               " tokens with k = ", k);
+  const auto kk = static_cast<std::size_t>(k);
+  for (std::size_t t = 0; t < priority.size(); ++t) {
+    float best = weights[t * kk];
+    for (std::size_t i = 1; i < kk; ++i)
+      best = weights[t * kk + i] > best ? weights[t * kk + i] : best;
+    priority[t] = best;
+  }
+}
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,14 @@
+//! \file
+//! Umbrella header of the host routing layer: gating, capacity, device-limited routing,
+//! dispatch plans (sender and receiver halves), host kernels and statistics. The CUDA kernels
+//! are in `weave/routing/kernels.cuh` (nvcc) and the plan upload in `plan_cuda.hpp`.
+#pragma once
+
+#include "weave/routing/capacity.hpp"
+#include "weave/routing/device_limit.hpp"
+#include "weave/routing/dispatch_plan.hpp"
+#include "weave/routing/expert_plan.hpp"
+#include "weave/routing/gate.hpp"
+#include "weave/routing/kernels_async.hpp"
+#include "weave/routing/kernels_host.hpp"
+#include "weave/routing/statistics.hpp"
