@@ -89,67 +89,6 @@ case_result<T> run_case(const case_setup& s, const weave::placement& where, int 
 }
 
 template <class T>
-void check_against_dense(const case_setup& s, const weave::placement& where,
-                         const std::vector<moe_test::rank_input<T>>& in,
-                         const moe_test::linear_experts& experts, const case_result<T>& got,
-                         bool with_backward, double tolerance) {
-  const auto k = static_cast<std::size_t>(s.k);
-  for (int rr = 0; rr < s.ranks; ++rr) {
-    const auto r = static_cast<std::size_t>(rr);
-    const auto keep = moe_test::naive_keep(in[r].ids, in[r].weights, s.k, s.experts, s.capacity);
-    std::int64_t dropped = 0, kept_pairs = 0, copies = 0;
-    for (std::size_t t = 0; t < in[r].x.rows(); ++t) {
-      std::vector<double> y(s.hidden, 0.0), dx(s.hidden, 0.0);
-      std::vector<int> devices;
-      for (std::size_t j = 0; j < k; ++j) {
-        const std::int32_t e = in[r].ids[t * k + j];
-        if (e < 0)
-          continue;
-        if (!keep[t * k + j]) {
-          ++dropped;
-          if (with_backward)
-            CHECK(got.dw[r][t * k + j] == 0.0f);
-          continue;
-        }
-        ++kept_pairs;
-        const int device = where.device_of_slot(where.slot_for(e, t, rr));
-        if (std::find(devices.begin(), devices.end(), device) == devices.end())
-          devices.push_back(device);
-        const double w = in[r].weights[t * k + j];
-        double dw = 0;
-        for (std::size_t o = 0; o < s.hidden; ++o) {
-          double fx = 0, gx = 0;
-          for (std::size_t i = 0; i < s.hidden; ++i) {
-            fx += experts.at(e, o, i) * static_cast<double>(static_cast<float>(in[r].x(t, i)));
-            gx += experts.at(e, i, o) * static_cast<double>(static_cast<float>(in[r].x(t, i)));
-          }
-          y[o] += w * fx;
-          dx[o] += w * gx;
-          dw += static_cast<double>(static_cast<float>(in[r].x(t, o))) * fx;
-        }
-        if (with_backward)
-          CHECK(got.dw[r][t * k + j] == doctest::Approx(dw).epsilon(tolerance).scale(1.0));
-      }
-      copies += static_cast<std::int64_t>(devices.size());
-      for (std::size_t o = 0; o < s.hidden; ++o) {
-        REQUIRE(static_cast<float>(got.y[r](t, o)) ==
-                doctest::Approx(y[o]).epsilon(tolerance).scale(1.0));
-        if (with_backward)
-          REQUIRE(static_cast<float>(got.dx[r](t, o)) ==
-                  doctest::Approx(dx[o]).epsilon(tolerance).scale(1.0));
-      }
-      if (with_backward)
-        for (std::size_t j = 0; j < k; ++j)
-          if (in[r].ids[t * k + j] < 0)
-            CHECK(got.dw[r][t * k + j] == 0.0f);
-    }
-    CHECK(got.stats[r].dropped_pairs == dropped);
-    CHECK(got.stats[r].routed_pairs == kept_pairs);
-    CHECK(got.stats[r].sent_rows == copies);
-  }
-}
-
-template <class T>
 bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
   return a.rows() == b.rows() &&
          std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0;
@@ -160,7 +99,12 @@ void check_all_chunkings(const case_setup& s, const weave::placement& where, dou
   const auto in = make_inputs<T>(s);
   const moe_test::linear_experts experts(s.experts, s.hidden, s.seed + 100);
   const auto base = run_case<T>(s, where, 1, in, experts, true);
-  check_against_dense(s, where, in, experts, base, true, tolerance);
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    moe_test::check_rank_against_dense(r, where, s.k, s.experts, s.capacity, in[i], experts,
+                                       base.y[i], &base.dx[i], &base.dw[i], base.stats[i],
+                                       tolerance);
+  }
   for (int chunks : {2, 3, 5}) {
     CAPTURE(chunks);
     const auto got = run_case<T>(s, where, chunks, in, experts, true);

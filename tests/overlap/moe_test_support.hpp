@@ -6,6 +6,9 @@
 #include <weave/core/host_matrix.hpp>
 #include <weave/overlap/moe_options.hpp>
 #include <weave/placement/placement.hpp>
+#include <weave/routing/capacity.hpp>
+
+#include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -137,6 +140,62 @@ inline std::vector<bool> naive_keep(const std::vector<std::int32_t>& ids,
         visit(t, j);
   }
   return keep;
+}
+
+// Checks one rank's forward output (and backward gradients, if given) against a dense
+// per-(token, expert) computation in double, and its statistics against a naive count.
+template <class T>
+void check_rank_against_dense(int rank, const weave::placement& where, int k, int experts_count,
+                              const weave::capacity_policy& capacity, const rank_input<T>& in,
+                              const linear_experts& experts, const weave::host_matrix<T>& y,
+                              const weave::host_matrix<T>* dx, const std::vector<float>* dw,
+                              const weave::moe_stats& stats, double tolerance) {
+  const auto kk = static_cast<std::size_t>(k);
+  const std::size_t hidden = in.x.cols();
+  const auto keep = naive_keep(in.ids, in.weights, k, experts_count, capacity);
+  std::int64_t dropped = 0, kept_pairs = 0, copies = 0;
+  for (std::size_t t = 0; t < in.x.rows(); ++t) {
+    std::vector<double> yr(hidden, 0.0), dxr(hidden, 0.0);
+    std::vector<int> devices;
+    for (std::size_t j = 0; j < kk; ++j) {
+      const std::int32_t e = in.ids[t * kk + j];
+      if (e < 0 || !keep[t * kk + j]) {
+        dropped += e >= 0 ? 1 : 0;
+        if (dw)
+          CHECK((*dw)[t * kk + j] == 0.0f);
+        continue;
+      }
+      ++kept_pairs;
+      const int device = where.device_of_slot(where.slot_for(e, t, rank));
+      if (std::find(devices.begin(), devices.end(), device) == devices.end())
+        devices.push_back(device);
+      const double w = in.weights[t * kk + j];
+      double g = 0;
+      for (std::size_t o = 0; o < hidden; ++o) {
+        double fx = 0, gx = 0;
+        for (std::size_t i = 0; i < hidden; ++i) {
+          fx += experts.at(e, o, i) * static_cast<double>(static_cast<float>(in.x(t, i)));
+          gx += experts.at(e, i, o) * static_cast<double>(static_cast<float>(in.x(t, i)));
+        }
+        yr[o] += w * fx;
+        dxr[o] += w * gx;
+        g += static_cast<double>(static_cast<float>(in.x(t, o))) * fx; // dL/dy = x
+      }
+      if (dw)
+        CHECK((*dw)[t * kk + j] == doctest::Approx(g).epsilon(tolerance).scale(1.0));
+    }
+    copies += static_cast<std::int64_t>(devices.size());
+    for (std::size_t o = 0; o < hidden; ++o) {
+      REQUIRE(static_cast<float>(y(t, o)) == doctest::Approx(yr[o]).epsilon(tolerance).scale(1.0));
+      if (dx)
+        REQUIRE(static_cast<float>((*dx)(t, o)) ==
+                doctest::Approx(dxr[o]).epsilon(tolerance).scale(1.0));
+    }
+  }
+  CHECK(stats.dropped_pairs == dropped);
+  CHECK(stats.routed_pairs == kept_pairs);
+  CHECK(stats.sent_rows == copies);
+  CHECK(stats.tokens == in.x.rows());
 }
 
 } // namespace moe_test
