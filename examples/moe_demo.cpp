@@ -15,6 +15,8 @@
 //   moe_demo [--tokens=4096] [--experts=64] [--k=8] [--hidden=512] [--ranks=4] [--chunks=4]
 //            [--link-gbps=0.5] [--latency-us=10] [--expert-ns-per-row=500] [--iterations=3]
 //            [--trace=moe_demo.trace.json]
+// Under mpirun (when built with MPI) each process is one rank and MPI is the link:
+//   mpirun -np 4 moe_demo
 #include <weave/comm/local_world.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
@@ -22,6 +24,9 @@
 #include <weave/overlap/pipeline_timing.hpp>
 #include <weave/placement/placement.hpp>
 #include <weave/routing/gate.hpp>
+#ifdef WEAVE_DEMO_MPI
+#include <weave/comm/mpi_communicator.hpp>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -126,8 +132,38 @@ struct emulated_experts {
   }
 };
 
-// Runs `iterations` forwards with `chunks` on every rank; returns rank 0's median timing.
-std::vector<measured> run_layer(const settings& s, const weave::placement& where, int chunks,
+// Runs `iterations` forwards with `chunks` on one rank; returns its median timing.
+template <class Comm>
+measured run_rank(Comm& comm, const settings& s, const weave::placement& where, int chunks,
+                  rank_data& d, bool pipelined_output, weave::overlap::trace_writer* trace,
+                  weave::host_event::clock::time_point origin) {
+  weave::moe_options o;
+  o.k = s.k;
+  o.hidden = s.hidden;
+  o.element = weave::dtype::bf16;
+  o.max_tokens = s.tokens;
+  o.chunks = chunks;
+  weave::moe_exchange<Comm> layer(comm, where, o);
+  weave::host_stream compute("compute"), comm_stream("comm");
+  auto& y = pipelined_output ? d.y_pipelined : d.y_unpipelined;
+  std::vector<weave::pipeline_timing> timings;
+  for (int it = 0; it <= s.iterations; ++it) { // iteration 0 warms the buffers up
+    layer.forward(d.x.view(), d.ids, d.weights, y.view(), emulated_experts{s.expert_ns_per_row},
+                  compute, comm_stream);
+    compute.synchronize();
+    comm_stream.synchronize();
+    if (it > 0)
+      timings.push_back(weave::measure(layer.pipeline()));
+  }
+  std::sort(timings.begin(), timings.end(),
+            [](const auto& a, const auto& b) { return a.makespan_ms < b.makespan_ms; });
+  if (trace)
+    weave::add_to_trace(*trace, layer.pipeline(), comm.rank(), origin);
+  return {timings[timings.size() / 2], layer.stats()};
+}
+
+// Every rank of an in-process world, one thread each.
+std::vector<measured> run_local(const settings& s, const weave::placement& where, int chunks,
                                 std::vector<rank_data>& data, bool pipelined_output,
                                 weave::overlap::trace_writer* trace) {
   weave::local_world_options options;
@@ -135,48 +171,29 @@ std::vector<measured> run_layer(const settings& s, const weave::placement& where
       s.link_gbps, std::chrono::nanoseconds(static_cast<std::int64_t>(s.latency_us * 1e3)));
   weave::local_world world(s.ranks, options);
   std::vector<measured> result(static_cast<std::size_t>(s.ranks));
+  std::mutex trace_mutex;
   const auto origin = weave::host_event::clock::now();
   world.run([&](weave::local_communicator& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
-    weave::moe_options o;
-    o.k = s.k;
-    o.hidden = s.hidden;
-    o.element = weave::dtype::bf16;
-    o.max_tokens = s.tokens;
-    o.chunks = chunks;
-    weave::moe_exchange<weave::local_communicator> layer(comm, where, o);
-    weave::host_stream compute("compute"), comm_stream("comm");
-    auto& y = pipelined_output ? data[r].y_pipelined : data[r].y_unpipelined;
-    std::vector<weave::pipeline_timing> timings;
-    for (int it = 0; it <= s.iterations; ++it) { // iteration 0 warms the buffers up
-      layer.forward(data[r].x.view(), data[r].ids, data[r].weights, y.view(),
-                    emulated_experts{s.expert_ns_per_row}, compute, comm_stream);
-      compute.synchronize();
-      comm_stream.synchronize();
-      if (it > 0)
-        timings.push_back(weave::measure(layer.pipeline()));
+    weave::overlap::trace_writer mine;
+    result[r] = run_rank(comm, s, where, chunks, data[r], pipelined_output, trace ? &mine : nullptr,
+                         origin);
+    if (trace) {
+      std::lock_guard lock(trace_mutex);
+      for (const auto& e : mine.events())
+        trace->add(e);
+      trace->name_process(comm.rank(), "rank " + std::to_string(comm.rank()));
+      trace->name_thread(comm.rank(), 0, "compute stream");
+      trace->name_thread(comm.rank(), 1, "comm stream");
     }
-    std::sort(timings.begin(), timings.end(),
-              [](const auto& a, const auto& b) { return a.makespan_ms < b.makespan_ms; });
-    result[r] = {timings[timings.size() / 2], layer.stats()};
-    if (trace)
-      weave::add_to_trace(*trace, layer.pipeline(), comm.rank(), origin);
   });
   return result;
 }
 
-} // namespace
-
-int main(int argc, char** argv) {
-  const settings s = parse(argc, argv);
-  if (s.experts % s.ranks != 0) {
-    std::fprintf(stderr, "moe_demo: --experts must be a multiple of --ranks\n");
-    return 2;
-  }
-  const auto where = weave::placement::contiguous(s.experts, s.ranks);
-
-  // Each rank's tokens and gate logits; the gate picks top-k with softmax weights.
-  std::vector<rank_data> data(static_cast<std::size_t>(s.ranks));
+// Each rank's tokens and gate logits (the same on every process: one seed); the gate picks
+// top-k with softmax weights. Returns the mean GShard auxiliary loss.
+double make_data(const settings& s, std::vector<rank_data>& data) {
+  data.resize(static_cast<std::size_t>(s.ranks));
   std::mt19937 rng(2026);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   double aux_loss = 0;
@@ -196,23 +213,24 @@ int main(int argc, char** argv) {
     d.y_unpipelined = weave::host_matrix<row_t>(s.tokens, s.hidden);
     d.y_pipelined = weave::host_matrix<row_t>(s.tokens, s.hidden);
   }
+  return aux_loss / s.ranks;
+}
 
-  std::printf("weave MoE demo: %d in-process ranks, %zu tokens/rank, %d experts, top-%d, hidden "
-              "%zu (bf16), link %.2f GB/s + %.0f us, experts %.0f ns/row\n",
-              s.ranks, s.tokens, s.experts, s.k, s.hidden, s.link_gbps, s.latency_us,
-              s.expert_ns_per_row);
+bool outputs_identical(const rank_data& d) {
+  return std::memcmp(d.y_unpipelined.data(), d.y_pipelined.data(),
+                     d.x.rows() * d.x.cols() * sizeof(row_t)) == 0;
+}
+
+void print_header(const settings& s, const char* world, double aux_loss) {
+  std::printf("weave MoE demo: %d ranks (%s), %zu tokens/rank, %d experts, top-%d, hidden %zu "
+              "(bf16), experts %.0f ns/row\n",
+              s.ranks, world, s.tokens, s.experts, s.k, s.hidden, s.expert_ns_per_row);
   std::printf("gate: softmax top-%d, GShard aux loss %.4f (1.0 = perfectly balanced)\n", s.k,
-              aux_loss / s.ranks);
+              aux_loss);
+}
 
-  const auto plain = run_layer(s, where, 1, data, false, nullptr);
-  weave::overlap::trace_writer trace;
-  const auto piped = run_layer(s, where, s.chunks, data, true, &trace);
-
-  bool identical = true;
-  for (const rank_data& d : data)
-    identical = identical && std::memcmp(d.y_unpipelined.data(), d.y_pipelined.data(),
-                                         d.x.rows() * d.x.cols() * sizeof(row_t)) == 0;
-
+void report(const settings& s, const std::vector<measured>& plain,
+            const std::vector<measured>& piped, bool identical) {
   // Volumes, summed over ranks; a naive dispatch sends one row per (token, expert).
   std::int64_t sent = 0, local = 0, naive = 0, dropped = 0;
   for (const measured& m : plain) {
@@ -233,15 +251,14 @@ int main(int argc, char** argv) {
               2.0 * static_cast<double>(sent) * row_bytes / mib,
               2.0 * static_cast<double>(local) * row_bytes / mib,
               2.0 * static_cast<double>(naive) * row_bytes / mib, static_cast<long long>(dropped));
-
-  auto worst = [](const std::vector<measured>& m) { // the slowest rank sets the layer's time
+  auto slowest = [](const std::vector<measured>& m) { // the slowest rank sets the layer's time
     weave::pipeline_timing t{};
     for (const measured& x : m)
       if (x.timing.makespan_ms > t.makespan_ms)
         t = x.timing;
     return t;
   };
-  const auto a = worst(plain), b = worst(piped);
+  const auto a = slowest(plain), b = slowest(piped);
   std::printf("\n%-22s %12s %12s %14s %12s\n", "", "layer (ms)", "compute (ms)", "exposed comm",
               "comm busy");
   std::printf("%-22s %12.1f %12.1f %11.1f ms %9.1f ms\n", "unpipelined (C = 1)", a.makespan_ms,
@@ -255,6 +272,80 @@ int main(int argc, char** argv) {
               "%.2fx speedup\n",
               a.makespan_ms - b.makespan_ms, hidden_pct, a.makespan_ms / b.makespan_ms);
   std::printf("pipelined output bitwise identical to unpipelined: %s\n", identical ? "yes" : "NO");
+}
+
+#ifdef WEAVE_DEMO_MPI
+// One rank per process under mpirun; the link is whatever MPI uses.
+int run_mpi(settings s) {
+  int provided = 0;
+  MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  int status = 0;
+  {
+    weave::mpi_communicator comm(MPI_COMM_WORLD);
+    s.ranks = comm.size();
+    if (s.experts % s.ranks != 0) {
+      if (comm.rank() == 0)
+        std::fprintf(stderr, "moe_demo: --experts must be a multiple of the MPI ranks\n");
+      status = 2;
+    } else {
+      const auto where = weave::placement::contiguous(s.experts, s.ranks);
+      std::vector<rank_data> data;
+      const double aux_loss = make_data(s, data);
+      rank_data& mine = data[static_cast<std::size_t>(comm.rank())];
+      if (comm.rank() == 0)
+        print_header(s, "MPI processes", aux_loss);
+      const auto origin = weave::host_event::clock::now();
+      weave::overlap::trace_writer trace;
+      const measured plain = run_rank(comm, s, where, 1, mine, false, nullptr, origin);
+      const measured piped = run_rank(comm, s, where, s.chunks, mine, true, &trace, origin);
+      std::vector<measured> all_plain(static_cast<std::size_t>(s.ranks));
+      std::vector<measured> all_piped(all_plain.size());
+      MPI_Gather(&plain, sizeof(measured), MPI_BYTE, all_plain.data(), sizeof(measured), MPI_BYTE,
+                 0, MPI_COMM_WORLD);
+      MPI_Gather(&piped, sizeof(measured), MPI_BYTE, all_piped.data(), sizeof(measured), MPI_BYTE,
+                 0, MPI_COMM_WORLD);
+      int identical = outputs_identical(mine) ? 1 : 0;
+      MPI_Allreduce(MPI_IN_PLACE, &identical, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+      if (comm.rank() == 0)
+        report(s, all_plain, all_piped, identical != 0);
+      if (!s.trace.empty()) {
+        trace.write_file(s.trace + ".rank" + std::to_string(comm.rank()));
+        if (comm.rank() == 0)
+          std::printf("traces of the pipelined layer: %s.rank<N> (one per rank)\n",
+                      s.trace.c_str());
+      }
+      status = identical ? 0 : 1;
+    }
+  }
+  MPI_Finalize();
+  return status;
+}
+#endif
+
+} // namespace
+
+int main(int argc, char** argv) {
+  const settings s = parse(argc, argv);
+#ifdef WEAVE_DEMO_MPI
+  if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr)
+    return run_mpi(s);
+#endif
+  if (s.experts % s.ranks != 0) {
+    std::fprintf(stderr, "moe_demo: --experts must be a multiple of --ranks\n");
+    return 2;
+  }
+  const auto where = weave::placement::contiguous(s.experts, s.ranks);
+  std::vector<rank_data> data;
+  const double aux_loss = make_data(s, data);
+  print_header(s, "in-process", aux_loss);
+  std::printf("link: %.2f GB/s + %.0f us per rank pair (emulated)\n", s.link_gbps, s.latency_us);
+  const auto plain = run_local(s, where, 1, data, false, nullptr);
+  weave::overlap::trace_writer trace;
+  const auto piped = run_local(s, where, s.chunks, data, true, &trace);
+  bool identical = true;
+  for (const rank_data& d : data)
+    identical = identical && outputs_identical(d);
+  report(s, plain, piped, identical);
   if (!s.trace.empty()) {
     trace.write_file(s.trace);
     std::printf("trace of the pipelined layer: %s (open in ui.perfetto.dev)\n", s.trace.c_str());

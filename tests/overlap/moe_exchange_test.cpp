@@ -91,7 +91,7 @@ case_result<T> run_case(const case_setup& s, const weave::placement& where, int 
 template <class T>
 bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
   return a.rows() == b.rows() &&
-         std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0;
+         (a.rows() == 0 || std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0);
 }
 
 template <class T>
@@ -112,7 +112,7 @@ void check_all_chunkings(const case_setup& s, const weave::placement& where, dou
       const auto i = static_cast<std::size_t>(r);
       REQUIRE(bitwise_equal(got.y[i], base.y[i]));
       REQUIRE(bitwise_equal(got.dx[i], base.dx[i]));
-      REQUIRE(std::memcmp(got.dw[i].data(), base.dw[i].data(), got.dw[i].size() * 4) == 0);
+      REQUIRE(got.dw[i] == base.dw[i]); // bitwise: no NaNs are produced
       CHECK(got.stats[i].dropped_pairs == base.stats[i].dropped_pairs);
     }
   }
