@@ -1,0 +1,176 @@
+// moe_exchange on an emulated link: pipelined (C chunks) against unpipelined (C = 1), in the
+// same binary and run, at compute/communication ratios 0.25..4.
+//
+// 4 in-process ranks, 2048 tokens/rank, E = 32, k = 4, hidden 256 (bf16). The link is
+// 0.05 GB/s per rank pair (slow, so that the emulated costs dominate the CPU work of a 2-core
+// machine); expert compute is emulated by sleeping a calibrated time per
+// expert row, so `ratio` = (expert compute time) / (dispatch + combine link time). Each
+// iteration is one forward on every rank; the reported time is rank 0's makespan (manual
+// time), with counters: exposed_comm_ms (makespan - compute-stream busy time), compute_ms,
+// comm_ms. Compare a ratio's C = 1 row with its C > 1 rows.
+#include <benchmark/benchmark.h>
+
+#include <weave/comm/local_world.hpp>
+#include <weave/core/host_matrix.hpp>
+#include <weave/overlap/moe_exchange.hpp>
+#include <weave/overlap/pipeline_timing.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int ranks = 4, experts = 32, k = 4;
+constexpr std::size_t tokens = 2048, hidden = 256;
+constexpr double link_bytes_per_second = 0.05e9;
+using row_t = weave::bfloat16;
+
+// Persistent ranks: each owns an exchange and streams; `step()` runs one forward on all.
+class layer_ranks {
+ public:
+  layer_ranks(int chunks, double ratio)
+      : world_(ranks, {std::chrono::seconds(60), weave::emulated_link{{}, link_bytes_per_second}})
+      , start_(ranks + 1)
+      , done_(ranks + 1) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    for (int r = 0; r < ranks; ++r) {
+      auto& d = data_.emplace_back();
+      d.x = weave::host_matrix<row_t>(tokens, hidden);
+      d.y = weave::host_matrix<row_t>(tokens, hidden);
+      for (row_t& v : d.x.elements())
+        v = row_t(n(rng));
+      std::vector<int> all(experts);
+      for (int e = 0; e < experts; ++e)
+        all[static_cast<std::size_t>(e)] = e;
+      for (std::size_t t = 0; t < tokens; ++t) {
+        std::shuffle(all.begin(), all.end(), rng);
+        for (int j = 0; j < k; ++j) {
+          d.ids.push_back(all[static_cast<std::size_t>(j)]);
+          d.weights.push_back(1.0f / k);
+        }
+      }
+    }
+    // Link time of one layer for rank 0: its largest per-peer volume, both ways.
+    ns_per_row_ = 0; // calibrated after the first step from the plan's volumes
+    ratio_ = ratio;
+    for (int r = 0; r < ranks; ++r)
+      threads_.emplace_back([this, r, chunks] { serve(r, chunks); });
+  }
+
+  ~layer_ranks() {
+    stop_ = true;
+    start_.arrive_and_wait();
+    for (auto& t : threads_)
+      t.join();
+  }
+
+  weave::pipeline_timing step() {
+    start_.arrive_and_wait();
+    done_.arrive_and_wait();
+    return timing_;
+  }
+
+ private:
+  struct rank_data {
+    weave::host_matrix<row_t> x, y;
+    std::vector<std::int32_t> ids;
+    std::vector<float> weights;
+  };
+
+  void serve(int r, int chunks) {
+    auto& comm = world_.comm(r);
+    weave::moe_options o;
+    o.k = k;
+    o.hidden = hidden;
+    o.element = weave::dtype::bf16;
+    o.max_tokens = tokens;
+    o.chunks = chunks;
+    weave::moe_exchange<weave::local_communicator> ex(
+        comm, weave::placement::contiguous(experts, ranks), o);
+    weave::host_stream compute("compute"), stream("comm");
+    auto& d = data_[static_cast<std::size_t>(r)];
+    bool calibrated = false;
+    for (;;) {
+      start_.arrive_and_wait();
+      if (stop_)
+        return;
+      const double ns = calibrated ? ns_per_row_.load() : 0.0;
+      ex.forward(
+          d.x.view(), d.ids, d.weights, d.y.view(),
+          [ns](const weave::expert_batch& b) {
+            for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
+              for (auto i = b.expert_offsets[l]; i < b.expert_offsets[l + 1]; ++i)
+                std::memcpy(b.output.row(static_cast<std::size_t>(i)),
+                            b.input.row(static_cast<std::size_t>(i)), b.input.row_bytes());
+            std::this_thread::sleep_for(std::chrono::nanoseconds(
+                static_cast<std::int64_t>(ns * static_cast<double>(b.expert_offsets.back()))));
+          },
+          compute, stream);
+      compute.synchronize();
+      stream.synchronize();
+      if (!calibrated && r == 0) {
+        // Dispatch + combine link time: the busiest peer's rows, each way, over the link.
+        const auto& st = ex.stats();
+        const double remote = static_cast<double>(st.sent_rows - st.local_rows) / (ranks - 1);
+        const double link_s =
+            2.0 * remote * static_cast<double>(st.row_bytes) / link_bytes_per_second;
+        ns_per_row_ = ratio_ * link_s * 1e9 / static_cast<double>(st.expert_rows);
+      }
+      calibrated = true;
+      if (r == 0)
+        timing_ = weave::measure(ex.pipeline());
+      done_.arrive_and_wait();
+    }
+  }
+
+  weave::local_world world_;
+  std::vector<rank_data> data_;
+  std::barrier<> start_, done_;
+  std::vector<std::thread> threads_;
+  std::atomic<double> ns_per_row_{0};
+  double ratio_ = 1;
+  std::atomic<bool> stop_{false};
+  weave::pipeline_timing timing_;
+};
+
+void moe_layer(benchmark::State& state) {
+  const int chunks = static_cast<int>(state.range(0));
+  const double ratio = static_cast<double>(state.range(1)) / 100.0;
+  layer_ranks layer(chunks, ratio);
+  layer.step(); // calibrate the emulated compute
+  layer.step(); // warm up at the calibrated cost
+  double exposed = 0, compute = 0, comm = 0;
+  for (auto _ : state) {
+    const auto t = layer.step();
+    state.SetIterationTime(t.makespan_ms / 1e3);
+    exposed += t.exposed_comm_ms();
+    compute += t.compute_busy_ms;
+    comm += t.comm_busy_ms;
+  }
+  const auto n = static_cast<double>(state.iterations());
+  state.counters["exposed_comm_ms"] = exposed / n;
+  state.counters["compute_ms"] = compute / n;
+  state.counters["comm_ms"] = comm / n;
+  state.counters["chunks"] = chunks;
+  state.counters["ratio"] = ratio;
+}
+
+} // namespace
+
+BENCHMARK(moe_layer)
+    ->ArgNames({"chunks", "ratio_pct"})
+    ->ArgsProduct({{1, 2, 4, 8}, {25, 50, 100, 200, 400}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(5);
+
+BENCHMARK_MAIN();

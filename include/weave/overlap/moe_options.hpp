@@ -1,0 +1,84 @@
+//! \file
+//! Options, per-call statistics and the expert-callback vocabulary of `moe_exchange`.
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/routing/capacity.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! How a `moe_exchange` is shaped. Buffers are sized from these once, at construction.
+struct moe_options {
+  int k = 1;                      //!< experts chosen per token
+  std::size_t hidden = 0;         //!< elements per token row
+  dtype element = dtype::f32;     //!< element type of token rows (f32, f16, bf16)
+  std::size_t max_tokens = 0;     //!< the most tokens any rank passes to one call
+  int chunks = 1;                 //!< pipeline degree: token chunks in flight (1 = unpipelined)
+  capacity_policy capacity{};     //!< capacity factor and drop order (default: dropless)
+  bool save_for_backward = false; //!< keep plans and expert rows of the last forward
+};
+
+//! One chunk's rows on one expert device, grouped by local expert (the EPD layout): rows
+//! `[expert_offsets[l], expert_offsets[l + 1])` belong to local slot `l`, which holds logical
+//! expert `experts[l]`. A grouped GEMM runs one contiguous range per local expert.
+struct expert_batch {
+  int chunk = 0;                                //!< chunk index within the call
+  int device = 0;                               //!< this rank
+  std::span<const std::int64_t> expert_offsets; //!< local_experts + 1 row offsets
+  std::span<const std::int32_t> experts;        //!< logical expert of each local slot
+  const_token_view input;                       //!< expert inputs (one row per token and expert)
+  token_view output;                            //!< expert outputs, to be written
+};
+
+//! The backward of one chunk's experts: given the gradient of the loss with respect to the
+//! expert outputs (`grad_output`, already multiplied by the gate weight), write the gradient with
+//! respect to the expert inputs (`grad_input`). `saved_input` holds the forward's inputs.
+struct expert_grad_batch {
+  int chunk = 0;
+  int device = 0;
+  std::span<const std::int64_t> expert_offsets;
+  std::span<const std::int32_t> experts;
+  const_token_view saved_input; //!< forward inputs of these rows
+  const_token_view grad_output; //!< dL/d(expert output) per row
+  token_view grad_input;        //!< dL/d(expert input) per row, to be written
+};
+
+//! What one call moved, for this rank (valid once the call's streams are synchronized).
+struct moe_stats {
+  std::size_t tokens = 0;         //!< tokens of this rank
+  std::int64_t routed_pairs = 0;  //!< (token, expert) pairs kept
+  std::int64_t dropped_pairs = 0; //!< (token, expert) pairs dropped by capacity
+  std::int64_t sent_rows = 0;     //!< rows sent by the dispatch (one per token and device)
+  std::int64_t received_rows = 0; //!< rows received by the dispatch
+  std::int64_t local_rows = 0;    //!< sent rows whose destination is this rank
+  std::int64_t expert_rows = 0;   //!< rows the local experts computed (EPD rows)
+  std::size_t row_bytes = 0;      //!< bytes of one token row
+  //! Copies per token (CT): sent rows per token.
+  double copies_per_token() const noexcept {
+    return tokens == 0 ? 0.0 : static_cast<double>(sent_rows) / static_cast<double>(tokens);
+  }
+  //! Rows a naive per-(token, expert) dispatch would send.
+  std::int64_t naive_rows() const noexcept { return routed_pairs; }
+};
+
+namespace detail {
+
+inline void check_moe_options(const moe_options& o) {
+  WEAVE_EXPECT(o.k >= 1, errc::invalid_argument, "moe_options.k = ", o.k);
+  WEAVE_EXPECT(o.hidden >= 1, errc::invalid_argument, "moe_options.hidden = ", o.hidden);
+  WEAVE_EXPECT(o.chunks >= 1, errc::invalid_argument, "moe_options.chunks = ", o.chunks);
+  WEAVE_EXPECT(o.element == dtype::f32 || o.element == dtype::f16 || o.element == dtype::bf16,
+               errc::not_supported, "moe_exchange rows of ", o.element,
+               " (f32, f16 and bf16 are supported)");
+}
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END
