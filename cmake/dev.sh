@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 packages=(cmake g++ ninja-build libopenmpi-dev openmpi-bin doctest-dev libbenchmark-dev)
-demo_target=core_tour
+demo_target=moe_demo
 
 missing_packages() {
   local missing=()
