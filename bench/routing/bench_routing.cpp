@@ -11,7 +11,7 @@
 #include <benchmark/benchmark.h>
 
 #include <weave/core/host_matrix.hpp>
-#include <weave/routing/routing.hpp>
+#include <weave/routing.hpp>
 
 #include <cstring>
 #include <map>

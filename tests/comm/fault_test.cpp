@@ -3,7 +3,7 @@
 // Every other rank must fail with the documented error code instead of hanging.
 #include <doctest/doctest.h>
 
-#include <weave/comm/comm.hpp>
+#include <weave/comm.hpp>
 
 #include <chrono>
 #include <cstdint>

@@ -4,7 +4,7 @@
 
 #include "a2a_cases.hpp"
 
-#include <weave/comm/comm.hpp>
+#include <weave/comm.hpp>
 
 #include <cstdint>
 #include <exception>

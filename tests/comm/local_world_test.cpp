@@ -5,7 +5,7 @@
 
 #include "a2a_cases.hpp"
 
-#include <weave/comm/comm.hpp>
+#include <weave/comm.hpp>
 
 #include <atomic>
 #include <chrono>

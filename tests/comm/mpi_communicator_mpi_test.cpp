@@ -6,7 +6,7 @@
 
 #include "a2a_cases.hpp"
 
-#include <weave/comm/comm.hpp>
+#include <weave/comm.hpp>
 #include <weave/comm/mpi_communicator.hpp>
 
 #include <mpi.h>

@@ -3,7 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <weave/core/host_matrix.hpp>
-#include <weave/routing/routing.hpp>
+#include <weave/routing.hpp>
 
 #include <vector>
 

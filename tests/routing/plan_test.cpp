@@ -6,7 +6,7 @@
 #include "routing_reference.hpp"
 
 #include <weave/core/host_matrix.hpp>
-#include <weave/routing/routing.hpp>
+#include <weave/routing.hpp>
 
 #include <cmath>
 #include <limits>
