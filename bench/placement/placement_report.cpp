@@ -88,6 +88,23 @@ int main(int argc, char** argv) {
   auto even = [](const weave::expert_statistics& s, const weave::topology& t) {
     return s.num_experts() % t.num_devices() == 0;
   };
+  // Collaboration-aware placement, then replicated starting from it (few experts move).
+  auto collab_replicated = [&](const weave::expert_statistics& s, const weave::topology& t,
+                               weave::placement& p, weave::replica_options& r,
+                               const weave::replica_options& router) {
+    if (!even(s, t))
+      return false;
+    weave::collaboration_options c;
+    c.load_weight = load_weight;
+    const auto base = weave::place_collaborative(s, t, c);
+    weave::replication_options o;
+    o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
+    o.current = &base;
+    o.keep_tolerance = 0.05;
+    p = weave::place_replicated(s, t, o);
+    r = router;
+    return true;
+  };
   const std::vector<policy> policies = {
       {"contiguous",
        [&](const auto& s, const auto& t, auto& p, auto& r) {
@@ -149,35 +166,11 @@ int main(int argc, char** argv) {
          r = plain;
          return true;
        }},
-      {"collab+replicated",
-       [&](const auto& s, const auto& t, auto& p, auto& r) {
-         if (!even(s, t))
-           return false;
-         weave::collaboration_options c;
-         c.load_weight = load_weight;
-         const auto base = weave::place_collaborative(s, t, c);
-         weave::replication_options o;
-         o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
-         o.current = &base;
-         o.keep_tolerance = 0.05;
-         p = weave::place_replicated(s, t, o);
-         r = plain;
-         return true;
-       }},
+      {"collab+replicated", [&](const auto& s, const auto& t, auto& p,
+                                auto& r) { return collab_replicated(s, t, p, r, plain); }},
       {"collab+replicated/visited",
        [&](const auto& s, const auto& t, auto& p, auto& r) {
-         if (!even(s, t))
-           return false;
-         weave::collaboration_options c;
-         c.load_weight = load_weight;
-         const auto base = weave::place_collaborative(s, t, c);
-         weave::replication_options o;
-         o.redundant_slots = redundant_for(s.num_experts(), t.num_devices());
-         o.current = &base;
-         o.keep_tolerance = 0.05;
-         p = weave::place_replicated(s, t, o);
-         r = visited;
-         return true;
+         return collab_replicated(s, t, p, r, visited);
        }},
   };
 
