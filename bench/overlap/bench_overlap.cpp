@@ -9,6 +9,7 @@
 // Set WEAVE_TRACE_DIR to also write Chrome traces of the predicted and measured timelines.
 #include <benchmark/benchmark.h>
 
+#include <weave/comm/local_world.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/dw_scheduler.hpp>
 #include <weave/overlap/executor.hpp>
@@ -23,6 +24,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,8 +46,10 @@ struct moe_graph {
   std::vector<layer_ops> layers;
 };
 
-moe_graph transformer(std::size_t layers, double scale = 1.0) {
-  const weave::sim::a2a_cost link = weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5);
+moe_graph transformer(std::size_t layers, double scale = 1.0,
+                      std::optional<weave::sim::a2a_cost> a2a = std::nullopt) {
+  const weave::sim::a2a_cost link =
+      a2a.value_or(weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5));
   const double a2a_bytes = 11.0e6 * scale; // about 0.9 ms at 12.5 GB/s
   moe_graph m;
   graph& g = m.g;
@@ -419,8 +423,146 @@ void fit_emulated_link(benchmark::State& state) {
   state.counters["rms_residual_us"] = fit.rms_residual;
 }
 
+// The a2a runs for real through weave's local_world: each rank sends an equal share of the op's
+// bytes to every rank and waits for the exchange. The link is emulated (latency + bandwidth per
+// rank pair, completion delayed by sleeping); payloads are scaled down `shrink` times over a
+// link `shrink` times slower, so transfer times follow the cost model while the 2-core machine
+// copies little.
+struct world_link {
+  static constexpr double shrink = 1000.0;
+  std::size_t ranks;
+  weave::local_world world;
+  std::vector<std::unique_ptr<weave::host_stream>> streams;
+  std::vector<std::vector<std::byte>> send, recv;
+
+  world_link(weave::sim::a2a_cost model, std::size_t n, double max_bytes)
+      : ranks(n)
+      , world(static_cast<int>(n), link_options(model, n)) {
+    const auto bytes = static_cast<std::size_t>(max_bytes / shrink) + n;
+    for (std::size_t r = 0; r < n; ++r) {
+      streams.push_back(std::make_unique<weave::host_stream>("a2a"));
+      send.emplace_back(bytes);
+      recv.emplace_back(bytes);
+    }
+  }
+
+  static weave::local_world_options link_options(weave::sim::a2a_cost model, std::size_t n) {
+    weave::local_world_options o;
+    o.link.latency = std::chrono::nanoseconds(static_cast<std::int64_t>(model.alpha_us * 1e3));
+    // Model: alpha + bytes * us_per_byte. A rank sends bytes / (n * shrink) to each peer in
+    // parallel, so each pair runs at 1 / (us_per_byte * n * shrink) bytes per microsecond.
+    o.link.bytes_per_second = 1e6 / (model.us_per_byte * static_cast<double>(n) * shrink);
+    return o;
+  }
+
+  // Runs on rank r's comm stream thread (one thread per rank, so its operations stay ordered).
+  void transfer(std::size_t r, const op& o, const task& t, double extra_us) {
+    const auto per_peer =
+        static_cast<std::int64_t>(o.bytes * t.fraction / static_cast<double>(ranks) / shrink);
+    std::vector<std::int64_t> counts(ranks, per_peer), displs(ranks);
+    for (std::size_t p = 0; p < ranks; ++p)
+      displs[p] = static_cast<std::int64_t>(p) * per_peer;
+    weave::host_stream& s = *streams[r];
+    world.comm(static_cast<int>(r))
+        .all_to_all_v(s, send[r].data(), counts, displs, recv[r].data(), counts, displs);
+    s.synchronize();
+    if (extra_us > 0)
+      calibrated_sleep(extra_us);
+  }
+};
+
+// Times local_world all-to-alls of `sizes` bytes over `link` (2 ranks, one thread each) and fits
+// alpha-beta: the cost model as weave's own microbenchmark measures it, overheads included.
+weave::sim::line_fit fit_world_link(world_link& link, const std::vector<double>& sizes) {
+  graph g;
+  g.add_a2a("probe", 1.0, weave::sim::a2a_cost{});
+  const op& probe = g.at(0);
+  std::vector<double> bytes, time;
+  std::barrier<> start(2);
+  for (double b : sizes) {
+    std::vector<double> reps;
+    for (int rep = 0; rep < 7; ++rep) {
+      task t;
+      t.fraction = b; // probe.bytes is 1: the fraction carries the size
+      std::thread peer([&] {
+        start.arrive_and_wait();
+        link.transfer(1, probe, t, 0.0);
+      });
+      start.arrive_and_wait();
+      const auto t0 = std::chrono::steady_clock::now();
+      link.transfer(0, probe, t, 0.0);
+      reps.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      peer.join();
+    }
+    std::sort(reps.begin(), reps.end()); // the median resists the stalls of a busy machine
+    bytes.push_back(b);
+    time.push_back(reps[reps.size() / 2]);
+  }
+  return weave::sim::fit_line(bytes, time);
+}
+
+// The whole loop on weave's own communicator: fit the a2a cost of local_world over an emulated
+// link from microbenchmarks, plan with the fitted model, execute the schedule with real
+// local_world all-to-alls, and compare the measured makespan with the prediction.
+void predicted_vs_measured_local_world(benchmark::State& state) {
+  constexpr std::size_t ranks = 2;
+  const int strategy = static_cast<int>(state.range(0)); // 0 none, 1 expert-only, 2 weave
+  const double scale = 3.0;
+  const weave::sim::a2a_cost configured = weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5);
+  const double full_bytes = 11.0e6 * scale;
+  world_link link(configured, ranks, full_bytes);
+  const auto fit =
+      fit_world_link(link, {full_bytes / 8, full_bytes / 4, full_bytes / 2, full_bytes});
+  // A machine busy enough to swamp the sweep can fit a negative term; costs cannot be negative.
+  const weave::sim::a2a_cost fitted{std::max(0.0, fit.intercept), std::max(0.0, fit.slope)};
+  const moe_graph m = transformer(3, scale, fitted);
+  plan p;
+  if (strategy == 0)
+    p = plan::unpartitioned(m.g.topological_order());
+  else if (strategy == 1)
+    p = best_expert_only(m, chunk_overhead_us);
+  else
+    p = plan_partitions(m.g, {.max_parts = 4, .chunk_overhead_us = chunk_overhead_us});
+  const schedule s = make_schedule(m.g, p);
+  const auto predicted = weave::sim::analyze_worst(s, weave::sim::simulate(s, ranks));
+  std::vector<std::unique_ptr<weave::host_stream>> owned;
+  std::vector<rank_streams<weave::host_stream>> streams;
+  for (std::size_t r = 0; r < ranks; ++r) {
+    owned.push_back(std::make_unique<weave::host_stream>("compute"));
+    owned.push_back(std::make_unique<weave::host_stream>("comm"));
+    streams.push_back({owned[2 * r].get(), owned[2 * r + 1].get()});
+  }
+  schedule_executor<weave::host_stream> ex(m.g, s, streams);
+  auto compute = [](std::size_t, const op& o, const task& t) {
+    calibrated_sleep(o.cost.at(t.fraction) + (t.chunks > 1 ? chunk_overhead_us : 0.0));
+  };
+  auto comm = [&](std::size_t r, const op& o, const task& t) {
+    link.transfer(r, o, t, t.chunks > 1 ? chunk_overhead_us : 0.0);
+  };
+  std::vector<double> makespans;
+  for (auto _ : state) {
+    const auto st = weave::sim::analyze_worst(s, ex.run(compute, comm));
+    state.SetIterationTime(st.makespan_us / 1e6);
+    makespans.push_back(st.makespan_us);
+  }
+  std::sort(makespans.begin(), makespans.end());
+  const double measured = makespans[makespans.size() / 2];
+  state.counters["alpha_us_fit"] = fitted.alpha_us;
+  state.counters["gbps_fit"] = 1e-3 / fitted.us_per_byte;
+  state.counters["predicted_ms"] = predicted.makespan_us / 1e3;
+  state.counters["measured_median_ms"] = measured / 1e3;
+  state.counters["error_pct"] = 100.0 * (measured / predicted.makespan_us - 1.0);
+  state.SetLabel(strategy == 0 ? "no overlap" : strategy == 1 ? "expert-only (Tutel)" : "weave");
+}
+
 } // namespace
 
+BENCHMARK(predicted_vs_measured_local_world)
+    ->DenseRange(0, 2)
+    ->Iterations(9)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(fit_emulated_link)->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(plan_weave)
     ->Arg(50)
