@@ -1,7 +1,8 @@
 // The cluster simulator measured two ways, each beside its baseline in the same run:
-//  1. simulator cost vs ranks (8..4096 GPUs, 64 layers, E = max(64, ranks)), weave's
-//     linear-memory traffic pass beside a brute-force pass that fills the dense rank × rank
-//     byte matrix (up to 1024 ranks: at 4096 it would be 128 MiB);
+//  1. simulator cost vs ranks (8..4096 GPUs, 64 layers, E = max(64, ranks)), and one layer's
+//     traffic: weave's linear-memory pass (flat and 2DH volumes) beside a brute-force pass that
+//     fills the dense rank × rank byte matrix and folds it into the flat volumes (up to 1024
+//     ranks: at 4096 the matrix would be 128 MiB);
 //  2. predicted vs measured all-to-all time: the dispatch volumes the simulator predicts for a
 //     small cluster (2 nodes × 2 GPUs) exchanged for real by local_world with emulated links
 //     (intra-node fast, inter-node slow, tens of ms per exchange), against the simulator's
@@ -59,8 +60,8 @@ void BM_simulate(benchmark::State& state) {
   double step = 0;
   for (auto _ : state) {
     const sim_result r = simulate_cluster(c, m, p, src, o);
+    benchmark::DoNotOptimize(r.layers.data());
     step = r.step_us;
-    benchmark::DoNotOptimize(step);
   }
   state.counters["ranks"] = ranks;
   state.counters["step_ms"] = step / 1e3;
@@ -118,9 +119,19 @@ void BM_traffic_dense(benchmark::State& state) {
   const moe_model m = scale_model(ranks);
   const weave::placement p = weave::placement::contiguous(m.experts, ranks);
   const weave::routing_trace pool = routing_pool({}, m, ranks, 256, 0);
+  const auto D = static_cast<std::size_t>(ranks);
   for (auto _ : state) {
     const auto b = dense_traffic(c, m, p, pool, 256);
-    benchmark::DoNotOptimize(b.data());
+    // Fold into the same flat per-rank volumes weave's pass produces (2DH left out).
+    std::vector<rank_volume> flat(D);
+    for (std::size_t s = 0; s < D; ++s)
+      for (std::size_t d = 0; d < D; ++d)
+        if (b[s * D + d] > 0) {
+          const bool same = c.node_of(static_cast<int>(s)) == c.node_of(static_cast<int>(d));
+          flat[s].sent.add(same, b[s * D + d]);
+          flat[d].received.add(same, b[s * D + d]);
+        }
+    benchmark::DoNotOptimize(flat.data());
   }
   state.counters["ranks"] = ranks;
   state.counters["tokens/s"] =

@@ -191,6 +191,7 @@ inline layer_traffic layer_traffic_of(const cluster& c, const moe_model& m, cons
   out.tokens_per_rank = static_cast<double>(m.tokens_per_gpu);
 
   replica_router router(p, c.topology(), o.replicas);
+  const bool replicated = p.replicated();
   std::vector<std::int32_t> slots(kk);
   std::vector<double> to_dev(Du, 0.0), node_to_dev(Du, 0.0), to_local(static_cast<std::size_t>(G));
   std::vector<std::int64_t> stamp(Du, -1);
@@ -206,7 +207,16 @@ inline layer_traffic layer_traffic_of(const cluster& c, const moe_model& m, cons
             (static_cast<std::uint64_t>(r) * static_cast<std::uint64_t>(T) +
              static_cast<std::uint64_t>(i)) %
             n_pool);
-        router.route(pool.token(t), static_cast<std::size_t>(i), r, slots);
+        if (replicated) {
+          router.route(pool.token(t), static_cast<std::size_t>(i), r, slots);
+        } else { // one replica each: the router's answer without its bookkeeping
+          const auto ids = pool.token(t);
+          for (std::size_t j = 0; j < kk; ++j) {
+            WEAVE_EXPECT(ids[j] < p.num_experts(), errc::out_of_range, "expert id ", ids[j],
+                         " of pool token ", t, " >= num_experts ", p.num_experts());
+            slots[j] = ids[j] < 0 ? -1 : p.slots_of(ids[j])[0];
+          }
+        }
         for (const std::int32_t s : slots) {
           if (s < 0)
             continue;
