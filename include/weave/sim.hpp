@@ -1,7 +1,7 @@
 //! \file
-//! Simulation: cost models and their fitting, the two-stream timeline simulator, and the
-//! cluster-scale MoE simulator (cluster presets and file format, per-layer traffic, step time,
-//! JSON and Chrome-trace reports).
+//! Simulation: cost models (alpha-beta all-to-all, per-row kernels, fitting), the two-stream
+//! timeline simulator, and the cluster-scale MoE simulator (cluster presets and file format,
+//! per-layer traffic, step time, JSON and Chrome-trace reports).
 #pragma once
 
 #include "weave/sim/cluster.hpp"
