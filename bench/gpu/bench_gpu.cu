@@ -1,7 +1,8 @@
 // GPU benchmarks, each beside its baseline in this one binary (timed with CUDA events):
 // - row gathers/merges (hidden 4096 bf16) against cudaMemcpyAsync device-to-device bandwidth;
 // - device gating + counting-sort plan against the gate + Tutel-style mask plan (O(T * E));
-// - a one-GPU pipeline emulation: peer "ranks" are buffers, the all-to-all is cudaMemcpyAsync
+// - a one-GPU pipeline emulation (1 GiB each way): peer "ranks" are buffers, the all-to-all is
+// cudaMemcpyAsync
 //   on a high-priority copy stream, experts are a compute kernel of calibrated length; chunked
 //   with events against unchunked, reporting how much of the exposed copy time is hidden.
 #include <benchmark/benchmark.h>
@@ -28,24 +29,32 @@ namespace {
 constexpr std::size_t hidden = 4096;
 constexpr std::size_t row_bytes = hidden * 2; // bf16
 
-// Device memory, freed at scope exit; filled with random bits so nothing runs on zeros.
+// bf16 bits of a value in [-1, 1) from a hash of (i, seed): random data made on the device
+// (filling gigabytes from the host would dominate the run).
+__global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 0x9E3779B1u ^ seed * 0x85EBCA77u;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    const float f = static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    p[i] = static_cast<std::uint16_t>(__float_as_uint(f) >> 16);
+  }
+}
+
+// Device memory, freed at scope exit; filled with random bf16 values so nothing runs on zeros.
 struct dev_buffer {
   void* ptr = nullptr;
   std::size_t bytes = 0;
-  explicit dev_buffer(std::size_t n, std::uint32_t seed = 1)
+  explicit dev_buffer(std::size_t n, std::uint32_t seed)
       : bytes(n) {
     WEAVE_CUDA_CHECK(cudaMalloc(&ptr, n == 0 ? 1 : n));
-    std::vector<std::uint16_t> host(n / 2);
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> normal(0, 1);
-    for (auto& h : host) { // bf16 bits of a normal value
-      const float f = normal(rng);
-      std::uint32_t b;
-      std::memcpy(&b, &f, 4);
-      h = static_cast<std::uint16_t>(b >> 16);
+    if (n >= 2) {
+      fill_random_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(ptr), n / 2, seed);
+      WEAVE_CUDA_CHECK(cudaGetLastError());
+      WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
     }
-    if (!host.empty())
-      WEAVE_CUDA_CHECK(cudaMemcpy(ptr, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
   }
   template <class T>
   explicit dev_buffer(const std::vector<T>& host)
@@ -234,23 +243,26 @@ void BM_gate_plan_mask(benchmark::State& state) {
 
 // --- pipeline emulation ---------------------------------------------------------------------
 
-// Expert stand-in: `iters` dependent FMAs per element read, one store per element; its length
-// is calibrated against the copy time, and it reads its input so it depends on the copy.
+// Expert stand-in: `iters` dependent FMAs per float read, one float read and written per 256
+// bytes of the chunk, so it is arithmetic-bound like an expert GEMM rather than competing with
+// the copies for memory bandwidth; it reads its chunk, so it depends on the copy. Its length is
+// calibrated against the copy time.
 __global__ void expert_kernel(const float* in, float* out, std::size_t n, int iters) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    float x = in[i];
+    float x = in[i * 64];
     for (int j = 0; j < iters; ++j)
       x = fmaf(x, 0.999f, 0.001f);
-    out[i] = x;
+    out[i * 64] = x;
   }
 }
 
 struct pipeline {
-  static constexpr std::size_t bytes = std::size_t{256} << 20; // per direction
+  static constexpr std::size_t bytes = std::size_t{1} << 30; // per direction
   dev_buffer send, recv, result, back;
   stream_pair s;
   int iters = 64;
+  int sms = 1;
   std::vector<weave::cuda_event> copied, computed;
   weave::cuda_event start{cudaEventDefault}, stop{cudaEventDefault};
 
@@ -259,6 +271,9 @@ struct pipeline {
       , recv(bytes, 12)
       , result(bytes, 13)
       , back(bytes, 14) {
+    int device = 0;
+    WEAVE_CUDA_CHECK(cudaGetDevice(&device));
+    WEAVE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     for (int i = 0; i < 64; ++i) {
       copied.emplace_back();
       computed.emplace_back();
@@ -266,8 +281,10 @@ struct pipeline {
   }
 
   void compute(std::size_t offset, std::size_t len, cudaStream_t st) const {
-    const std::size_t n = len / 4;
-    const auto blocks = static_cast<unsigned>(std::min<std::size_t>((n + 255) / 256, 132 * 8));
+    const std::size_t n = len / 256;
+    // Half the resident threads: room for the copies should they run on the SMs.
+    const auto blocks = static_cast<unsigned>(
+        std::min<std::size_t>((n + 255) / 256, static_cast<std::size_t>(sms) * 4));
     expert_kernel<<<blocks, 256, 0, st>>>(
         reinterpret_cast<const float*>(recv.as<std::byte>() + offset),
         reinterpret_cast<float*>(result.as<std::byte>() + offset), n, iters);
@@ -316,11 +333,13 @@ struct pipeline {
   }
 
   // Expert time = one-way copy time of the whole buffer (a balanced layer).
+  // Two rounds: the first estimate may still include launch overhead.
   void calibrate() {
     (void)run(1); // warm-up
+    iters = 64;
     const float copy_one_way = (median(1) - median(0)) / 2;
-    const float compute64 = median(0);
-    iters = std::max(1, static_cast<int>(64.0f * copy_one_way / compute64));
+    for (int round = 0; round < 2; ++round)
+      iters = std::max(1, static_cast<int>(static_cast<float>(iters) * copy_one_way / median(0)));
   }
 };
 

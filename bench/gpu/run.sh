@@ -76,7 +76,7 @@ for E in (64, 256):
     sp = None if not ours or mask is None else mask / ours
     print(f"{'gate + counting-sort plan':<30}{E:>5}{fmt(ours, '10.1f')}{fmt(mask, '10.1f')}"
           f"{fmt(sp, '9.2f')}   (gate alone {fmt(gate, '.1f')} us)")
-print(f"\n{'pipeline emulation (256 MiB)':<30}{'chunks':>7}{'ms':>9}{'hidden %':>10}")
+print(f"\n{'pipeline emulation (1 GiB)':<30}{'chunks':>7}{'ms':>9}{'hidden %':>10}")
 for c in (1, 2, 4, 8, 16):
     name = f"BM_pipeline/{c}"
     print(f"{'copy/compute/copy':<30}{c:>7}{fmt(get(name, 'real_time'), '9.2f')}"
