@@ -1,10 +1,10 @@
 // GPU benchmarks, each beside its baseline in this one binary (timed with CUDA events):
 // - row gathers/merges (hidden 4096 bf16) against cudaMemcpyAsync device-to-device bandwidth;
 // - device gating + counting-sort plan against the gate + Tutel-style mask plan (O(T * E));
-// - a one-GPU pipeline emulation (1 GiB each way): peer "ranks" are buffers, the all-to-all is
-// cudaMemcpyAsync
-//   on a high-priority copy stream, experts are a compute kernel of calibrated length; chunked
-//   with events against unchunked, reporting how much of the exposed copy time is hidden.
+// - a one-GPU pipeline emulation (1 GiB each way): peer "ranks" are buffers, the all-to-all
+//   is cudaMemcpyAsync on two high-priority copy streams (one per direction), experts are a
+//   compute kernel of calibrated length; chunked with events against unchunked, reporting how
+//   much of the exposed copy time is hidden.
 #include <benchmark/benchmark.h>
 
 #include <weave/core/cuda_error.hpp>
@@ -79,17 +79,21 @@ struct dev_buffer {
   }
 };
 
+// A compute stream and two high-priority copy streams (one per direction, as an all-to-all's
+// send and receive run at once).
 struct stream_pair {
-  cudaStream_t compute = nullptr, copy = nullptr;
+  cudaStream_t compute = nullptr, copy = nullptr, copy_back = nullptr;
   stream_pair() {
     int least = 0, greatest = 0;
     WEAVE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     WEAVE_CUDA_CHECK(cudaStreamCreateWithPriority(&compute, cudaStreamNonBlocking, least));
     WEAVE_CUDA_CHECK(cudaStreamCreateWithPriority(&copy, cudaStreamNonBlocking, greatest));
+    WEAVE_CUDA_CHECK(cudaStreamCreateWithPriority(&copy_back, cudaStreamNonBlocking, greatest));
   }
   ~stream_pair() {
     (void)cudaStreamDestroy(compute);
     (void)cudaStreamDestroy(copy);
+    (void)cudaStreamDestroy(copy_back);
   }
 };
 
@@ -299,7 +303,7 @@ struct pipeline {
     if (chunks == 0) {
       compute(0, bytes, s.compute);
       WEAVE_CUDA_CHECK(cudaEventRecord(computed[0].get(), s.compute));
-      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.copy, computed[0].get(), 0));
+      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.copy_back, computed[0].get(), 0));
     }
     const std::size_t chunk = chunks == 0 ? 0 : bytes / static_cast<std::size_t>(chunks);
     for (int c = 0; c < chunks; ++c) {
@@ -311,13 +315,14 @@ struct pipeline {
       compute(off, chunk, s.compute);
       WEAVE_CUDA_CHECK(cudaEventRecord(computed[c].get(), s.compute));
     }
-    for (int c = 0; c < chunks; ++c) { // return copies queue behind their chunk's compute
+    for (int c = 0; c < chunks; ++c) { // return copies wait for their chunk's compute
       const std::size_t off = static_cast<std::size_t>(c) * chunk;
-      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.copy, computed[c].get(), 0));
+      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.copy_back, computed[c].get(), 0));
       WEAVE_CUDA_CHECK(cudaMemcpyAsync(back.as<std::byte>() + off, result.as<std::byte>() + off,
-                                       chunk, cudaMemcpyDeviceToDevice, s.copy));
+                                       chunk, cudaMemcpyDeviceToDevice, s.copy_back));
     }
-    WEAVE_CUDA_CHECK(cudaEventRecord(stop.get(), s.copy));
+    // The last return copy follows every compute, which follows every send copy.
+    WEAVE_CUDA_CHECK(cudaEventRecord(stop.get(), s.copy_back));
     WEAVE_CUDA_CHECK(cudaEventSynchronize(stop.get()));
     float ms = 0;
     WEAVE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
