@@ -3,7 +3,9 @@
 //! arguments and results as the host kernels in `kernels_host.hpp`, with a `cuda_stream_ref`
 //! first; views and index spans refer to device memory. Each step rounds as the host path
 //! does (`__fmul_rn`, `__fadd_rn`, round-to-nearest conversions, fixed j order), so results
-//! match the host path bitwise. Indices come from plans and are not range-checked on the device.
+//! match the host path bitwise. Rows whose bytes, strides and bases are multiples of 16 move
+//! with 128-bit loads and stores (same arithmetic per element). Indices come from plans and are
+//! not range-checked on the device.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -20,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 
 WEAVE_NAMESPACE_BEGIN
@@ -50,7 +53,8 @@ __device__ inline __nv_bfloat16 cuda_store<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
-// Rows by block (grid-stride), columns by thread. Word is an unsigned type of the element size.
+// Rows by block (grid-stride), columns by thread. Word is an unsigned type of the element size,
+// or `uint4` (16 bytes) when rows, strides and bases are 16-byte aligned.
 template <class Word>
 __global__ void gather_copy_kernel(const std::byte* src, std::size_t src_stride, std::byte* dst,
                                    std::size_t dst_stride, const std::int64_t* index,
@@ -64,40 +68,99 @@ __global__ void gather_copy_kernel(const std::byte* src, std::size_t src_stride,
   }
 }
 
+// 16 bytes of T elements, moved with one 128-bit load or store.
 template <class T>
+struct cuda_vec {
+  static constexpr int size = static_cast<int>(16 / sizeof(T));
+  T v[size];
+};
+
+template <class T>
+__device__ inline cuda_vec<T> cuda_load_vec(const std::byte* p) {
+  const uint4 word = *reinterpret_cast<const uint4*>(p);
+  cuda_vec<T> out;
+  memcpy(&out, &word, sizeof(word));
+  return out;
+}
+
+template <class T>
+__device__ inline void cuda_store_vec(std::byte* p, const cuda_vec<T>& x) {
+  uint4 word;
+  memcpy(&word, &x, sizeof(word));
+  *reinterpret_cast<uint4*>(p) = word;
+}
+
+// Element by element, or `Vec` = 16 bytes (cols then counts 16-byte groups) when aligned; the
+// per-element arithmetic is the same either way.
+template <class T, bool Vec>
 __global__ void gather_scale_kernel(const std::byte* src, std::size_t src_stride, std::byte* dst,
                                     std::size_t dst_stride, const std::int64_t* index,
                                     const float* scale, std::int64_t rows, std::size_t cols) {
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    const T* in = reinterpret_cast<const T*>(src + static_cast<std::size_t>(index[i]) * src_stride);
-    T* out = reinterpret_cast<T*>(dst + static_cast<std::size_t>(i) * dst_stride);
+    const std::byte* in = src + static_cast<std::size_t>(index[i]) * src_stride;
+    std::byte* out = dst + static_cast<std::size_t>(i) * dst_stride;
     const float s = scale[i];
-    for (std::size_t c = threadIdx.x; c < cols; c += blockDim.x)
-      out[c] = cuda_store<T>(__fmul_rn(s, cuda_load(in[c])));
+    for (std::size_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      if constexpr (Vec) {
+        cuda_vec<T> x = cuda_load_vec<T>(in + c * 16);
+        for (int e = 0; e < cuda_vec<T>::size; ++e)
+          x.v[e] = cuda_store<T>(__fmul_rn(s, cuda_load(x.v[e])));
+        cuda_store_vec<T>(out + c * 16, x);
+      } else {
+        reinterpret_cast<T*>(out)[c] =
+            cuda_store<T>(__fmul_rn(s, cuda_load(reinterpret_cast<const T*>(in)[c])));
+      }
+    }
   }
 }
 
-template <class T>
+template <class T, bool Vec>
 __global__ void merge_kernel(const std::byte* src, std::size_t src_stride, std::byte* dst,
                              std::size_t dst_stride, const std::int64_t* index, const float* weight,
                              int k, std::int64_t rows, std::size_t cols) {
+  constexpr int V = Vec ? cuda_vec<T>::size : 1;
+  constexpr std::size_t bytes = V * sizeof(T);
   for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
-    T* out = reinterpret_cast<T*>(dst + static_cast<std::size_t>(i) * dst_stride);
+    std::byte* out = dst + static_cast<std::size_t>(i) * dst_stride;
     const std::int64_t* idx = index + i * k;
     for (std::size_t c = threadIdx.x; c < cols; c += blockDim.x) {
-      float acc = 0.0f;
+      float acc[V];
+      for (int e = 0; e < V; ++e)
+        acc[e] = 0.0f;
       for (int j = 0; j < k; ++j) {
         if (idx[j] < 0)
           continue;
-        const T* in =
-            reinterpret_cast<const T*>(src + static_cast<std::size_t>(idx[j]) * src_stride);
-        const float x = cuda_load(in[c]);
-        acc =
-            weight != nullptr ? __fadd_rn(acc, __fmul_rn(weight[i * k + j], x)) : __fadd_rn(acc, x);
+        const std::byte* in = src + static_cast<std::size_t>(idx[j]) * src_stride + c * bytes;
+        T x[V];
+        if constexpr (Vec)
+          memcpy(x, cuda_load_vec<T>(in).v, sizeof(x));
+        else
+          x[0] = *reinterpret_cast<const T*>(in);
+        const float w = weight != nullptr ? weight[i * k + j] : 0.0f;
+        for (int e = 0; e < V; ++e) {
+          const float v = cuda_load(x[e]);
+          acc[e] = weight != nullptr ? __fadd_rn(acc[e], __fmul_rn(w, v)) : __fadd_rn(acc[e], v);
+        }
       }
-      out[c] = cuda_store<T>(acc);
+      if constexpr (Vec) {
+        cuda_vec<T> y;
+        for (int e = 0; e < V; ++e)
+          y.v[e] = cuda_store<T>(acc[e]);
+        cuda_store_vec<T>(out + c * bytes, y);
+      } else {
+        *reinterpret_cast<T*>(out + c * bytes) = cuda_store<T>(acc[0]);
+      }
     }
   }
+}
+
+// True when both views allow 16-byte loads and stores of whole rows.
+inline bool cuda_vectorizable(const const_token_view& src, const token_view& dst) {
+  const std::size_t row_bytes = dst.cols() * size_of(dst.element_type());
+  const auto aligned = [](std::uintptr_t x) { return x % 16 == 0; };
+  return row_bytes % 16 == 0 && aligned(reinterpret_cast<std::uintptr_t>(src.data())) &&
+         aligned(reinterpret_cast<std::uintptr_t>(dst.data())) && aligned(src.row_stride()) &&
+         aligned(dst.row_stride());
 }
 
 inline unsigned cuda_grid(std::int64_t rows) {
@@ -139,7 +202,13 @@ inline void gather_rows(cuda_stream_ref stream, const_token_view src, token_view
   if (rows == 0 || src.cols() == 0)
     return;
   constexpr unsigned threads = 256;
-  if (scale.empty()) {
+  const bool vec = detail::cuda_vectorizable(src, dst);
+  const std::size_t row_bytes = src.cols() * size_of(src.element_type());
+  if (scale.empty() && vec) {
+    detail::gather_copy_kernel<uint4><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
+        src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), rows,
+        row_bytes / 16);
+  } else if (scale.empty()) {
     auto launch = [&]<class Word>(Word*) {
       detail::gather_copy_kernel<Word><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
           src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), rows,
@@ -161,9 +230,15 @@ inline void gather_rows(cuda_stream_ref stream, const_token_view src, token_view
     }
   } else {
     detail::visit_cuda_float(src.element_type(), "gate-scaled gather_rows", [&]<class T>(T*) {
-      detail::gather_scale_kernel<T><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
-          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), scale.data(),
-          rows, src.cols());
+      if (vec)
+        detail::gather_scale_kernel<T, true><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
+            src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), scale.data(),
+            rows, row_bytes / 16);
+      else
+        detail::gather_scale_kernel<T, false>
+            <<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
+                src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(),
+                scale.data(), rows, src.cols());
     });
   }
   WEAVE_CUDA_CHECK(cudaGetLastError());
@@ -183,10 +258,17 @@ inline void merge_rows(cuda_stream_ref stream, const_token_view src, token_view 
   const auto rows = static_cast<std::int64_t>(dst.rows());
   if (rows == 0 || dst.cols() == 0)
     return;
+  const bool vec = detail::cuda_vectorizable(src, dst);
+  const float* w = weight.empty() ? nullptr : weight.data();
   detail::visit_cuda_float(src.element_type(), "merge_rows", [&]<class T>(T*) {
-    detail::merge_kernel<T><<<detail::cuda_grid(rows), 256, 0, stream.get()>>>(
-        src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(),
-        weight.empty() ? nullptr : weight.data(), k, rows, dst.cols());
+    if (vec)
+      detail::merge_kernel<T, true><<<detail::cuda_grid(rows), 256, 0, stream.get()>>>(
+          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), w, k, rows,
+          dst.cols() * sizeof(T) / 16);
+    else
+      detail::merge_kernel<T, false><<<detail::cuda_grid(rows), 256, 0, stream.get()>>>(
+          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), w, k, rows,
+          dst.cols());
   });
   WEAVE_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,0 +1,397 @@
+// GPU benchmarks, each beside its baseline in this one binary (timed with CUDA events):
+// - row gathers/merges (hidden 4096 bf16) against cudaMemcpyAsync device-to-device bandwidth;
+// - device gating + counting-sort plan against the gate + Tutel-style mask plan (O(T * E));
+// - a one-GPU pipeline emulation (1 GiB each way): peer "ranks" are buffers, the all-to-all
+//   is cudaMemcpyAsync on two high-priority copy streams (one per direction), experts are a
+//   compute kernel of calibrated length; chunked with events against unchunked, reporting how
+//   much of the exposed copy time is hidden.
+#include <benchmark/benchmark.h>
+
+#include <weave/core/cuda_error.hpp>
+#include <weave/placement/placement.hpp>
+#include <weave/routing/gate.cuh>
+#include <weave/routing/kernels.cuh>
+#include <weave/routing/plan.cuh>
+
+#include "mask_routing.cuh"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace {
+
+constexpr std::size_t hidden = 4096;
+constexpr std::size_t row_bytes = hidden * 2; // bf16
+
+// bf16 bits of a value in [-1, 1) from a hash of (i, seed): random data made on the device
+// (filling gigabytes from the host would dominate the run).
+__global__ void fill_random_kernel(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 0x9E3779B1u ^ seed * 0x85EBCA77u;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    const float f = static_cast<float>(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    p[i] = static_cast<std::uint16_t>(__float_as_uint(f) >> 16);
+  }
+}
+
+// Device memory, freed at scope exit; filled with random bf16 values so nothing runs on zeros.
+struct dev_buffer {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  explicit dev_buffer(std::size_t n, std::uint32_t seed)
+      : bytes(n) {
+    WEAVE_CUDA_CHECK(cudaMalloc(&ptr, n == 0 ? 1 : n));
+    if (n >= 2) {
+      fill_random_kernel<<<1024, 256>>>(static_cast<std::uint16_t*>(ptr), n / 2, seed);
+      WEAVE_CUDA_CHECK(cudaGetLastError());
+      WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+  }
+  template <class T>
+  explicit dev_buffer(const std::vector<T>& host)
+      : bytes(host.size() * sizeof(T)) {
+    WEAVE_CUDA_CHECK(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes));
+    if (bytes)
+      WEAVE_CUDA_CHECK(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice));
+  }
+  ~dev_buffer() { (void)cudaFree(ptr); }
+  dev_buffer(const dev_buffer&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
+  template <class T>
+  std::span<const T> span() const {
+    return {as<T>(), bytes / sizeof(T)};
+  }
+  weave::token_view rows() const {
+    return weave::token_view(static_cast<std::byte*>(ptr), bytes / row_bytes, hidden,
+                             weave::dtype::bf16, weave::memory_space::device, 0);
+  }
+};
+
+// A compute stream and two high-priority copy streams (one per direction, as an all-to-all's
+// send and receive run at once).
+struct stream_pair {
+  cudaStream_t compute = nullptr, copy = nullptr, copy_back = nullptr;
+  stream_pair() {
+    int least = 0, greatest = 0;
+    WEAVE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    WEAVE_CUDA_CHECK(cudaStreamCreateWithPriority(&compute, cudaStreamNonBlocking, least));
+    WEAVE_CUDA_CHECK(cudaStreamCreateWithPriority(&copy, cudaStreamNonBlocking, greatest));
+    WEAVE_CUDA_CHECK(cudaStreamCreateWithPriority(&copy_back, cudaStreamNonBlocking, greatest));
+  }
+  ~stream_pair() {
+    (void)cudaStreamDestroy(compute);
+    (void)cudaStreamDestroy(copy);
+    (void)cudaStreamDestroy(copy_back);
+  }
+};
+
+// Times `work(stream)` per iteration with events; sets bytes and items counters.
+template <class F>
+void time_on_stream(benchmark::State& state, cudaStream_t stream, F&& work) {
+  weave::cuda_event start(cudaEventDefault), stop(cudaEventDefault);
+  work(stream); // warm-up: module load, first-touch
+  WEAVE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (auto _ : state) {
+    WEAVE_CUDA_CHECK(cudaEventRecord(start.get(), stream));
+    work(stream);
+    WEAVE_CUDA_CHECK(cudaEventRecord(stop.get(), stream));
+    WEAVE_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+    float ms = 0;
+    WEAVE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    state.SetIterationTime(static_cast<double>(ms) / 1e3);
+  }
+}
+
+void set_bandwidth(benchmark::State& state, double bytes_per_iteration) {
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes_per_iteration * 1e-9 * static_cast<double>(state.iterations()),
+                         benchmark::Counter::kIsRate);
+  state.counters["bytes"] = bytes_per_iteration;
+}
+
+std::vector<std::int64_t> random_index(std::size_t n, std::size_t range, std::uint32_t seed) {
+  std::vector<std::int64_t> index(n);
+  std::iota(index.begin(), index.end(), 0);
+  std::mt19937 rng(seed);
+  for (auto& i : index)
+    i %= static_cast<std::int64_t>(range);
+  std::shuffle(index.begin(), index.end(), rng);
+  return index;
+}
+
+// --- bandwidth: copy baseline, gathers, merges --------------------------------------------
+
+void BM_d2d_copy(benchmark::State& state) {
+  const auto T = static_cast<std::size_t>(state.range(0));
+  dev_buffer src(T * row_bytes, 1), dst(T * row_bytes, 2);
+  stream_pair s;
+  time_on_stream(state, s.compute, [&](cudaStream_t st) {
+    WEAVE_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, src.bytes, cudaMemcpyDeviceToDevice, st));
+  });
+  set_bandwidth(state, 2.0 * static_cast<double>(T * row_bytes)); // read + write
+}
+
+void BM_gather(benchmark::State& state) {
+  const auto T = static_cast<std::size_t>(state.range(0));
+  const bool scaled = state.range(1) != 0;
+  dev_buffer src(T * row_bytes, 3), dst(T * row_bytes, 4);
+  dev_buffer index(random_index(T, T, 5));
+  dev_buffer scale(std::vector<float>(T, 0.5f));
+  stream_pair s;
+  time_on_stream(state, s.compute, [&](cudaStream_t st) {
+    weave::gather_rows(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
+                       index.span<std::int64_t>(),
+                       scaled ? scale.span<float>() : std::span<const float>{});
+  });
+  set_bandwidth(state, 2.0 * static_cast<double>(T * row_bytes));
+}
+
+// merge of k = 2 source rows per destination row (weighted), as the combine of top-2 routing.
+void BM_merge(benchmark::State& state) {
+  const auto T = static_cast<std::size_t>(state.range(0));
+  const int k = 2;
+  dev_buffer src(T * k * row_bytes, 6), dst(T * row_bytes, 7);
+  dev_buffer index(random_index(T * k, T * k, 8));
+  dev_buffer weight(std::vector<float>(T * k, 0.5f));
+  stream_pair s;
+  time_on_stream(state, s.compute, [&](cudaStream_t st) {
+    weave::merge_rows(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
+                      index.span<std::int64_t>(), k, weight.span<float>());
+  });
+  set_bandwidth(state, static_cast<double>((k + 1) * T * row_bytes));
+}
+
+// --- gating + plan against the mask baseline -----------------------------------------------
+
+constexpr std::size_t gate_tokens = 16384;
+
+struct gate_inputs {
+  int E;
+  int k = 8;
+  dev_buffer logits, ids, weights;
+  explicit gate_inputs(int experts)
+      : E(experts)
+      , logits(random_logits(experts))
+      , ids(std::vector<std::int32_t>(gate_tokens * 8))
+      , weights(std::vector<float>(gate_tokens * 8)) {}
+  static std::vector<float> random_logits(int E) {
+    std::vector<float> v(gate_tokens * static_cast<std::size_t>(E));
+    std::mt19937 rng(static_cast<std::uint32_t>(E));
+    std::normal_distribution<float> normal(0, 1);
+    for (auto& x : v)
+      x = normal(rng);
+    return v;
+  }
+  void gate(cudaStream_t st) const {
+    weave::gate_options options;
+    options.k = k;
+    options.renormalize = true;
+    weave::top_k_gate(weave::cuda_stream_ref(st),
+                      weave::const_token_view(static_cast<const std::byte*>(logits.ptr),
+                                              gate_tokens, static_cast<std::size_t>(E),
+                                              weave::dtype::f32, weave::memory_space::device, 0),
+                      options, std::span<std::int32_t>(ids.as<std::int32_t>(), gate_tokens * k),
+                      std::span<float>(weights.as<float>(), gate_tokens * k));
+  }
+};
+
+void BM_gate(benchmark::State& state) {
+  const gate_inputs in(static_cast<int>(state.range(0)));
+  stream_pair s;
+  time_on_stream(state, s.compute, [&](cudaStream_t st) { in.gate(st); });
+  state.counters["tokens/s"] = benchmark::Counter(
+      static_cast<double>(gate_tokens * state.iterations()), benchmark::Counter::kIsRate);
+}
+
+// One expert per destination, so both paths produce the same per-expert positions.
+void BM_gate_plan_weave(benchmark::State& state) {
+  const gate_inputs in(static_cast<int>(state.range(0)));
+  const auto p = weave::placement::contiguous(in.E, in.E);
+  weave::cuda_dispatch_plan plan(p, in.k, 0, gate_tokens);
+  dev_buffer ws(std::vector<std::byte>(plan.workspace_size()));
+  stream_pair s;
+  plan.initialize(ws.ptr, ws.bytes, weave::cuda_stream_ref(s.compute));
+  time_on_stream(state, s.compute, [&](cudaStream_t st) {
+    in.gate(st);
+    plan.build(weave::cuda_stream_ref(st), in.ids.span<std::int32_t>(), in.weights.span<float>());
+  });
+  state.counters["tokens/s"] = benchmark::Counter(
+      static_cast<double>(gate_tokens * state.iterations()), benchmark::Counter::kIsRate);
+}
+
+void BM_gate_plan_mask(benchmark::State& state) {
+  const gate_inputs in(static_cast<int>(state.range(0)));
+  const weave_test::mask_routing mask(static_cast<std::int64_t>(gate_tokens), in.E, in.k);
+  dev_buffer ws(std::vector<std::byte>(mask.bytes()));
+  dev_buffer rows(std::vector<std::int64_t>(gate_tokens * 8));
+  stream_pair s;
+  time_on_stream(state, s.compute, [&](cudaStream_t st) {
+    in.gate(st);
+    mask.run(in.ids.as<std::int32_t>(), rows.as<std::int64_t>(), ws.ptr, st);
+  });
+  state.counters["tokens/s"] = benchmark::Counter(
+      static_cast<double>(gate_tokens * state.iterations()), benchmark::Counter::kIsRate);
+}
+
+// --- pipeline emulation ---------------------------------------------------------------------
+
+// Expert stand-in: `iters` dependent FMAs per float read, one float read and written per 256
+// bytes of the chunk, so it is arithmetic-bound like an expert GEMM rather than competing with
+// the copies for memory bandwidth; it reads its chunk, so it depends on the copy. Its length is
+// calibrated against the copy time.
+__global__ void expert_kernel(const float* in, float* out, std::size_t n, int iters) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    float x = in[i * 64];
+    for (int j = 0; j < iters; ++j)
+      x = fmaf(x, 0.999f, 0.001f);
+    out[i * 64] = x;
+  }
+}
+
+struct pipeline {
+  static constexpr std::size_t bytes = std::size_t{1} << 30; // per direction
+  dev_buffer send, recv, result, back;
+  stream_pair s;
+  int iters = 64;
+  int sms = 1;
+  std::vector<weave::cuda_event> copied, computed;
+  weave::cuda_event start{cudaEventDefault}, stop{cudaEventDefault};
+
+  pipeline()
+      : send(bytes, 11)
+      , recv(bytes, 12)
+      , result(bytes, 13)
+      , back(bytes, 14) {
+    int device = 0;
+    WEAVE_CUDA_CHECK(cudaGetDevice(&device));
+    WEAVE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    for (int i = 0; i < 64; ++i) {
+      copied.emplace_back();
+      computed.emplace_back();
+    }
+  }
+
+  void compute(std::size_t offset, std::size_t len, cudaStream_t st) const {
+    const std::size_t n = len / 256;
+    // Half the resident threads: room for the copies should they run on the SMs.
+    const auto blocks = static_cast<unsigned>(
+        std::min<std::size_t>((n + 255) / 256, static_cast<std::size_t>(sms) * 4));
+    expert_kernel<<<blocks, 256, 0, st>>>(
+        reinterpret_cast<const float*>(recv.as<std::byte>() + offset),
+        reinterpret_cast<float*>(result.as<std::byte>() + offset), n, iters);
+    WEAVE_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // Milliseconds from the first copy to the last return copy with `chunks` chunks
+  // (0 = compute only, no copies).
+  float run(int chunks) {
+    WEAVE_CUDA_CHECK(cudaEventRecord(start.get(), s.copy));
+    WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.compute, start.get(), 0));
+    if (chunks == 0) {
+      compute(0, bytes, s.compute);
+      WEAVE_CUDA_CHECK(cudaEventRecord(computed[0].get(), s.compute));
+      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.copy_back, computed[0].get(), 0));
+    }
+    const std::size_t chunk = chunks == 0 ? 0 : bytes / static_cast<std::size_t>(chunks);
+    for (int c = 0; c < chunks; ++c) {
+      const std::size_t off = static_cast<std::size_t>(c) * chunk;
+      WEAVE_CUDA_CHECK(cudaMemcpyAsync(recv.as<std::byte>() + off, send.as<std::byte>() + off,
+                                       chunk, cudaMemcpyDeviceToDevice, s.copy));
+      WEAVE_CUDA_CHECK(cudaEventRecord(copied[c].get(), s.copy));
+      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.compute, copied[c].get(), 0));
+      compute(off, chunk, s.compute);
+      WEAVE_CUDA_CHECK(cudaEventRecord(computed[c].get(), s.compute));
+    }
+    for (int c = 0; c < chunks; ++c) { // return copies wait for their chunk's compute
+      const std::size_t off = static_cast<std::size_t>(c) * chunk;
+      WEAVE_CUDA_CHECK(cudaStreamWaitEvent(s.copy_back, computed[c].get(), 0));
+      WEAVE_CUDA_CHECK(cudaMemcpyAsync(back.as<std::byte>() + off, result.as<std::byte>() + off,
+                                       chunk, cudaMemcpyDeviceToDevice, s.copy_back));
+    }
+    // The last return copy follows every compute, which follows every send copy.
+    WEAVE_CUDA_CHECK(cudaEventRecord(stop.get(), s.copy_back));
+    WEAVE_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+    float ms = 0;
+    WEAVE_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    return ms;
+  }
+
+  float median(int chunks, int reps = 5) {
+    std::vector<float> t;
+    for (int i = 0; i < reps; ++i)
+      t.push_back(run(chunks));
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  }
+
+  // Expert time = one-way copy time of the whole buffer (a balanced layer).
+  // Two rounds: the first estimate may still include launch overhead.
+  void calibrate() {
+    (void)run(1); // warm-up
+    iters = 64;
+    const float copy_one_way = (median(1) - median(0)) / 2;
+    for (int round = 0; round < 2; ++round)
+      iters = std::max(1, static_cast<int>(static_cast<float>(iters) * copy_one_way / median(0)));
+  }
+};
+
+void BM_pipeline(benchmark::State& state) {
+  const int chunks = static_cast<int>(state.range(0));
+  pipeline p;
+  p.calibrate();
+  const float compute_ms = p.median(0);
+  const float unchunked_ms = p.median(1);
+  float total = 0;
+  for (auto _ : state) {
+    const float ms = p.run(chunks);
+    total += ms;
+    state.SetIterationTime(static_cast<double>(ms) / 1e3);
+  }
+  const float mean_ms = total / static_cast<float>(state.iterations());
+  const float exposed_unchunked = unchunked_ms - compute_ms;
+  const float exposed = mean_ms - compute_ms;
+  state.counters["compute_ms"] = compute_ms;
+  state.counters["unchunked_ms"] = unchunked_ms;
+  state.counters["exposed_copy_ms"] = exposed;
+  state.counters["hidden_pct"] =
+      exposed_unchunked > 0 ? 100.0 * (exposed_unchunked - exposed) / exposed_unchunked : 0.0;
+}
+
+} // namespace
+
+BENCHMARK(BM_d2d_copy)->Arg(16384)->Arg(65536)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_gather)
+    ->Args({16384, 0})
+    ->Args({65536, 0})
+    ->Args({16384, 1})
+    ->Args({65536, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_merge)->Arg(16384)->Arg(65536)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_gate)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_gate_plan_weave)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_gate_plan_mask)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_pipeline)
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->UseManualTime()
+    ->Iterations(10)
+    ->Unit(benchmark::kMillisecond);
+
+BENCHMARK_MAIN();
