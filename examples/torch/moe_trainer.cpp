@@ -531,21 +531,31 @@ int main(int argc, char** argv) {
       const double last = mean(std::span(run.losses).last(window));
       const bool decreased = last < 0.5 * first;
       const bool matched = run.failed_step < 0;
+      // Re-placement must not change the training. For k <= 2 the losses are bitwise those of
+      // a run that never re-places (a token's two contributions are added once, and addition
+      // commutes); for k > 2 a token's sums may run in another order after a migration, so
+      // only the tolerance applies.
       bool identical = true;
       if (s.replace_every > 0) {
         settings fixed = s;
         fixed.replace_every = 0;
         const run_result baseline = train(comm, fixed, false);
-        identical = baseline.losses == run.losses;
-        if (root) {
-          int differing = 0;
-          for (std::size_t i = 0; i < run.losses.size(); ++i)
-            differing += run.losses[i] != baseline.losses[i];
-          std::printf("re-placement: %d migrations, %d experts moved; losses vs a run without "
-                      "re-placement: %s (%d of %zu steps differ)\n",
-                      run.migrations, run.moved_experts, identical ? "bitwise identical" : "DIFFER",
-                      differing, run.losses.size());
+        int differing = 0;
+        double worst = 0;
+        for (std::size_t i = 0; i < run.losses.size(); ++i) {
+          differing += run.losses[i] != baseline.losses[i];
+          worst = std::max(worst, std::abs(run.losses[i] - baseline.losses[i]) /
+                                      std::max(std::abs(baseline.losses[i]), 1e-12));
         }
+        const bool bitwise = s.k <= 2;
+        identical = bitwise ? differing == 0 : worst <= s.tolerance;
+        if (root)
+          std::printf("re-placement: %d migrations, %d experts moved; losses vs a run without "
+                      "re-placement: %d of %zu steps differ, worst relative gap %.2e (required: "
+                      "%s): %s\n",
+                      run.migrations, run.moved_experts, differing, run.losses.size(), worst,
+                      bitwise ? "bitwise identical" : "within tolerance",
+                      identical ? "ok" : "FAILED");
       }
       if (root) {
         std::printf("loss %.6f -> %.6f (mean of first/last %zu steps): %s\n", first, last, window,
