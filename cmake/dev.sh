@@ -64,6 +64,8 @@ case "${1:-}" in
     "./build/default/examples/$demo_target" "${@:2}"
     ;;
   test)
+    # The libtorch trainer example (examples/torch) is built and tested only where it is found.
+    packages+=(libtorch-dev)
     ensure_dependencies
     cmake --workflow --preset test
     ;;
