@@ -21,6 +21,8 @@
 #include <torch/torch.h>
 
 #include <weave/comm/mpi_communicator.hpp>
+#include <weave/core/checked.hpp>
+#include <weave/core/mpi_error.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/placement.hpp>
@@ -281,9 +283,11 @@ class moe_layer {
   // and optimizer state from the rank holding them, departing ones are sent and dropped.
   void migrate(const weave::migration_plan& plan) {
     const std::int64_t P = expert_size(s_);
+    const int count = weave::checked_cast<int>(2 * P, "migrated floats");
     const int rank = comm_->rank();
     std::vector<MPI_Request> requests;
-    std::map<int, torch::Tensor> arriving, leaving;
+    std::map<int, torch::Tensor> arriving;
+    std::vector<torch::Tensor> leaving; // kept alive until the sends complete
     for (const weave::expert_move& m : plan.moves) {
       if (m.to_device == rank && m.from_device == rank) {
         const expert_state& e = experts_.at(m.expert);
@@ -291,18 +295,18 @@ class moe_layer {
       } else if (m.to_device == rank) {
         auto& buffer = arriving[m.expert] = torch::empty({2 * P});
         requests.emplace_back();
-        MPI_Irecv(buffer.data_ptr<float>(), static_cast<int>(2 * P), MPI_FLOAT, m.from_device,
-                  m.expert, MPI_COMM_WORLD, &requests.back());
+        WEAVE_MPI_CHECK(MPI_Irecv(buffer.data_ptr<float>(), count, MPI_FLOAT, m.from_device,
+                                  m.expert, MPI_COMM_WORLD, &requests.back()));
       } else if (m.from_device == rank) {
         const expert_state& e = experts_.at(m.expert);
-        auto& buffer = leaving[m.expert * 65536 + m.to_device] =
-            torch::cat({e.weights, e.velocity});
+        leaving.push_back(torch::cat({e.weights, e.velocity}));
         requests.emplace_back();
-        MPI_Isend(buffer.data_ptr<float>(), static_cast<int>(2 * P), MPI_FLOAT, m.to_device,
-                  m.expert, MPI_COMM_WORLD, &requests.back());
+        WEAVE_MPI_CHECK(MPI_Isend(leaving.back().data_ptr<float>(), count, MPI_FLOAT, m.to_device,
+                                  m.expert, MPI_COMM_WORLD, &requests.back()));
       }
     }
-    MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+    WEAVE_MPI_CHECK(
+        MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
     std::map<int, expert_state> next;
     const int spd = plan.target.slots_per_device();
     for (int l = 0; l < spd; ++l) {
