@@ -1,0 +1,581 @@
+// Training a small MoE transformer block with libtorch and weave, one MPI process per rank.
+//
+// The block is out = x + moe(layer_norm(x)): a top-k softmax gate (torch ops, replicated on
+// every rank, gradients all-reduced) picks k of E experts per token; each expert is a 2-layer
+// ReLU MLP owned by exactly one rank (E / world per rank, placed by a weave placement). weave's
+// moe_exchange dispatches the tokens to their experts and combines the results, pipelined over
+// chunks, inside a torch::autograd::Function, so the loss gradient reaches the gate through the
+// gate-weight gradients (dw) and the expert parameters through the expert backward callback.
+//
+// Every step, every rank also trains a dense single-process copy of the same model (same
+// initialisation, all ranks' tokens, every token through its k experts by masking) and checks
+// that the two losses agree. With --replace-every=N the trainer re-places the experts every N
+// steps from co-activation statistics (place_collaborative), migrates weights and optimizer
+// state between ranks (plan_migration, MPI point to point), and checks that the losses are
+// bitwise those of a second run that never re-places.
+//
+// Exits 0 only if the losses agree at every step and the loss decreased.
+#include "torch_tensor.hpp"
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <weave/comm/mpi_communicator.hpp>
+#include <weave/core/checked.hpp>
+#include <weave/core/mpi_error.hpp>
+#include <weave/exec/host_stream.hpp>
+#include <weave/overlap/moe_exchange.hpp>
+#include <weave/placement.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct settings {
+  int steps = 300;
+  std::int64_t tokens = 64; // per rank
+  std::int64_t hidden = 32;
+  std::int64_t ffn = 64;
+  int experts = 8;
+  int k = 2;
+  int chunks = 2;
+  double lr = 0.2;
+  double momentum = 0.9;
+  int seed = 7;
+  double tolerance = 1e-5; // relative, distributed vs dense loss
+  int replace_every = 0;   // 0: never re-place
+  int print_every = 25;
+};
+
+settings parse(int argc, char** argv) {
+  settings s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto eq = a.find('=');
+    const std::string key = a.substr(0, eq),
+                      value = eq == std::string::npos ? "" : a.substr(eq + 1);
+    if (key == "--steps")
+      s.steps = std::stoi(value);
+    else if (key == "--tokens")
+      s.tokens = std::stoll(value);
+    else if (key == "--hidden")
+      s.hidden = std::stoll(value);
+    else if (key == "--ffn")
+      s.ffn = std::stoll(value);
+    else if (key == "--experts")
+      s.experts = std::stoi(value);
+    else if (key == "--k")
+      s.k = std::stoi(value);
+    else if (key == "--chunks")
+      s.chunks = std::stoi(value);
+    else if (key == "--lr")
+      s.lr = std::stod(value);
+    else if (key == "--tolerance")
+      s.tolerance = std::stod(value);
+    else if (key == "--replace-every")
+      s.replace_every = std::stoi(value);
+    else if (key == "--print-every")
+      s.print_every = std::stoi(value);
+    else if (key == "--seed")
+      s.seed = std::stoi(value);
+    else {
+      std::fprintf(stderr, "moe_trainer: unknown option %s\n", a.c_str());
+      std::exit(2);
+    }
+  }
+  return s;
+}
+
+// --- parameters -------------------------------------------------------------------------------
+
+// One expert's parameters and optimizer state, each one flat tensor so that migrating an expert
+// is sending two buffers. `grad` accumulates over the backward's chunks.
+struct expert_state {
+  torch::Tensor weights, velocity, grad;
+};
+
+struct expert_views {
+  torch::Tensor w1, b1, w2, b2; // (H, F), (F), (F, H), (H)
+};
+
+std::int64_t expert_size(const settings& s) {
+  return 2 * s.hidden * s.ffn + s.ffn + s.hidden;
+}
+
+expert_views unpack(const torch::Tensor& flat, const settings& s) {
+  const std::int64_t H = s.hidden, F = s.ffn;
+  return {flat.narrow(0, 0, H * F).view({H, F}), flat.narrow(0, H * F, F),
+          flat.narrow(0, H * F + F, F * H).view({F, H}), flat.narrow(0, 2 * H * F + F, H)};
+}
+
+// Expert `e`'s initial weights depend only on (seed, e): any rank, and the dense reference,
+// can create any expert without communication.
+torch::Tensor initial_expert(int e, const settings& s) {
+  torch::manual_seed(static_cast<std::uint64_t>(s.seed) * 1000 + static_cast<std::uint64_t>(e));
+  const auto w1 = torch::randn({s.hidden, s.ffn}) / std::sqrt(static_cast<double>(s.hidden));
+  const auto w2 = torch::randn({s.ffn, s.hidden}) / std::sqrt(static_cast<double>(s.ffn));
+  return torch::cat({w1.flatten(), torch::zeros({s.ffn}), w2.flatten(), torch::zeros({s.hidden})});
+}
+
+expert_state make_expert_state(torch::Tensor weights) {
+  return {weights, torch::zeros_like(weights), torch::zeros_like(weights)};
+}
+
+torch::Tensor initial_gate(const settings& s) {
+  torch::manual_seed(static_cast<std::uint64_t>(s.seed) * 1000 + 999);
+  const auto w = torch::randn({s.hidden, s.experts}) * 0.1;
+  return torch::cat({w.flatten(), torch::zeros({s.experts})});
+}
+
+std::pair<torch::Tensor, torch::Tensor> gate_views(const torch::Tensor& flat, const settings& s) {
+  const std::int64_t H = s.hidden, E = s.experts;
+  return {flat.narrow(0, 0, H * E).view({H, E}), flat.narrow(0, H * E, E)};
+}
+
+torch::Tensor expert_forward(const expert_views& p, const torch::Tensor& x) {
+  return torch::relu(x.mm(p.w1) + p.b1).mm(p.w2) + p.b2;
+}
+
+// The expert backward written out (the dense reference uses autograd instead, so the two
+// gradients are computed independently). Adds the parameter gradients to `grad` and returns
+// the input gradient.
+torch::Tensor expert_backward(const expert_views& p, const expert_views& grad,
+                              const torch::Tensor& x, const torch::Tensor& dy) {
+  const auto a = x.mm(p.w1) + p.b1;
+  const auto h = torch::relu(a);
+  const auto da = dy.mm(p.w2.t()) * (a > 0).to(dy.scalar_type());
+  grad.w1.add_(x.t().mm(da));
+  grad.b1.add_(da.sum(0));
+  grad.w2.add_(h.t().mm(dy));
+  grad.b2.add_(dy.sum(0));
+  return da.mm(p.w1.t());
+}
+
+// Momentum SGD, in place.
+void sgd_step(torch::Tensor& weights, torch::Tensor& velocity, const torch::Tensor& grad,
+              const settings& s) {
+  torch::NoGradGuard no_grad;
+  velocity.mul_(s.momentum).add_(grad);
+  weights.sub_(velocity * s.lr);
+}
+
+// "[0 1 2 3 | 4 5 6 7]": the experts of each device.
+std::string describe(const weave::placement& p) {
+  std::string out = "[";
+  for (int slot = 0; slot < p.num_devices() * p.slots_per_device(); ++slot) {
+    if (slot > 0)
+      out += slot % p.slots_per_device() == 0 ? " | " : " ";
+    out += std::to_string(p.expert_of_slot(slot));
+  }
+  return out + "]";
+}
+
+// --- the task -------------------------------------------------------------------------------
+
+struct batch {
+  torch::Tensor x, target; // all ranks' tokens, rank-major
+};
+
+// A synthetic regression: the target is x + 0.5 tanh(layer_norm(x) A) for a fixed A.
+batch make_batch(int step, int world, const settings& s, const torch::Tensor& teacher) {
+  torch::manual_seed(static_cast<std::uint64_t>(s.seed) * 7919 + static_cast<std::uint64_t>(step));
+  auto x = torch::randn({world * s.tokens, s.hidden});
+  auto h = torch::layer_norm(x, {s.hidden});
+  return {x, x + 0.5 * torch::tanh(h.mm(teacher))};
+}
+
+struct routing {
+  torch::Tensor weights, ids; // (T, k) f32 differentiable, (T, k) int32
+};
+
+routing route(const torch::Tensor& h, const torch::Tensor& gate_flat, const settings& s) {
+  const auto [wg, bg] = gate_views(gate_flat, s);
+  const auto probs = torch::softmax(h.mm(wg) + bg, 1);
+  const auto [top, ids] = probs.topk(s.k, 1);
+  return {top / top.sum(1, true), ids.to(torch::kInt32).contiguous()};
+}
+
+// --- the distributed layer --------------------------------------------------------------------
+
+// One rank's share of the MoE layer: the exchange, its two streams, and the experts it owns.
+class moe_layer {
+ public:
+  moe_layer(weave::mpi_communicator& comm, weave::placement where, const settings& s)
+      : comm_(&comm)
+      , s_(s) {
+    const int spd = where.slots_per_device();
+    for (int l = 0; l < spd; ++l) {
+      const int e = where.expert_of_slot(comm.rank() * spd + l);
+      experts_.emplace(e, make_expert_state(initial_expert(e, s)));
+    }
+    rebuild(std::move(where));
+  }
+
+  const weave::placement& where() const { return exchange_->where(); }
+  std::map<int, expert_state>& experts() { return experts_; }
+  weave::host_stream& comm_stream() { return comm_stream_; }
+
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& weights,
+                        const torch::Tensor& ids) {
+    const auto x = h.contiguous();
+    auto y = torch::empty_like(x);
+    exchange_->forward(
+        weave::make_token_view(x),
+        std::span<const std::int32_t>(ids.data_ptr<std::int32_t>(), ids.numel()),
+        std::span<const float>(weights.data_ptr<float>(), weights.numel()),
+        weave::make_token_view(y),
+        [this](const weave::expert_batch& b) {
+          torch::NoGradGuard no_grad;
+          const auto in = weave_torch::as_tensor(b.input);
+          auto out = weave_torch::as_tensor(b.output);
+          for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l) {
+            const auto first = b.expert_offsets[l], rows = b.expert_offsets[l + 1] - first;
+            if (rows == 0)
+              continue;
+            const auto p = unpack(experts_.at(b.experts[l]).weights, s_);
+            out.narrow(0, first, rows).copy_(expert_forward(p, in.narrow(0, first, rows)));
+          }
+        },
+        compute_, comm_stream_);
+    synchronize();
+    return y;
+  }
+
+  // dL/dh and dL/dweights from dL/dy; the experts' parameter gradients accumulate in `grad`.
+  std::pair<torch::Tensor, torch::Tensor> backward(const torch::Tensor& dy_in) {
+    const auto dy = dy_in.contiguous();
+    auto dx = torch::empty_like(dy);
+    auto dw = torch::empty({dy.size(0), s_.k});
+    exchange_->backward(
+        weave::make_token_view(dy), weave::make_token_view(dx),
+        std::span<float>(dw.data_ptr<float>(), dw.numel()),
+        [this](const weave::expert_grad_batch& b) {
+          torch::NoGradGuard no_grad;
+          const auto x = weave_torch::as_tensor(b.saved_input);
+          const auto g = weave_torch::as_tensor(b.grad_output);
+          auto gx = weave_torch::as_tensor(b.grad_input);
+          for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l) {
+            const auto first = b.expert_offsets[l], rows = b.expert_offsets[l + 1] - first;
+            if (rows == 0)
+              continue;
+            expert_state& e = experts_.at(b.experts[l]);
+            gx.narrow(0, first, rows)
+                .copy_(expert_backward(unpack(e.weights, s_), unpack(e.grad, s_),
+                                       x.narrow(0, first, rows), g.narrow(0, first, rows)));
+          }
+        },
+        compute_, comm_stream_);
+    synchronize();
+    return {dx, dw};
+  }
+
+  // Moves to the placement `plan.target`: experts arriving on this rank receive their weights
+  // and optimizer state from the rank holding them, departing ones are sent and dropped.
+  void migrate(const weave::migration_plan& plan) {
+    const std::int64_t P = expert_size(s_);
+    const int count = weave::checked_cast<int>(2 * P, "migrated floats");
+    const int rank = comm_->rank();
+    std::vector<MPI_Request> requests;
+    std::map<int, torch::Tensor> arriving;
+    std::vector<torch::Tensor> leaving; // kept alive until the sends complete
+    for (const weave::expert_move& m : plan.moves) {
+      if (m.to_device == rank && m.from_device == rank) {
+        const expert_state& e = experts_.at(m.expert);
+        arriving[m.expert] = torch::cat({e.weights, e.velocity});
+      } else if (m.to_device == rank) {
+        auto& buffer = arriving[m.expert] = torch::empty({2 * P});
+        requests.emplace_back();
+        WEAVE_MPI_CHECK(MPI_Irecv(buffer.data_ptr<float>(), count, MPI_FLOAT, m.from_device,
+                                  m.expert, MPI_COMM_WORLD, &requests.back()));
+      } else if (m.from_device == rank) {
+        const expert_state& e = experts_.at(m.expert);
+        leaving.push_back(torch::cat({e.weights, e.velocity}));
+        requests.emplace_back();
+        WEAVE_MPI_CHECK(MPI_Isend(leaving.back().data_ptr<float>(), count, MPI_FLOAT, m.to_device,
+                                  m.expert, MPI_COMM_WORLD, &requests.back()));
+      }
+    }
+    WEAVE_MPI_CHECK(
+        MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
+    std::map<int, expert_state> next;
+    const int spd = plan.target.slots_per_device();
+    for (int l = 0; l < spd; ++l) {
+      const int e = plan.target.expert_of_slot(rank * spd + l);
+      if (const auto it = arriving.find(e); it != arriving.end()) {
+        expert_state st = make_expert_state(it->second.narrow(0, 0, P).clone());
+        st.velocity = it->second.narrow(0, P, P).clone();
+        next.emplace(e, std::move(st));
+      } else {
+        next.emplace(e, std::move(experts_.at(e)));
+      }
+    }
+    experts_ = std::move(next);
+    rebuild(plan.target);
+  }
+
+ private:
+  void rebuild(weave::placement where) {
+    weave::moe_options o;
+    o.k = s_.k;
+    o.hidden = static_cast<std::size_t>(s_.hidden);
+    o.max_tokens = static_cast<std::size_t>(s_.tokens);
+    o.chunks = s_.chunks;
+    o.save_for_backward = true;
+    exchange_.reset();
+    exchange_ =
+        std::make_unique<weave::moe_exchange<weave::mpi_communicator>>(*comm_, std::move(where), o);
+  }
+
+  void synchronize() {
+    compute_.synchronize();
+    comm_stream_.synchronize();
+  }
+
+  weave::mpi_communicator* comm_;
+  settings s_;
+  std::map<int, expert_state> experts_;
+  weave::host_stream compute_{"compute"}, comm_stream_{"comm"};
+  std::unique_ptr<weave::moe_exchange<weave::mpi_communicator>> exchange_;
+};
+
+// weave's exchange as an autograd node: inputs (h, gate weights, ids, layer), output y.
+class moe_function : public torch::autograd::Function<moe_function> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor h,
+                               torch::Tensor weights, torch::Tensor ids, moe_layer* layer) {
+    const auto w = weights.contiguous();
+    // The exchange reads the forward's ids and weights again in its backward.
+    ctx->saved_data["ids"] = ids;
+    ctx->saved_data["weights"] = w;
+    ctx->saved_data["layer"] = reinterpret_cast<std::int64_t>(layer);
+    return layer->forward(h, w, ids);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* layer = reinterpret_cast<moe_layer*>(ctx->saved_data["layer"].toInt());
+    auto [dh, dw] = layer->backward(grads[0]);
+    return {dh, dw, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// --- the dense reference --------------------------------------------------------------------
+
+// The same model in one process: every expert, every rank's tokens, plain torch autograd.
+struct dense_model {
+  torch::Tensor gate, gate_velocity;
+  std::vector<torch::Tensor> experts, velocities;
+
+  explicit dense_model(const settings& s)
+      : gate(initial_gate(s).requires_grad_())
+      , gate_velocity(torch::zeros_like(gate)) {
+    for (int e = 0; e < s.experts; ++e) {
+      experts.push_back(initial_expert(e, s).requires_grad_());
+      velocities.push_back(torch::zeros_like(experts.back()));
+    }
+  }
+
+  double step(const batch& b, const settings& s) {
+    const auto h = torch::layer_norm(b.x, {s.hidden});
+    const auto r = route(h, gate, s);
+    auto y = torch::zeros_like(h);
+    for (int e = 0; e < s.experts; ++e)
+      for (int j = 0; j < s.k; ++j) {
+        const auto rows = (r.ids.select(1, j) == e).nonzero().squeeze(1);
+        if (rows.numel() == 0)
+          continue;
+        const auto out = expert_forward(unpack(experts[static_cast<std::size_t>(e)], s),
+                                        h.index_select(0, rows));
+        y = y.index_add(0, rows, out * r.weights.select(1, j).index_select(0, rows).unsqueeze(1));
+      }
+    const auto loss = (b.x + y - b.target).pow(2).sum() / static_cast<double>(b.x.numel());
+    loss.backward();
+    sgd_step(gate, gate_velocity, gate.grad(), s);
+    gate.mutable_grad().zero_();
+    for (std::size_t e = 0; e < experts.size(); ++e) {
+      if (experts[e].grad().defined()) {
+        sgd_step(experts[e], velocities[e], experts[e].grad(), s);
+        experts[e].mutable_grad().zero_();
+      } else {
+        sgd_step(experts[e], velocities[e], torch::zeros_like(experts[e]), s);
+      }
+    }
+    return loss.item<double>();
+  }
+};
+
+// --- training ---------------------------------------------------------------------------------
+
+struct run_result {
+  std::vector<double> losses;
+  double worst_relative_gap = 0; // distributed vs dense
+  int failed_step = -1;          // first step beyond tolerance
+  int migrations = 0, moved_experts = 0;
+};
+
+run_result train(weave::mpi_communicator& comm, const settings& s, bool check_dense) {
+  const int rank = comm.rank(), world = comm.size();
+  torch::manual_seed(static_cast<std::uint64_t>(s.seed));
+  const auto teacher = torch::randn({s.hidden, s.hidden});
+  const auto topo = weave::topology::flat(world);
+
+  moe_layer layer(comm, weave::placement::contiguous(s.experts, world), s);
+  torch::Tensor gate = initial_gate(s).requires_grad_();
+  torch::Tensor gate_velocity = torch::zeros_like(gate);
+  std::unique_ptr<dense_model> dense;
+  if (check_dense)
+    dense = std::make_unique<dense_model>(s);
+  weave::expert_statistics stats(s.experts);
+
+  run_result result;
+  std::vector<float> reduced(static_cast<std::size_t>(gate.numel()) + 1);
+  for (int step = 0; step < s.steps; ++step) {
+    const batch all = make_batch(step, world, s, teacher);
+    const auto x = all.x.narrow(0, rank * s.tokens, s.tokens);
+    const auto target = all.target.narrow(0, rank * s.tokens, s.tokens);
+
+    // Forward and backward through weave; the loss is normalised by the global token count so
+    // that summing the ranks' gradients gives the gradient of the global loss.
+    const auto h = torch::layer_norm(x, {s.hidden});
+    const routing r = route(h, gate, s);
+    stats.decay(0.9);
+    stats.accumulate(std::span<const std::int32_t>(r.ids.data_ptr<std::int32_t>(), r.ids.numel()),
+                     s.k);
+    const auto y = moe_function::apply(h, r.weights, r.ids, &layer);
+    const auto loss = (x + y - target).pow(2).sum() / static_cast<double>(all.x.numel());
+    loss.backward();
+
+    // Shared parameters (the gate): all-reduce the gradient, with the loss riding along.
+    const auto g = gate.grad().contiguous();
+    std::memcpy(reduced.data(), g.data_ptr<float>(), static_cast<std::size_t>(g.numel()) * 4);
+    reduced.back() = loss.item<float>();
+    comm.all_reduce(layer.comm_stream(), std::span<const float>(reduced), std::span<float>(reduced),
+                    weave::reduce_op::sum);
+    layer.comm_stream().synchronize();
+    const auto global_grad = torch::from_blob(reduced.data(), {gate.numel()}).clone();
+    const double global_loss = reduced.back();
+    sgd_step(gate, gate_velocity, global_grad, s);
+    gate.mutable_grad().zero_();
+    // Expert parameters: each owner already holds the gradient from every rank's tokens.
+    for (auto& [e, state] : layer.experts()) {
+      sgd_step(state.weights, state.velocity, state.grad, s);
+      state.grad.zero_();
+    }
+    result.losses.push_back(global_loss);
+
+    if (dense) {
+      const double reference = dense->step(all, s);
+      const double gap = std::abs(global_loss - reference) / std::max(std::abs(reference), 1e-12);
+      result.worst_relative_gap = std::max(result.worst_relative_gap, gap);
+      if (gap > s.tolerance && result.failed_step < 0)
+        result.failed_step = step;
+      if (rank == 0 && (step % s.print_every == 0 || step + 1 == s.steps))
+        std::printf("step %4d  loss %.6f  dense %.6f  gap %.1e  placement %s\n", step, global_loss,
+                    reference, gap, describe(layer.where()).c_str());
+    }
+
+    // Periodic re-placement from the co-activation statistics of all ranks.
+    if (s.replace_every > 0 && (step + 1) % s.replace_every == 0 && step + 1 < s.steps) {
+      auto raw = stats.raw();
+      weave::expert_statistics merged = stats;
+      comm.all_reduce(layer.comm_stream(), std::span<const double>(raw), merged.raw(),
+                      weave::reduce_op::sum);
+      layer.comm_stream().synchronize();
+      const auto next = weave::place_collaborative(merged, topo);
+      const auto plan = weave::plan_migration(layer.where(), next, topo);
+      layer.migrate(plan);
+      ++result.migrations;
+      result.moved_experts += static_cast<int>(plan.moves.size());
+    }
+  }
+  return result;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  const settings s = parse(argc, argv);
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  torch::set_num_threads(1); // one process per core
+  int status = 0;
+  try {
+    weave::mpi_communicator comm(MPI_COMM_WORLD);
+    const bool root = comm.rank() == 0;
+    if (s.experts % comm.size() != 0) {
+      if (root)
+        std::fprintf(stderr, "moe_trainer: --experts must be a multiple of the ranks\n");
+      status = 2;
+    } else {
+      if (root)
+        std::printf(
+            "MoE block: %d ranks, %lld tokens per rank, hidden %lld, %d experts (MLP %lld), "
+            "top-%d, %d chunks, %d steps\n",
+            comm.size(), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
+            s.experts, static_cast<long long>(s.ffn), s.k, s.chunks, s.steps);
+      const run_result run = train(comm, s, true);
+      const auto mean = [](std::span<const double> v) {
+        double t = 0;
+        for (double x : v)
+          t += x;
+        return t / static_cast<double>(v.size());
+      };
+      const std::size_t window = std::min<std::size_t>(10, run.losses.size());
+      const double first = mean(std::span(run.losses).first(window));
+      const double last = mean(std::span(run.losses).last(window));
+      const bool decreased = last < 0.5 * first;
+      const bool matched = run.failed_step < 0;
+      // Re-placement must not change the training. For k <= 2 the losses are bitwise those of
+      // a run that never re-places (a token's two contributions are added once, and addition
+      // commutes); for k > 2 a token's sums may run in another order after a migration, so
+      // only the tolerance applies.
+      bool identical = true;
+      if (s.replace_every > 0) {
+        settings fixed = s;
+        fixed.replace_every = 0;
+        const run_result baseline = train(comm, fixed, false);
+        int differing = 0;
+        double worst = 0;
+        for (std::size_t i = 0; i < run.losses.size(); ++i) {
+          differing += run.losses[i] != baseline.losses[i];
+          worst = std::max(worst, std::abs(run.losses[i] - baseline.losses[i]) /
+                                      std::max(std::abs(baseline.losses[i]), 1e-12));
+        }
+        const bool bitwise = s.k <= 2;
+        identical = bitwise ? differing == 0 : worst <= s.tolerance;
+        if (root)
+          std::printf("re-placement: %d migrations, %d experts moved; losses vs a run without "
+                      "re-placement: %d of %zu steps differ, worst relative gap %.2e (required: "
+                      "%s): %s\n",
+                      run.migrations, run.moved_experts, differing, run.losses.size(), worst,
+                      bitwise ? "bitwise identical" : "within tolerance",
+                      identical ? "ok" : "FAILED");
+      }
+      if (root) {
+        std::printf("loss %.6f -> %.6f (mean of first/last %zu steps): %s\n", first, last, window,
+                    decreased ? "decreased" : "DID NOT HALVE");
+        std::printf("distributed vs dense loss: worst relative gap %.2e (tolerance %.0e): %s\n",
+                    run.worst_relative_gap, s.tolerance,
+                    matched ? "match at every step" : "MISMATCH");
+        if (!matched)
+          std::printf("first mismatch at step %d\n", run.failed_step);
+      }
+      status = decreased && matched && identical ? 0 : 1;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moe_trainer: %s\n", e.what());
+    MPI_Abort(MPI_COMM_WORLD, 1); // the other ranks would wait for this one forever
+  }
+  MPI_Finalize();
+  return status;
+}
