@@ -329,6 +329,32 @@ void write_traces(const graph& g, const schedule& s, const weave::sim::timeline&
   w.write_file(std::string(dir) + "/" + name + ".json");
 }
 
+// The three schedules compared: 0 no overlap, 1 Tutel-style expert-only pipelining, 2 weave.
+plan strategy_plan(const moe_graph& m, int strategy) {
+  if (strategy == 0)
+    return plan::unpartitioned(m.g.topological_order());
+  if (strategy == 1)
+    return best_expert_only(m, chunk_overhead_us);
+  return plan_partitions(m.g, {.max_parts = 4, .chunk_overhead_us = chunk_overhead_us});
+}
+
+const char* strategy_label(int strategy) {
+  return strategy == 0 ? "no overlap" : strategy == 1 ? "expert-only (Tutel)" : "weave";
+}
+
+// A compute and a comm host stream per rank, owned here and lent to the executor.
+struct rank_stream_set {
+  std::vector<std::unique_ptr<weave::host_stream>> owned;
+  std::vector<rank_streams<weave::host_stream>> streams;
+  explicit rank_stream_set(std::size_t ranks) {
+    for (std::size_t r = 0; r < ranks; ++r) {
+      owned.push_back(std::make_unique<weave::host_stream>("compute"));
+      owned.push_back(std::make_unique<weave::host_stream>("comm"));
+      streams.push_back({owned[2 * r].get(), owned[2 * r + 1].get()});
+    }
+  }
+};
+
 void predicted_vs_measured(benchmark::State& state) {
   constexpr std::size_t ranks = 2;
   const int strategy = static_cast<int>(state.range(0)); // 0 none, 1 expert-only, 2 weave
@@ -337,25 +363,12 @@ void predicted_vs_measured(benchmark::State& state) {
   // (~0.1 ms there) weigh more; the median over runs discards the stalls.
   const double scale = 3.0;
   const moe_graph m = transformer(3, scale);
-  plan p;
-  if (strategy == 0)
-    p = plan::unpartitioned(m.g.topological_order());
-  else if (strategy == 1)
-    p = best_expert_only(m, chunk_overhead_us);
-  else
-    p = plan_partitions(m.g, {.max_parts = 4, .chunk_overhead_us = chunk_overhead_us});
-  const schedule s = make_schedule(m.g, p);
+  const schedule s = make_schedule(m.g, strategy_plan(m, strategy));
   const auto predicted_t = weave::sim::simulate(s, ranks);
   const auto predicted = weave::sim::analyze_worst(s, predicted_t);
 
-  std::vector<std::unique_ptr<weave::host_stream>> owned;
-  std::vector<rank_streams<weave::host_stream>> streams;
-  for (std::size_t r = 0; r < ranks; ++r) {
-    owned.push_back(std::make_unique<weave::host_stream>("compute"));
-    owned.push_back(std::make_unique<weave::host_stream>("comm"));
-    streams.push_back({owned[2 * r].get(), owned[2 * r + 1].get()});
-  }
-  schedule_executor<weave::host_stream> ex(m.g, s, streams);
+  rank_stream_set streams(ranks);
+  schedule_executor<weave::host_stream> ex(m.g, s, streams.streams);
   emulated_link link(weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5), ranks);
   // Compute sleeps the op's cost at this fraction; the a2a's time comes from the link alone.
   auto compute = [](std::size_t, const op& o, const task& t) {
@@ -387,7 +400,7 @@ void predicted_vs_measured(benchmark::State& state) {
       100.0 * (*std::min_element(makespans.begin(), makespans.end()) / predicted.makespan_us - 1.0);
   state.counters["predicted_exposed_ms"] = predicted.exposed_comm_us / 1e3;
   state.counters["measured_exposed_median_ms"] = median(exposed) / 1e3;
-  state.SetLabel(strategy == 0 ? "no overlap" : strategy == 1 ? "expert-only (Tutel)" : "weave");
+  state.SetLabel(strategy_label(strategy));
 }
 
 // Cost-model fitting from measurements: time the emulated link at a sweep of sizes, as a2a
@@ -517,23 +530,10 @@ void predicted_vs_measured_local_world(benchmark::State& state) {
   // A machine busy enough to swamp the sweep can fit a negative term; costs cannot be negative.
   const weave::sim::a2a_cost fitted{std::max(0.0, fit.intercept), std::max(0.0, fit.slope)};
   const moe_graph m = transformer(3, scale, fitted);
-  plan p;
-  if (strategy == 0)
-    p = plan::unpartitioned(m.g.topological_order());
-  else if (strategy == 1)
-    p = best_expert_only(m, chunk_overhead_us);
-  else
-    p = plan_partitions(m.g, {.max_parts = 4, .chunk_overhead_us = chunk_overhead_us});
-  const schedule s = make_schedule(m.g, p);
+  const schedule s = make_schedule(m.g, strategy_plan(m, strategy));
   const auto predicted = weave::sim::analyze_worst(s, weave::sim::simulate(s, ranks));
-  std::vector<std::unique_ptr<weave::host_stream>> owned;
-  std::vector<rank_streams<weave::host_stream>> streams;
-  for (std::size_t r = 0; r < ranks; ++r) {
-    owned.push_back(std::make_unique<weave::host_stream>("compute"));
-    owned.push_back(std::make_unique<weave::host_stream>("comm"));
-    streams.push_back({owned[2 * r].get(), owned[2 * r + 1].get()});
-  }
-  schedule_executor<weave::host_stream> ex(m.g, s, streams);
+  rank_stream_set streams(ranks);
+  schedule_executor<weave::host_stream> ex(m.g, s, streams.streams);
   auto compute = [](std::size_t, const op& o, const task& t) {
     calibrated_sleep(o.cost.at(t.fraction) + (t.chunks > 1 ? chunk_overhead_us : 0.0));
   };
@@ -553,7 +553,7 @@ void predicted_vs_measured_local_world(benchmark::State& state) {
   state.counters["predicted_ms"] = predicted.makespan_us / 1e3;
   state.counters["measured_median_ms"] = measured / 1e3;
   state.counters["error_pct"] = 100.0 * (measured / predicted.makespan_us - 1.0);
-  state.SetLabel(strategy == 0 ? "no overlap" : strategy == 1 ? "expert-only (Tutel)" : "weave");
+  state.SetLabel(strategy_label(strategy));
 }
 
 } // namespace
