@@ -20,6 +20,7 @@ int main() {
               weave::to_string(view.space()));
 
   // 2. Streams: "communication" on one stream, "compute" on another, ordered by an event.
+  //! [streams]
   weave::host_stream comm("comm"), compute("compute");
   weave::host_matrix<float> received(8, 4);
   weave::host_event sent = comm.record();
@@ -36,7 +37,8 @@ int main() {
     for (float x : received.elements())
       sum += x;
   });
-  compute.synchronize();
+  compute.synchronize(); // rethrows the first failure of a task this stream ran or waited on
+  //! [streams]
   std::printf("compute waited for comm: sum of received rows = %.2f (expected 124.00), "
               "comm took %.1f ms\n",
               sum, weave::host_event::elapsed_ms(sent, arrived));

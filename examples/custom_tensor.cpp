@@ -18,6 +18,7 @@ struct tensor {
 };
 } // namespace mylib
 
+//! [traits]
 template <>
 struct weave::tensor_traits<mylib::tensor> {
   static void* data(mylib::tensor& t) { return t.values.data(); }
@@ -26,7 +27,9 @@ struct weave::tensor_traits<mylib::tensor> {
   static long cols(const mylib::tensor& t) { return t.shape[1]; }
   static weave::dtype element_type(const mylib::tensor&) { return weave::dtype::f32; }
   static weave::memory_space space(const mylib::tensor&) { return weave::memory_space::host; }
+  // optional: device(t), row_stride_bytes(t)
 };
+//! [traits]
 
 int main() {
   mylib::tensor t{std::vector<float>(6 * 3, 1.5f), {6, 3}};

@@ -133,6 +133,7 @@ struct emulated_experts {
 };
 
 // Runs `iterations` forwards with `chunks` on one rank; returns its median timing.
+//! [generic]
 template <class Comm>
 measured run_rank(Comm& comm, const settings& s, const weave::placement& where, int chunks,
                   rank_data& d, bool pipelined_output, weave::overlap::trace_writer* trace,
@@ -161,6 +162,7 @@ measured run_rank(Comm& comm, const settings& s, const weave::placement& where, 
     weave::add_to_trace(*trace, layer.pipeline(), comm.rank(), origin);
   return {timings[timings.size() / 2], layer.stats()};
 }
+//! [generic]
 
 // Every rank of an in-process world, one thread each.
 std::vector<measured> run_local(const settings& s, const weave::placement& where, int chunks,

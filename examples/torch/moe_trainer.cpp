@@ -100,9 +100,11 @@ settings parse(int argc, char** argv) {
 
 // One expert's parameters and optimizer state, each one flat tensor so that migrating an expert
 // is sending two buffers. `grad` accumulates over the backward's chunks.
+//! [expert_state]
 struct expert_state {
   torch::Tensor weights, velocity, grad;
 };
+//! [expert_state]
 
 struct expert_views {
   torch::Tensor w1, b1, w2, b2; // (H, F), (F), (F, H), (H)
@@ -234,6 +236,7 @@ class moe_layer {
         std::span<const std::int32_t>(ids.data_ptr<std::int32_t>(), ids.numel()),
         std::span<const float>(weights.data_ptr<float>(), weights.numel()),
         weave::make_token_view(y),
+        //! [forward_callback]
         [this](const weave::expert_batch& b) {
           torch::NoGradGuard no_grad;
           const auto in = weave_torch::as_tensor(b.input);
@@ -246,6 +249,7 @@ class moe_layer {
             out.narrow(0, first, rows).copy_(expert_forward(p, in.narrow(0, first, rows)));
           }
         },
+        //! [forward_callback]
         compute_, comm_stream_);
     synchronize();
     return y;
@@ -349,6 +353,7 @@ class moe_layer {
 };
 
 // weave's exchange as an autograd node: inputs (h, gate weights, ids, layer), output y.
+//! [autograd]
 class moe_function : public torch::autograd::Function<moe_function> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor h,
@@ -368,6 +373,7 @@ class moe_function : public torch::autograd::Function<moe_function> {
     return {dh, dw, torch::Tensor(), torch::Tensor()};
   }
 };
+//! [autograd]
 
 // --- the dense reference --------------------------------------------------------------------
 
@@ -446,22 +452,26 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
 
     // Forward and backward through weave; the loss is normalised by the global token count so
     // that summing the ranks' gradients gives the gradient of the global loss.
+    //! [model]
     const auto h = torch::layer_norm(x, {s.hidden});
-    const routing r = route(h, gate, s);
+    const routing r = route(h, gate, s); // softmax, top-k, renormalised weights; ids as int32
     stats.decay(0.9);
     stats.accumulate(std::span<const std::int32_t>(r.ids.data_ptr<std::int32_t>(), r.ids.numel()),
                      s.k);
     const auto y = moe_function::apply(h, r.weights, r.ids, &layer);
     const auto loss = (x + y - target).pow(2).sum() / static_cast<double>(all.x.numel());
     loss.backward();
+    //! [model]
 
     // Shared parameters (the gate): all-reduce the gradient, with the loss riding along.
     const auto g = gate.grad().contiguous();
     std::memcpy(reduced.data(), g.data_ptr<float>(), static_cast<std::size_t>(g.numel()) * 4);
     reduced.back() = loss.item<float>();
+    //! [reduce]
     comm.all_reduce(layer.comm_stream(), std::span<const float>(reduced), std::span<float>(reduced),
                     weave::reduce_op::sum);
     layer.comm_stream().synchronize();
+    //! [reduce]
     const auto global_grad = torch::from_blob(reduced.data(), {gate.numel()}).clone();
     const double global_loss = reduced.back();
     sgd_step(gate, gate_velocity, global_grad, s);
@@ -491,9 +501,11 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
       comm.all_reduce(layer.comm_stream(), std::span<const double>(raw), merged.raw(),
                       weave::reduce_op::sum);
       layer.comm_stream().synchronize();
+      //! [replace]
       const auto next = weave::place_collaborative(merged, topo);
       const auto plan = weave::plan_migration(layer.where(), next, topo);
       layer.migrate(plan);
+      //! [replace]
       ++result.migrations;
       result.moved_experts += static_cast<int>(plan.moves.size());
     }

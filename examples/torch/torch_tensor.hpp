@@ -50,6 +50,7 @@ inline void check_token_tensor(const torch::Tensor& t) {
 } // namespace weave_torch
 
 //! A `torch::Tensor` as rows of tokens (see the file comment for what is accepted).
+//! [traits]
 template <>
 struct weave::tensor_traits<torch::Tensor> {
   static void* data(torch::Tensor& t) {
@@ -73,6 +74,7 @@ struct weave::tensor_traits<torch::Tensor> {
     return static_cast<std::size_t>(t.stride(0)) * t.element_size();
   }
 };
+//! [traits]
 
 namespace weave_torch {
 

@@ -39,6 +39,7 @@ void run_case(weave::local_world& world, const comm_test::a2a_case& c,
 }
 
 // A communicator that only has grouped send/recv, to exercise the generic fallback.
+//! [custom]
 struct send_recv_only {
   using stream_type = weave::host_stream;
   weave::local_communicator* inner;
@@ -50,6 +51,7 @@ struct send_recv_only {
 };
 static_assert(weave::communicator<send_recv_only> && weave::has_send_recv<send_recv_only> &&
               !weave::has_all_to_all_v<send_recv_only>);
+//! [custom]
 
 template <class F>
 weave::errc code_of(F&& f) {

@@ -161,6 +161,7 @@ TEST_CASE("the executor rejects missing streams and a schedule of another graph"
 #include <weave/overlap/timeline_trace.hpp>
 
 TEST_CASE("docs example: describe, plan, simulate, trace, execute") {
+  //! [plan]
   const auto link = weave::sim::a2a_cost::from_bandwidth(/*alpha_us=*/30, /*GB/s=*/12.5);
   graph g; // one MoE layer; costs in us at full batch: {per chunk, scaled by the fraction}
   const op_id attn = g.add_compute("attention", {20, 1200});
@@ -173,23 +174,28 @@ TEST_CASE("docs example: describe, plan, simulate, trace, execute") {
   const schedule s = make_schedule(g, p);
   const weave::sim::timeline predicted = weave::sim::simulate(s, /*ranks=*/2);
   const weave::sim::rank_stats st = weave::sim::analyze_worst(s, predicted);
-  CHECK(st.makespan_us <= p.predicted_us);
-  const double serial =
-      weave::sim::simulate(make_schedule(g, plan::unpartitioned({0, 1, 2, 3, 4}))).makespan_us();
-  CHECK(st.makespan_us < serial);
 
   trace_writer trace; // open the JSON in chrome://tracing or ui.perfetto.dev
   append_timeline(trace, g, s, predicted, "predicted");
-  CHECK(trace.size() == 2 * s.size());
 
   weave::host_stream compute0("compute0"), comm0("comm0"), compute1("compute1"), comm1("comm1");
   schedule_executor<weave::host_stream> run(g, s, {{&compute0, &comm0}, {&compute1, &comm1}});
   std::atomic<int> calls{0};
   const weave::sim::timeline& measured = run.run(
-      [&](std::size_t /*rank*/, const op&, const task&) { ++calls; }, // o on t.fraction of rows
-      [&](std::size_t /*rank*/, const op&, const task&) {
-        ++calls;
-      }); // a2a of o.bytes * t.fraction
+      [&](std::size_t /*rank*/, const op& /*o*/, const task& /*t*/) {
+        ++calls; // run o on t.fraction of the rows
+      },
+      [&](std::size_t /*rank*/, const op& /*o*/, const task& /*t*/) {
+        ++calls; // all-to-all of o.bytes * t.fraction
+      });
   append_timeline(trace, g, s, measured, "measured", /*pid_base=*/100);
+  //! [plan]
+
+  CHECK(st.makespan_us <= p.predicted_us);
+  const double serial =
+      weave::sim::simulate(make_schedule(g, plan::unpartitioned({0, 1, 2, 3, 4}))).makespan_us();
+  CHECK(st.makespan_us < serial);
+  CHECK(trace.size() == 4 * s.size());
   CHECK(calls == static_cast<int>(2 * s.size()));
+  CHECK(measured.tasks() == s.size());
 }

@@ -6,7 +6,7 @@
 #include <span>
 
 TEST_CASE("docs example: profile, place, replicate, migrate, evaluate") {
-  // --8<-- [start:example]
+  //! [example]
   // A synthetic OLMoE-like trace: 64 experts, top-8, clusters of 8 that fire together.
   weave::trace_options o;
   o.num_experts = 64;
@@ -41,7 +41,7 @@ TEST_CASE("docs example: profile, place, replicate, migrate, evaluate") {
   // Copies per token and load on the trace (bf16 rows of hidden size 2048).
   const auto before = weave::evaluate_placement(current, topo, trace.ids, o.k, 2.0 * 2048);
   const auto after = weave::evaluate_placement(replicated, topo, trace.ids, o.k, 2.0 * 2048);
-  // --8<-- [end:example]
+  //! [example]
   CHECK(after.copies_per_token < 0.8 * before.copies_per_token);
   CHECK(after.max_mean_load < 1.15);
   CHECK(replicated.num_slots() == 80);

@@ -16,7 +16,7 @@ TEST_CASE("docs/routing.md example: gate, capacity, plan, dispatch and combine")
       logits(t, static_cast<std::size_t>(e)) =
           static_cast<float>((t * 7 + static_cast<std::size_t>(e) * 3) % 11);
 
-  // [doc-example]
+  //! [dispatch]
   // 1. Gate: top-2 of a softmax, renormalized.
   std::vector<std::int32_t> ids(T * k);
   std::vector<float> weights(T * k);
@@ -53,7 +53,7 @@ TEST_CASE("docs/routing.md example: gate, capacity, plan, dispatch and combine")
   // Local expert l owns EPD rows [expert_offsets()[l], expert_offsets()[l + 1]): run it there.
   weave::host_matrix<float> back(received.rows(), hidden);
   weave::expert_merge(experts, epd.view(), back.view()); // sum of gate-weighted expert outputs
-  // [doc-example]
+  //! [dispatch]
 
   CHECK(summary.aux_loss > 0.0);
   CHECK(dropped == static_cast<std::int64_t>(plan.dropped().size()));

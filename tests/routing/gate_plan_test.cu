@@ -318,6 +318,7 @@ TEST_CASE("CUDA gate + plan + layout moves equal the host pipeline; plan rows eq
     dev<float> d_logits(std::vector<float>(logits.elements().begin(), logits.elements().end()));
     dev<std::int32_t> d_ids(T * k);
     dev<float> d_w(T * k);
+    //! [gate_plan]
     weave::gate_options options;
     options.k = k;
     options.renormalize = true;
@@ -332,6 +333,7 @@ TEST_CASE("CUDA gate + plan + layout moves equal the host pipeline; plan rows eq
     dev<std::byte> ws(gpu.workspace_size());
     gpu.initialize(ws.ptr, ws.size, stream.ref());
     gpu.build(stream.ref(), d_ids.cspan(), d_w.cspan());
+    //! [gate_plan]
     const weave_test::mask_routing mask(static_cast<std::int64_t>(T), E, k);
     dev<std::byte> mws(mask.bytes());
     dev<std::int64_t> mask_rows(T * k);
@@ -363,9 +365,11 @@ TEST_CASE("CUDA gate + plan + layout moves equal the host pipeline; plan rows eq
       return weave::token_view(reinterpret_cast<std::byte*>(b.ptr), b.size / hidden, hidden,
                                weave::dtype::bf16, weave::memory_space::device, 0);
     };
-    const auto maps = gpu.maps(host.rows());
+    //! [moves]
+    const auto maps = gpu.maps(host.rows()); // the row count: gpu.read_rows(stream), or known
     weave::dispatch_gather(stream.ref(), maps, view(d_x), view(d_sfd));
     weave::combine_merge(stream.ref(), maps, view(d_sfd), view(d_out));
+    //! [moves]
     stream.ref().synchronize();
     CHECK(to_host(d_sfd.cspan()) ==
           std::vector<weave::bfloat16>(sfd.elements().begin(), sfd.elements().end()));

@@ -344,6 +344,7 @@ TEST_CASE("the simulated volumes are what local_world's all_to_all_v delivers") 
 }
 
 TEST_CASE("simulate_cluster scales volumes with sampling and reports consistent totals") {
+  //! [simulate]
   const cluster c = cluster::h100(2);
   moe_model m;
   m.layers = 3;
@@ -356,6 +357,10 @@ TEST_CASE("simulate_cluster scales volumes with sampling and reports consistent 
   o.trace_ranks = {0, 15, 99};
   const placement p = placement::contiguous(32, 16);
   const sim_result r = simulate_cluster(c, m, p, src, o);
+  std::ostringstream json;
+  write_json(json, r);            // step_us, exposed_comm_us, imbalance, per-layer results
+  const auto w = chrome_trace(r); // ranks 0 and 15 (99 is past the end); w.write_file(path)
+  //! [simulate]
   double step = 0, exposed = 0;
   for (const auto& l : r.layers) {
     step += l.makespan_us;
@@ -368,10 +373,7 @@ TEST_CASE("simulate_cluster scales volumes with sampling and reports consistent 
   CHECK(r.exposed_comm_us == doctest::Approx(exposed));
   CHECK(r.trace_ranks == std::vector<int>{0, 15});
   // Chrome trace: every task of every kept rank and layer, valid JSON shape.
-  const auto w = chrome_trace(r);
   CHECK(w.size() == 3 * 2 * r.schedule.size());
-  std::ostringstream json;
-  write_json(json, r);
   const std::string doc = json.str();
   CHECK(doc.find("\"step_us\":") != std::string::npos);
   CHECK(std::count(doc.begin(), doc.end(), '{') == 4); // the summary and 3 layers
