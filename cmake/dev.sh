@@ -64,6 +64,9 @@ case "${1:-}" in
     "./build/default/examples/$demo_target" "${@:2}"
     ;;
   test)
+    # The test suite also builds the API reference (doxygen) and runs the libtorch trainer
+    # example (examples/torch); both are skipped where they are not installed.
+    packages+=(doxygen libtorch-dev)
     ensure_dependencies
     cmake --workflow --preset test
     ;;

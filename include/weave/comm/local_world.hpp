@@ -435,8 +435,9 @@ class local_communicator {
     enqueue(s, p);
   }
 
-  //! Sends `send[j*k .. j*k+k)` to rank j and receives rank j's k counts into `recv[j*k ..)`,
-  //! where k = send.size() / size(). Ranks disagreeing on k fail with `errc::size_mismatch`.
+  //! Sends the k counts `send[j * k, (j + 1) * k)` to rank j and receives rank j's k counts into
+  //! `recv[j * k, (j + 1) * k)`, where k = send.size() / size(). Ranks disagreeing on k fail
+  //! with `errc::size_mismatch`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv) {
     detail::local_post p = make(detail::local_op::exchange_counts);

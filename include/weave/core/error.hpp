@@ -127,8 +127,10 @@ std::string concat(const Args&... args) {
 
 WEAVE_NAMESPACE_END
 
+//! \cond
 template <>
 struct std::is_error_code_enum<weave::errc> : std::true_type {};
+//! \endcond
 
 //! Throws `weave::error(code, message)` where the message is the concatenation of the arguments.
 #define WEAVE_THROW(code, ...)                                                                     \
