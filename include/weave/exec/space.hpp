@@ -1,0 +1,78 @@
+//! \file
+//! Execution spaces: where the data-parallel steps of weave's device algorithms run.
+//!
+//! An algorithm written once against a space runs on host streams (`host_space`, here: each
+//! step is a task that visits its indices in order on the stream's thread) or on CUDA streams
+//! (`cuda_space` in `weave/exec/cuda_space.cuh`: each step is a kernel, sorts and scans are
+//! CUB's). A step is a functor with `WEAVE_HOST_DEVICE void operator()(std::int64_t i) const`
+//! over raw pointers, so the same code is compiled for both. Within one step the host visits
+//! i = 0, 1, ... in order, so `atomic_add` there is a plain add; steps whose results do not
+//! depend on the order of their atomics give identical results in both spaces.
+//!
+//! The host space is what CI runs: it checks the orchestration and every step of the device
+//! algorithms against the host reference implementations, without a GPU.
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/core/memory.hpp"
+
+#include <cmath>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+WEAVE_HOST_DEVICE inline void atomic_add(unsigned long long* p, unsigned long long v) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(p, v);
+#else
+  *p += v;
+#endif
+}
+
+WEAVE_HOST_DEVICE inline void atomic_add(std::int64_t* p, std::int64_t v) {
+  atomic_add(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+}
+
+WEAVE_HOST_DEVICE inline void atomic_or(std::uint32_t* p, std::uint32_t v) {
+#ifdef __CUDA_ARCH__
+  atomicOr(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(v));
+#else
+  *p |= v;
+#endif
+}
+
+WEAVE_HOST_DEVICE inline bool is_finite(float x) {
+#ifdef __CUDA_ARCH__
+  return isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+
+} // namespace detail
+
+//! What a space provides to weave's device algorithms (see `host_space` in
+//! `weave/exec/host_space.hpp` for the meaning of each member).
+template <class S>
+concept execution_space = requires {
+  typename S::stream_type;
+  typename S::stream_arg;
+  { S::memory } -> std::convertible_to<memory_space>;
+}
+&&requires(typename S::stream_arg s, void* p, const void* q, std::int64_t n,
+           const std::int64_t* count, std::uint32_t* keys, std::int32_t* values) {
+  S::fill(s, p, 0, std::size_t{1});
+  S::copy(s, p, q, std::size_t{1});
+  S::copy_to_host(s, p, q, std::size_t{1});
+  S::copy_from_host(s, p, q, std::size_t{1});
+  { S::sort_temp_bytes(n) } -> std::convertible_to<std::size_t>;
+  { S::scan_temp_bytes(n) } -> std::convertible_to<std::size_t>;
+  S::sort_pairs(s, keys, keys, values, values, n, 1, p, std::size_t{0});
+  S::exclusive_scan(s, count, const_cast<std::int64_t*>(count), n, p, std::size_t{0});
+};
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,377 @@
+//! \file
+//! `device_dispatch_plan<Space>`: the dispatch plan built where the choices live, with no host
+//! round trip, for placements without replicas. `cuda_dispatch_plan` (`plan.cuh`) is this
+//! class in `cuda_space`; in `host_space` the same steps run as host-stream tasks (what CI
+//! tests against `dispatch_plan::build`).
+//!
+//! From top-k choices (and an optional keep mask) in memory of the space it builds the same
+//! SFD layout as the host plan: per-destination counts and offsets, `row_token`,
+//! `token_rows`, the `route_entry`s of every row, the kept experts and the per-slot loads, all
+//! equal to `dispatch_plan::build` for the same inputs. The counting sort is one step per token
+//! (its distinct devices, ascending), an exclusive scan of the per-device counts and a stable
+//! sort of (device, token-major pair) keys, so rows of a device come out in token order
+//! deterministically (atomics only count). The list of dropped pairs is not built (the keep
+//! mask says which they are). Bad input is reported in an error word (`device_plan_error`
+//! bits), checked with `check_errors`.
+#pragma once
+
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/workspace.hpp"
+#include "weave/exec/space.hpp"
+#include "weave/placement/placement.hpp"
+#include "weave/routing/device_maps.hpp"
+#include "weave/routing/dispatch_plan.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! Bits a device plan sets in its error word.
+enum device_plan_error : std::uint32_t {
+  device_plan_bad_expert = 1, //!< an id outside [-1, E) (treated as -1)
+  device_plan_duplicate = 2,  //!< a token choosing one expert twice (the repeat is ignored)
+  device_plan_bad_weight = 4, //!< a non-finite gate weight
+};
+
+namespace detail {
+
+// Per token: resolves its pairs to (device, local slot), keeps its distinct devices ascending
+// (as the host plan does) and emits one sort key per (token, device) row.
+struct plan_pairs_step {
+  const std::int32_t* ids;
+  const float* weights;
+  const std::uint8_t* keep; // null: keep every pair
+  int k, E, D, spd;
+  const std::int32_t* expert_slot;
+  std::int32_t *pair_device, *pair_local, *kept, *token_devices;
+  std::uint32_t* keys;
+  std::int32_t* values;
+  std::int64_t *counts, *slot_loads;
+  std::uint32_t* error;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    const std::int64_t base = t * k;
+    std::int32_t* devs = token_devices + base;
+    std::uint32_t flags = 0;
+    int ndev = 0;
+    for (int i = 0; i < k; ++i) {
+      const std::int64_t p = base + i;
+      pair_device[p] = -1;
+      pair_local[p] = -1;
+      kept[p] = -1;
+      const std::int32_t e = ids[p];
+      if (e == -1)
+        continue;
+      if (e < 0 || e >= E) {
+        flags |= device_plan_bad_expert;
+        continue;
+      }
+      bool twice = false;
+      for (int j = 0; j < i; ++j)
+        twice = twice || ids[base + j] == e;
+      if (twice) {
+        flags |= device_plan_duplicate;
+        continue;
+      }
+      if (!is_finite(weights[p]))
+        flags |= device_plan_bad_weight;
+      if (keep != nullptr && keep[p] == 0)
+        continue;
+      const std::int32_t slot = expert_slot[e];
+      const std::int32_t d = slot / spd;
+      pair_device[p] = d;
+      pair_local[p] = slot - d * spd;
+      kept[p] = e;
+      atomic_add(slot_loads + slot, 1);
+      bool seen = false;
+      for (int j = 0; j < ndev; ++j)
+        seen = seen || devs[j] == d;
+      if (seen)
+        continue;
+      int at = ndev;
+      while (at > 0 && devs[at - 1] > d) { // insertion keeps the token's devices ascending
+        devs[at] = devs[at - 1];
+        --at;
+      }
+      devs[at] = d;
+      ++ndev;
+    }
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t q = base + j;
+      if (j < ndev) {
+        keys[q] = static_cast<std::uint32_t>(devs[j]);
+        atomic_add(counts + devs[j], 1);
+      } else {
+        devs[j] = -1;
+        keys[q] = static_cast<std::uint32_t>(D); // sorts after every real row
+      }
+      values[q] = static_cast<std::int32_t>(q);
+    }
+    if (flags != 0)
+      atomic_or(error, flags);
+  }
+};
+
+// Per sorted key r < rows: sorted position r is SFD row r (a device's rows start at its
+// offset; the stable sort keeps token-major order within a device).
+struct plan_rows_step {
+  const std::uint32_t* keys;
+  const std::int32_t* values;
+  int k;
+  const std::int32_t *pair_device, *pair_local;
+  const float* weights;
+  std::int64_t *row_token, *token_rows;
+  route_entry* routes;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t r) const {
+    const std::int64_t v = values[r];
+    const std::int64_t t = v / k;
+    const auto d = static_cast<std::int32_t>(keys[r]);
+    row_token[r] = t;
+    token_rows[v] = r; // v = t * k + (position of d among the token's devices)
+    route_entry* out = routes + r * k;
+    int fill = 0;
+    for (int i = 0; i < k; ++i) {
+      const std::int64_t p = t * k + i;
+      if (pair_device[p] == d)
+        out[fill++] = route_entry{pair_local[p], weights[p]};
+    }
+    for (; fill < k; ++fill)
+      out[fill] = route_entry{-1, 0.0f};
+  }
+};
+
+// Bits of a sort key that holds values 0..max.
+inline int key_bits(std::int64_t max) {
+  int bits = 1;
+  while ((std::int64_t{1} << bits) <= max)
+    ++bits;
+  return bits;
+}
+
+} // namespace detail
+
+//! Dispatch plan for up to `max_tokens` tokens with `k` choices each, built in `Space`.
+//! Construct, allocate `workspace_size()` bytes of memory of the space, `initialize` once, then
+//! `build` on a stream as often as needed (no allocation). The accessors return spans over
+//! memory of the space, valid once `build`'s work has run.
+template <execution_space Space>
+class device_dispatch_plan {
+ public:
+  using stream_arg = typename Space::stream_arg;
+
+  //! Throws `errc::not_supported` for a replicated placement, `errc::invalid_argument` for k
+  //! outside 1..E or a source device outside the placement, `errc::out_of_range` when
+  //! max_tokens * k exceeds 2^31 - 1. In the CUDA space it needs a current device.
+  device_dispatch_plan(const placement& where, int k, int source_device, std::size_t max_tokens)
+      : k_(k)
+      , source_(source_device)
+      , max_tokens_(max_tokens)
+      , E_(where.num_experts())
+      , D_(where.num_devices())
+      , spd_(where.slots_per_device())
+      , slots_(where.num_slots()) {
+    WEAVE_EXPECT(E_ > 0, errc::invalid_argument, "empty placement");
+    WEAVE_EXPECT(!where.replicated(), errc::not_supported,
+                 "replicated placement in a device dispatch plan (build it on the host)");
+    WEAVE_EXPECT(k >= 1 && k <= E_, errc::invalid_argument, "k = ", k, " outside 1..", E_);
+    WEAVE_EXPECT(source_device >= 0 && source_device < D_, errc::invalid_argument, "source device ",
+                 source_device, " outside [0, ", D_, ")");
+    const std::size_t n = checked_mul(max_tokens, static_cast<std::size_t>(k), "plan pairs");
+    WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+                 errc::out_of_range, max_tokens, " tokens with k = ", k,
+                 " exceed 2^31 - 1 pairs in a device dispatch plan");
+    expert_slot_host_.resize(static_cast<std::size_t>(E_));
+    for (int e = 0; e < E_; ++e)
+      expert_slot_host_[static_cast<std::size_t>(e)] = where.slots_of(e)[0];
+    temp_bytes_ = std::max(Space::scan_temp_bytes(D_ + 1),
+                           Space::sort_temp_bytes(static_cast<std::int64_t>(n)));
+  }
+
+  //! Bytes of memory of the space `initialize` needs.
+  std::size_t workspace_size() const {
+    workspace_carver measure;
+    return carve(*this, measure).used();
+  }
+
+  //! Carves the plan's arrays out of `workspace` (256-byte aligned) and uploads the placement
+  //! table on `stream`. Throws `errc::size_mismatch` for a workspace too small.
+  void initialize(void* workspace, std::size_t bytes, stream_arg stream) {
+    WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
+    workspace_carver carver(workspace, bytes);
+    carve(*this, carver);
+    Space::copy_from_host(stream, expert_slot_, expert_slot_host_.data(),
+                          expert_slot_host_.size() * sizeof(std::int32_t));
+    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+    initialized_ = true;
+  }
+
+  //! Builds the plan on `stream` from `ids` / `weights` (k per token, -1 = none) and an
+  //! optional keep mask (one flag per pair, 0 = dropped), all in memory of the space. Throws
+  //! `errc::size_mismatch` for spans of different lengths or more than `max_tokens` tokens,
+  //! `errc::invalid_state` before `initialize`. Errors in the values are flagged in the error
+  //! word (`check_errors`).
+  void build(stream_arg stream, std::span<const std::int32_t> ids, std::span<const float> weights,
+             std::span<const std::uint8_t> keep = {}) {
+    WEAVE_EXPECT(initialized_, errc::invalid_state, "device dispatch plan is not initialised");
+    const auto kk = static_cast<std::size_t>(k_);
+    WEAVE_EXPECT(ids.size() % kk == 0, errc::size_mismatch, ids.size(),
+                 " ids are not a whole number of tokens with k = ", k_);
+    WEAVE_EXPECT(ids.size() / kk <= max_tokens_, errc::size_mismatch, ids.size() / kk,
+                 " tokens in a device dispatch plan sized for ", max_tokens_);
+    WEAVE_EXPECT(weights.size() == ids.size(), errc::size_mismatch, weights.size(), " weights for ",
+                 ids.size(), " ids");
+    WEAVE_EXPECT(keep.empty() || keep.size() == ids.size(), errc::size_mismatch, "keep mask of ",
+                 keep.size(), " entries for ", ids.size(), " ids");
+    tokens_ = ids.size() / kk;
+    const auto n = static_cast<std::int64_t>(ids.size());
+    const auto D = static_cast<std::size_t>(D_);
+    Space::fill(stream, counts_, 0, (D + 1) * sizeof(std::int64_t));
+    Space::fill(stream, slot_loads_, 0, static_cast<std::size_t>(slots_) * sizeof(std::int64_t));
+    Space::fill(stream, token_rows_, 0xFF, ids.size() * sizeof(std::int64_t)); // -1 padding
+    if (n > 0)
+      Space::for_each(stream, static_cast<std::int64_t>(tokens_),
+                      detail::plan_pairs_step{
+                          ids.data(), weights.data(), keep.empty() ? nullptr : keep.data(), k_, E_,
+                          D_, spd_, expert_slot_, pair_device_, pair_local_, kept_, token_devices_,
+                          keys_in_, values_in_, counts_, slot_loads_, error_});
+    Space::exclusive_scan(stream, counts_, offsets_, D_ + 1, temp_, temp_bytes_);
+    if (n == 0)
+      return;
+    Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, n, detail::key_bits(D_),
+                      temp_, temp_bytes_);
+    Space::for_each_counted(stream, offsets_ + D_, n,
+                            detail::plan_rows_step{keys_out_, values_out_, k_, pair_device_,
+                                                   pair_local_, weights.data(), row_token_,
+                                                   token_rows_, routes_});
+  }
+
+  int k() const noexcept { return k_; }
+  int source_device() const noexcept { return source_; }
+  int num_devices() const noexcept { return D_; }
+  std::size_t max_tokens() const noexcept { return max_tokens_; }
+  //! Tokens of the last build.
+  std::size_t tokens() const noexcept { return tokens_; }
+  //! SFD rows sent to each device (D values).
+  std::span<const std::int64_t> send_counts() const noexcept {
+    return {counts_, static_cast<std::size_t>(D_)};
+  }
+  //! First SFD row of each device; D + 1 values, the last = rows.
+  std::span<const std::int64_t> send_offsets() const noexcept {
+    return {offsets_, static_cast<std::size_t>(D_) + 1};
+  }
+  //! ORI token of each SFD row: capacity tokens() * k, the first rows valid.
+  std::span<const std::int64_t> row_token() const noexcept { return {row_token_, pairs()}; }
+  //! `k` SFD rows per token, ascending, -1 padded.
+  std::span<const std::int64_t> token_rows() const noexcept { return {token_rows_, pairs()}; }
+  //! `k` route entries per SFD row: capacity tokens() * k * k, the first rows * k valid.
+  std::span<const route_entry> row_routes() const noexcept {
+    return {routes_, pairs() * static_cast<std::size_t>(k_)};
+  }
+  //! Routed logical expert of each pair; -1 where none or dropped.
+  std::span<const std::int32_t> kept_experts() const noexcept { return {kept_, pairs()}; }
+  //! Destination device of each pair; -1 where none or dropped.
+  std::span<const std::int32_t> pair_devices() const noexcept { return {pair_device_, pairs()}; }
+  //! Pairs sent to each physical slot.
+  std::span<const std::int64_t> slot_loads() const noexcept {
+    return {slot_loads_, static_cast<std::size_t>(slots_)};
+  }
+  //! The error word (`device_plan_error` bits, OR-ed over builds until cleared).
+  std::uint32_t* error_word() const noexcept { return error_; }
+
+  //! SFD rows of the last build; waits for `stream`.
+  std::int64_t read_rows(stream_arg stream) const {
+    std::int64_t rows = 0;
+    Space::copy_to_host(stream, &rows, offsets_ + D_, sizeof(rows));
+    stream.synchronize();
+    return rows;
+  }
+
+  //! Maps for the layout moves (`dispatch_gather`, `combine_merge`) given the row count.
+  device_dispatch_maps maps(std::int64_t rows) const noexcept {
+    return {{row_token_, static_cast<std::size_t>(rows)}, token_rows(), k_};
+  }
+
+  //! Waits for `stream`, then throws for flagged bad input (`errc::out_of_range` for an expert
+  //! id, `errc::invalid_argument` for a duplicate or a non-finite weight) and clears the word.
+  void check_errors(stream_arg stream) const {
+    std::uint32_t flags = 0;
+    Space::copy_to_host(stream, &flags, error_, sizeof(flags));
+    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+    stream.synchronize();
+    throw_plan_errors(flags, E_);
+  }
+
+  //! Throws for the `device_plan_error` bits in `flags` (no-op for 0).
+  static void throw_plan_errors(std::uint32_t flags, int experts) {
+    WEAVE_EXPECT((flags & device_plan_bad_expert) == 0, errc::out_of_range,
+                 "expert id outside [-1, ", experts, ") in a device dispatch plan");
+    WEAVE_EXPECT((flags & device_plan_duplicate) == 0, errc::invalid_argument,
+                 "a token chooses one expert twice in a device dispatch plan");
+    WEAVE_EXPECT((flags & device_plan_bad_weight) == 0, errc::invalid_argument,
+                 "non-finite gate weight in a device dispatch plan");
+  }
+
+ private:
+  std::size_t pairs() const noexcept { return tokens_ * static_cast<std::size_t>(k_); }
+
+  // Measures (const self, null base) or carves and records the arrays; the same code for both.
+  template <class Self>
+  static workspace_carver& carve(Self& self, workspace_carver& c) {
+    const std::size_t n = self.max_tokens_ * static_cast<std::size_t>(self.k_);
+    const auto D = static_cast<std::size_t>(self.D_);
+    const auto set = [&c]<class T>(T* const& ptr, std::size_t count) {
+      const std::span<T> s = c.take<T>(count);
+      if constexpr (!std::is_const_v<Self>)
+        const_cast<T*&>(ptr) = s.data();
+    };
+    set(self.expert_slot_, static_cast<std::size_t>(self.E_));
+    set(self.error_, 1);
+    set(self.counts_, D + 1);
+    set(self.offsets_, D + 1);
+    set(self.slot_loads_, static_cast<std::size_t>(self.slots_));
+    set(self.pair_device_, n);
+    set(self.pair_local_, n);
+    set(self.kept_, n);
+    set(self.token_devices_, n);
+    set(self.keys_in_, n);
+    set(self.keys_out_, n);
+    set(self.values_in_, n);
+    set(self.values_out_, n);
+    set(self.row_token_, n);
+    set(self.token_rows_, n);
+    set(self.routes_, n * static_cast<std::size_t>(self.k_));
+    set(self.temp_, self.temp_bytes_ == 0 ? 1 : self.temp_bytes_);
+    return c;
+  }
+
+  int k_ = 0;
+  int source_ = 0;
+  std::size_t max_tokens_ = 0;
+  int E_ = 0, D_ = 0, spd_ = 0, slots_ = 0;
+  std::size_t tokens_ = 0;
+  std::size_t temp_bytes_ = 0;
+  bool initialized_ = false;
+  std::vector<std::int32_t> expert_slot_host_;
+  std::int32_t* expert_slot_ = nullptr;
+  std::uint32_t* error_ = nullptr;
+  std::int64_t* counts_ = nullptr; // D + 1 (the last stays 0: the scan's total)
+  std::int64_t* offsets_ = nullptr;
+  std::int64_t* slot_loads_ = nullptr;
+  std::int32_t *pair_device_ = nullptr, *pair_local_ = nullptr, *kept_ = nullptr;
+  std::int32_t* token_devices_ = nullptr;
+  std::uint32_t *keys_in_ = nullptr, *keys_out_ = nullptr;
+  std::int32_t *values_in_ = nullptr, *values_out_ = nullptr;
+  std::int64_t *row_token_ = nullptr, *token_rows_ = nullptr;
+  route_entry* routes_ = nullptr;
+  std::byte* temp_ = nullptr;
+};
+
+WEAVE_NAMESPACE_END

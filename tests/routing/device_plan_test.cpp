@@ -1,0 +1,261 @@
+// The device dispatch plan's steps (shared with the CUDA kernels of `cuda_dispatch_plan`), run
+// on host streams by `host_space`, against the host `dispatch_plan` they must equal exactly.
+#include <doctest/doctest.h>
+
+#include <weave/exec/host_space.hpp>
+#include <weave/routing/device_dispatch_plan.hpp>
+#include <weave/routing/device_expert_plan.hpp>
+#include <weave/routing/dispatch_plan.hpp>
+#include <weave/routing/expert_plan.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <random>
+#include <vector>
+
+namespace {
+
+using host_plan = weave::device_dispatch_plan<weave::host_space>;
+
+// A 256-byte aligned, 0xFF-poisoned workspace.
+struct workspace {
+  explicit workspace(std::size_t bytes)
+      : size(bytes)
+      , ptr(static_cast<std::byte*>(::operator new (bytes, std::align_val_t{256}))) {
+    std::fill(ptr, ptr + bytes, std::byte{0xFF});
+  }
+  ~workspace() { ::operator delete (ptr, std::align_val_t{256}); }
+  workspace(const workspace&) = delete;
+  workspace& operator=(const workspace&) = delete;
+  std::size_t size;
+  std::byte* ptr;
+};
+
+template <class T>
+std::vector<T> vec(std::span<const T> s) {
+  return {s.begin(), s.end()};
+}
+
+void expect_equal(const weave::dispatch_plan& host, const host_plan& dev, weave::host_stream& s) {
+  s.synchronize();
+  const std::int64_t rows = host.rows();
+  REQUIRE(dev.read_rows(s) == rows);
+  const auto k = static_cast<std::size_t>(host.k());
+  CHECK(vec(dev.send_counts()) == vec(host.send_counts()));
+  CHECK(vec(dev.send_offsets()) == vec(host.send_offsets()));
+  CHECK(vec(dev.row_token().first(static_cast<std::size_t>(rows))) == vec(host.row_token()));
+  CHECK(vec(dev.token_rows()) == vec(host.token_rows()));
+  CHECK(vec(dev.row_routes().first(static_cast<std::size_t>(rows) * k)) == vec(host.row_routes()));
+  CHECK(vec(dev.kept_experts()) == vec(host.kept_experts()));
+  CHECK(vec(dev.slot_loads()) == vec(host.slot_loads()));
+  dev.check_errors(s);
+}
+
+// A random unreplicated placement of E experts over D devices.
+weave::placement shuffled(int E, int D, std::mt19937& rng) {
+  std::vector<std::int32_t> slots(static_cast<std::size_t>(E));
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  return weave::placement(E, D, slots);
+}
+
+void random_choices(std::mt19937& rng, std::size_t T, int E, int k, std::vector<std::int32_t>& ids,
+                    std::vector<float>& w) {
+  ids.assign(T * k, -1);
+  w.assign(T * k, 0.0f);
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(E));
+  for (std::size_t t = 0; t < T; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int i = 0; i < k; ++i) {
+      ids[t * k + i] = rng() % 9 == 0 ? -1 : perm[static_cast<std::size_t>(i)];
+      w[t * k + i] = static_cast<float>(rng() % 1000) / 997.0f;
+    }
+  }
+}
+
+} // namespace
+
+TEST_CASE("device dispatch plan steps equal the host plan on random placements and choices") {
+  std::mt19937 rng(11);
+  weave::host_stream s("plan");
+  for (const int D : {1, 2, 3, 8, 64}) {
+    const int E = D * static_cast<int>(1 + rng() % 4);
+    const int k = std::min(E, static_cast<int>(1 + rng() % 6));
+    const std::size_t T = rng() % 300;
+    const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
+    const auto p = shuffled(E, D, rng);
+    std::vector<std::int32_t> ids;
+    std::vector<float> w;
+    random_choices(rng, T, E, k, ids, w);
+    std::vector<std::uint8_t> keep;
+    if (rng() % 2 == 0)
+      for (std::size_t i = 0; i < ids.size(); ++i)
+        keep.push_back(rng() % 4 == 0 ? 0 : 1);
+    weave::dispatch_plan host(p, k, source);
+    host.build(ids, w, keep);
+
+    host_plan dev(p, k, source, T + rng() % 100);
+    workspace ws(dev.workspace_size());
+    dev.initialize(ws.ptr, ws.size, s);
+    dev.build(s, ids, w, keep);
+    expect_equal(host, dev, s);
+    // A rebuild over poisoned outputs with other choices gives the new host plan.
+    random_choices(rng, T, E, k, ids, w);
+    host.build(ids, w);
+    std::fill(ws.ptr, ws.ptr + ws.size, std::byte{0xFF});
+    dev.initialize(ws.ptr, ws.size, s);
+    dev.build(s, ids, w);
+    expect_equal(host, dev, s);
+  }
+}
+
+TEST_CASE("device dispatch plan flags bad choices and rejects bad arguments") {
+  weave::host_stream s("plan");
+  const auto p = weave::placement::contiguous(8, 4);
+  host_plan dev(p, 2, 0, 4);
+  workspace ws(dev.workspace_size());
+  CHECK_THROWS_AS(dev.build(s, std::vector<std::int32_t>(2, 0), std::vector<float>(2, 1.0f)),
+                  weave::error); // before initialize
+  dev.initialize(ws.ptr, ws.size, s);
+  const auto code = [&](std::vector<std::int32_t> ids, std::vector<float> w) {
+    try {
+      dev.build(s, ids, w);
+      dev.check_errors(s);
+    } catch (const weave::error& e) {
+      return e.code();
+    }
+    return weave::errc{};
+  };
+  CHECK(code({0, 1, 2, 3}, {1, 1, 1, 1}) == weave::errc{});
+  CHECK(code({0, 8, 2, 3}, {1, 1, 1, 1}) == weave::errc::out_of_range);
+  CHECK(code({0, -2, 2, 3}, {1, 1, 1, 1}) == weave::errc::out_of_range);
+  CHECK(code({0, 0, 2, 3}, {1, 1, 1, 1}) == weave::errc::invalid_argument);
+  CHECK(code({0, 1, 2, 3}, {1, std::numeric_limits<float>::quiet_NaN(), 1, 1}) ==
+        weave::errc::invalid_argument);
+  // A flagged id is treated as -1: the plan still routes the rest, and the flag is cleared.
+  CHECK(code({0, 1, 2, 3}, {1, 1, 1, 1}) == weave::errc{});
+  CHECK(code({0, 1, 2}, {1, 1, 1}) == weave::errc::size_mismatch);
+  CHECK(code({0, 1, 2, 3}, {1, 1, 1}) == weave::errc::size_mismatch);
+  CHECK(code(std::vector<std::int32_t>(10, -1), std::vector<float>(10, 0.0f)) ==
+        weave::errc::size_mismatch); // 5 tokens in a plan for 4
+  CHECK_THROWS_AS(host_plan(p, 9, 0, 4), weave::error);
+  CHECK_THROWS_AS(host_plan(p, 2, 4, 4), weave::error);
+  const weave::placement replicated(4, 2, {0, 1, 2, 0, 3, 1});
+  CHECK_THROWS_AS(host_plan(replicated, 2, 0, 4), weave::error);
+  workspace small(dev.workspace_size() / 2);
+  CHECK_THROWS_AS(dev.initialize(small.ptr, small.size, s), weave::error);
+}
+
+namespace {
+
+// Random received rows: per source a count, each row 1..k distinct local experts (route
+// entries packed from the front, as senders pack them).
+std::vector<weave::route_entry> random_routes(std::mt19937& rng, int L, int k,
+                                              const std::vector<std::int64_t>& counts) {
+  std::vector<weave::route_entry> routes;
+  std::vector<std::int32_t> locals(static_cast<std::size_t>(L));
+  for (const std::int64_t c : counts)
+    for (std::int64_t r = 0; r < c; ++r) {
+      std::iota(locals.begin(), locals.end(), 0);
+      std::shuffle(locals.begin(), locals.end(), rng);
+      const int entries = 1 + static_cast<int>(rng() % static_cast<unsigned>(std::min(k, L)));
+      for (int i = 0; i < k; ++i)
+        routes.push_back(i < entries ? weave::route_entry{locals[static_cast<std::size_t>(i)],
+                                                          static_cast<float>(rng() % 100) / 7.0f}
+                                     : weave::route_entry{});
+    }
+  return routes;
+}
+
+} // namespace
+
+TEST_CASE("device expert plan steps equal the host expert plan, compact and with padded slots") {
+  std::mt19937 rng(23);
+  weave::host_stream s("expert plan");
+  for (int trial = 0; trial < 12; ++trial) {
+    const int L = 1 + static_cast<int>(rng() % 6), k = 1 + static_cast<int>(rng() % 5);
+    const int D = 1 + static_cast<int>(rng() % 5);
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(D));
+    for (auto& c : counts)
+      c = rng() % 3 == 0 ? 0 : static_cast<std::int64_t>(rng() % 40);
+    const auto routes = random_routes(rng, L, k, counts);
+    weave::expert_plan host(L, k);
+    host.build(routes, counts);
+    const auto kk = static_cast<std::size_t>(k);
+    const auto rows = static_cast<std::size_t>(host.rows());
+
+    for (const bool padded : {false, true}) {
+      // Compact: source s at the scan of the counts. Padded: fixed slots of S rows.
+      const std::int64_t S = padded ? 45 : 0;
+      std::vector<std::int64_t> displs(static_cast<std::size_t>(D));
+      std::vector<std::int64_t> where(rows); // buffer row of each compact row
+      std::size_t r = 0;
+      for (int src = 0; src < D; ++src) {
+        const auto i = static_cast<std::size_t>(src);
+        displs[i] = padded ? src * S : host.source_offsets()[i];
+        for (std::int64_t j = 0; j < counts[i]; ++j)
+          where[r++] = displs[i] + j;
+      }
+      const std::size_t max_rows = padded ? static_cast<std::size_t>(D * S) : rows + rng() % 7;
+      std::vector<weave::route_entry> buffer(max_rows * kk, weave::route_entry{77, 1.0f});
+      for (std::size_t x = 0; x < rows; ++x)
+        std::copy_n(routes.begin() + static_cast<std::ptrdiff_t>(x * kk), kk,
+                    buffer.begin() +
+                        static_cast<std::ptrdiff_t>(where[x]) * static_cast<std::ptrdiff_t>(kk));
+      weave::device_expert_plan<weave::host_space> dev(L, k, D, max_rows);
+      workspace ws(dev.workspace_size());
+      dev.initialize(ws.ptr, ws.size, s);
+      dev.build(s, buffer, counts.data(), displs.data());
+      s.synchronize();
+      dev.check_errors(s);
+
+      CHECK(vec(dev.expert_offsets()) == vec(host.expert_offsets()));
+      const auto epd = static_cast<std::size_t>(host.epd_rows());
+      REQUIRE(dev.max_epd_rows() >= epd);
+      for (std::size_t j = 0; j < epd; ++j) {
+        CHECK(dev.epd_row_source()[j] == where[static_cast<std::size_t>(host.epd_row_source()[j])]);
+        CHECK(dev.epd_weight()[j] == host.epd_weight()[j]);
+      }
+      std::vector<std::int64_t> want_epd(max_rows * kk, -1);
+      std::vector<float> want_w(max_rows * kk, 0.0f);
+      for (std::size_t x = 0; x < rows; ++x)
+        for (std::size_t e = 0; e < kk; ++e) {
+          want_epd[static_cast<std::size_t>(where[x]) * kk + e] = host.row_epd()[x * kk + e];
+          want_w[static_cast<std::size_t>(where[x]) * kk + e] = host.row_weight()[x * kk + e];
+        }
+      CHECK(vec(dev.row_epd()) == want_epd);
+      CHECK(vec(dev.row_weight()) == want_w);
+    }
+  }
+}
+
+TEST_CASE("device expert plan flags bad entries") {
+  weave::host_stream s("expert plan");
+  weave::device_expert_plan<weave::host_space> dev(3, 2, 1, 2);
+  workspace ws(dev.workspace_size());
+  dev.initialize(ws.ptr, ws.size, s);
+  const std::vector<std::int64_t> counts = {2}, displs = {0};
+  const auto code = [&](std::vector<weave::route_entry> routes) {
+    try {
+      dev.build(s, routes, counts.data(), displs.data());
+      dev.check_errors(s);
+    } catch (const weave::error& e) {
+      return e.code();
+    }
+    return weave::errc{};
+  };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(code({{0, 1}, {2, 1}, {1, 1}, {-1, 0}}) == weave::errc{});
+  CHECK(code({{0, 1}, {3, 1}, {1, 1}, {-1, 0}}) == weave::errc::out_of_range);
+  CHECK(code({{0, 1}, {0, 1}, {1, 1}, {-1, 0}}) == weave::errc::invalid_argument);
+  CHECK(code({{0, 1}, {2, nan}, {1, 1}, {-1, 0}}) == weave::errc::invalid_argument);
+  CHECK(code({{0, 1}, {2, 1}, {-1, 0}, {-1, 0}}) == weave::errc::invalid_argument);
+  CHECK(code({{0, 1}, {2, 1}, {1, 1}}) == weave::errc::size_mismatch);
+  CHECK_THROWS_AS(weave::device_expert_plan<weave::host_space>(0, 2, 1, 2), weave::error);
+}
