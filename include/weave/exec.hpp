@@ -3,6 +3,8 @@
 //! `weave/exec/cuda_stream.hpp` (component `weave::cuda`).
 #pragma once
 
+#include "weave/exec/host_space.hpp"
 #include "weave/exec/host_stream.hpp"
+#include "weave/exec/space.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/exec/unique_task.hpp"

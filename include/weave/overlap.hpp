@@ -3,6 +3,8 @@
 //! (graph model, partition planner, dW scheduler, schedules and their executor, Chrome traces).
 #pragma once
 
+#include "weave/overlap/device_exchange.hpp"
+#include "weave/overlap/device_exchange_steps.hpp"
 #include "weave/overlap/dw_scheduler.hpp"
 #include "weave/overlap/executor.hpp"
 #include "weave/overlap/graph.hpp"

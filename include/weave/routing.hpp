@@ -5,10 +5,16 @@
 #pragma once
 
 #include "weave/routing/capacity.hpp"
+#include "weave/routing/device_capacity.hpp"
+#include "weave/routing/device_dispatch_plan.hpp"
+#include "weave/routing/device_expert_plan.hpp"
 #include "weave/routing/device_limit.hpp"
+#include "weave/routing/device_maps.hpp"
 #include "weave/routing/dispatch_plan.hpp"
 #include "weave/routing/expert_plan.hpp"
 #include "weave/routing/gate.hpp"
+#include "weave/routing/host_row_moves.hpp"
 #include "weave/routing/kernels_async.hpp"
 #include "weave/routing/kernels_host.hpp"
+#include "weave/routing/row_moves.hpp"
 #include "weave/routing/statistics.hpp"

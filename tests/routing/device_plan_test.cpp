@@ -3,12 +3,15 @@
 #include <doctest/doctest.h>
 
 #include <weave/exec/host_space.hpp>
+#include <weave/routing/capacity.hpp>
+#include <weave/routing/device_capacity.hpp>
 #include <weave/routing/device_dispatch_plan.hpp>
 #include <weave/routing/device_expert_plan.hpp>
 #include <weave/routing/dispatch_plan.hpp>
 #include <weave/routing/expert_plan.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <limits>
@@ -258,4 +261,44 @@ TEST_CASE("device expert plan flags bad entries") {
   CHECK(code({{0, 1}, {2, 1}, {-1, 0}, {-1, 0}}) == weave::errc::invalid_argument);
   CHECK(code({{0, 1}, {2, 1}, {1, 1}}) == weave::errc::size_mismatch);
   CHECK_THROWS_AS(weave::device_expert_plan<weave::host_space>(0, 2, 1, 2), weave::error);
+}
+
+TEST_CASE("device capacity filter equals the host filter for every order and factor") {
+  std::mt19937 rng(31);
+  weave::host_stream s("capacity");
+  for (int trial = 0; trial < 30; ++trial) {
+    const int E = 1 + static_cast<int>(rng() % 12);
+    const int k = 1 + static_cast<int>(rng() % std::min(E, 4));
+    const std::size_t T = rng() % 200;
+    std::vector<std::int32_t> ids;
+    std::vector<float> w;
+    random_choices(rng, T, E, k, ids, w);
+    for (std::size_t i = 0; i < w.size(); i += 5)
+      w[i] = w[(i * 7) % w.size()]; // ties between tokens
+    const double factor = std::array{0.0, 0.5, 1.0, 1.25, -1.0, 3.0}[rng() % 6];
+    const auto order = static_cast<weave::drop_order>(rng() % 3);
+    const weave::capacity_policy policy{factor, order};
+
+    // The host filter with the priority moe_exchange uses: best weight over valid choices.
+    std::vector<float> priority(T, -std::numeric_limits<float>::infinity());
+    for (std::size_t t = 0; t < T; ++t)
+      for (int j = 0; j < k; ++j)
+        if (ids[t * k + j] >= 0)
+          priority[t] = std::max(priority[t], w[t * k + j]);
+    weave::capacity_filter host(E, k, T, policy);
+    std::vector<std::uint8_t> want(ids.size());
+    const std::int64_t want_dropped = host.decide(ids, priority, want);
+
+    weave::device_capacity_filter<weave::host_space> dev(E, k, T + rng() % 10, policy);
+    workspace ws(dev.workspace_size());
+    dev.initialize(ws.ptr, ws.size, s);
+    std::vector<std::uint8_t> got(ids.size(), 0xEE);
+    dev.decide(s, ids, w, got);
+    s.synchronize();
+    INFO("E = ", E, ", k = ", k, ", T = ", T, ", factor = ", factor,
+         ", order = ", static_cast<int>(order));
+    CHECK(got == want);
+    CHECK(*dev.dropped_count() == want_dropped);
+    CHECK(dev.capacity() == host.capacity());
+  }
 }

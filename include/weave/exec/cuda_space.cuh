@@ -55,6 +55,7 @@ struct cuda_space {
   using stream_type = cuda_stream_ref;
   using stream_arg = cuda_stream_ref;
   static constexpr memory_space memory = memory_space::device;
+  static constexpr bool runs_later = false; // host code runs at enqueue time
 
   template <class F>
   static void for_each(stream_arg s, std::int64_t n, F f) {

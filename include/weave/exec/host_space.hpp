@@ -28,6 +28,8 @@ struct host_space {
   using stream_arg = host_stream&;
   //! Where the buffers of algorithms in this space live.
   static constexpr memory_space memory = memory_space::host;
+  //! True: host code handed to `launch` / `on_host` runs later, on the stream's thread.
+  static constexpr bool runs_later = true;
 
   //! Runs `f(i)` for i in [0, n) in order, as one task on `s`.
   template <class F>

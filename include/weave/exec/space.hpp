@@ -62,6 +62,7 @@ concept execution_space = requires {
   typename S::stream_type;
   typename S::stream_arg;
   { S::memory } -> std::convertible_to<memory_space>;
+  { S::runs_later } -> std::convertible_to<bool>;
 }
 &&requires(typename S::stream_arg s, void* p, const void* q, std::int64_t n,
            const std::int64_t* count, std::uint32_t* keys, std::int32_t* values) {

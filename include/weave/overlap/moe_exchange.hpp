@@ -73,6 +73,9 @@ class moe_exchange {
       , options_(options)
       , pipeline_(options.chunks) {
     detail::check_moe_options(options_);
+    WEAVE_EXPECT(!options_.static_shape, errc::not_supported,
+                 "moe_options.static_shape is a mode of the device exchange "
+                 "(basic_device_exchange, cuda_moe_exchange)");
     WEAVE_EXPECT(placement_.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
                  placement_.num_devices(), " devices for a world of ", comm.size());
     WEAVE_EXPECT(options_.k <= placement_.num_experts(), errc::invalid_argument, "k = ", options_.k,

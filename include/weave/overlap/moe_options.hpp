@@ -23,6 +23,13 @@ struct moe_options {
   int chunks = 1;                 //!< pipeline degree: token chunks in flight (1 = unpipelined)
   capacity_policy capacity{};     //!< capacity factor and drop order (default: dropless)
   bool save_for_backward = false; //!< keep plans and expert rows of the last forward
+  //! Device exchange only: every peer gets a fixed-size slot per chunk and counts stay in
+  //! device memory, so a call never waits for the GPU and can be captured in a CUDA graph.
+  bool static_shape = false;
+  //! Rows of each peer's slot per chunk in static mode; 0 = the worst case (every token of a
+  //! chunk, or fewer when a capacity factor bounds the experts of a device). Smaller slots send
+  //! fewer bytes; a chunk that overflows one fails `check_errors` with `errc::size_overflow`.
+  std::size_t static_rows_per_peer = 0;
 };
 
 //! One chunk's rows on one expert device, grouped by local expert (the EPD layout): rows

@@ -58,8 +58,11 @@ __device__ inline __nv_bfloat16 cuda_store<__nv_bfloat16>(float x) {
 template <class Word>
 __global__ void gather_copy_kernel(const std::byte* src, std::size_t src_stride, std::byte* dst,
                                    std::size_t dst_stride, const std::int64_t* index,
-                                   std::int64_t rows, std::size_t cols) {
-  for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+                                   std::int64_t rows, const std::int64_t* count, std::size_t cols) {
+  const std::int64_t n = count != nullptr && *count < rows ? *count : rows;
+  for (std::int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    if (index[i] < 0)
+      continue; // padding: left untouched
     const Word* in =
         reinterpret_cast<const Word*>(src + static_cast<std::size_t>(index[i]) * src_stride);
     Word* out = reinterpret_cast<Word*>(dst + static_cast<std::size_t>(i) * dst_stride);
@@ -95,8 +98,12 @@ __device__ inline void cuda_store_vec(std::byte* p, const cuda_vec<T>& x) {
 template <class T, bool Vec>
 __global__ void gather_scale_kernel(const std::byte* src, std::size_t src_stride, std::byte* dst,
                                     std::size_t dst_stride, const std::int64_t* index,
-                                    const float* scale, std::int64_t rows, std::size_t cols) {
-  for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+                                    const float* scale, std::int64_t rows,
+                                    const std::int64_t* count, std::size_t cols) {
+  const std::int64_t n = count != nullptr && *count < rows ? *count : rows;
+  for (std::int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    if (index[i] < 0)
+      continue;
     const std::byte* in = src + static_cast<std::size_t>(index[i]) * src_stride;
     std::byte* out = dst + static_cast<std::size_t>(i) * dst_stride;
     const float s = scale[i];
@@ -117,12 +124,21 @@ __global__ void gather_scale_kernel(const std::byte* src, std::size_t src_stride
 template <class T, bool Vec>
 __global__ void merge_kernel(const std::byte* src, std::size_t src_stride, std::byte* dst,
                              std::size_t dst_stride, const std::int64_t* index, const float* weight,
-                             int k, std::int64_t rows, std::size_t cols) {
+                             int k, std::int64_t rows, const std::int64_t* count, bool skip_empty,
+                             std::size_t cols) {
   constexpr int V = Vec ? cuda_vec<T>::size : 1;
   constexpr std::size_t bytes = V * sizeof(T);
-  for (std::int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+  const std::int64_t n = count != nullptr && *count < rows ? *count : rows;
+  for (std::int64_t i = blockIdx.x; i < n; i += gridDim.x) {
     std::byte* out = dst + static_cast<std::size_t>(i) * dst_stride;
     const std::int64_t* idx = index + i * k;
+    if (skip_empty) {
+      bool any = false;
+      for (int j = 0; j < k; ++j)
+        any = any || idx[j] >= 0;
+      if (!any)
+        continue; // padding: left untouched
+    }
     for (std::size_t c = threadIdx.x; c < cols; c += blockDim.x) {
       float acc[V];
       for (int e = 0; e < V; ++e)
@@ -189,29 +205,25 @@ void visit_cuda_float(dtype t, const char* what, F&& f) {
 
 } // namespace detail
 
-//! CUDA `gather_rows`: dst[i] = src[index[i]] (times scale[i] if given), on `stream`.
-inline void gather_rows(cuda_stream_ref stream, const_token_view src, token_view dst,
-                        std::span<const std::int64_t> index, std::span<const float> scale = {}) {
-  detail::check_rows(src, dst, "gather_rows");
-  detail::check_device(src, dst, "gather_rows");
-  WEAVE_EXPECT(dst.rows() == index.size(), errc::size_mismatch, "gather_rows: ", index.size(),
-               " indices for ", dst.rows(), " destination rows");
-  WEAVE_EXPECT(scale.empty() || scale.size() == index.size(), errc::size_mismatch,
-               "gather_rows: ", scale.size(), " scales for ", index.size(), " rows");
-  const auto rows = static_cast<std::int64_t>(index.size());
+namespace detail {
+
+// Launches a gather of up to `rows` rows (min(*count, rows) when `count` is set).
+inline void launch_gather(cuda_stream_ref stream, const const_token_view& src,
+                          const token_view& dst, const std::int64_t* index, const float* scale,
+                          std::int64_t rows, const std::int64_t* count) {
   if (rows == 0 || src.cols() == 0)
     return;
   constexpr unsigned threads = 256;
-  const bool vec = detail::cuda_vectorizable(src, dst);
+  const bool vec = cuda_vectorizable(src, dst);
   const std::size_t row_bytes = src.cols() * size_of(src.element_type());
-  if (scale.empty() && vec) {
-    detail::gather_copy_kernel<uint4><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
-        src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), rows,
+  if (scale == nullptr && vec) {
+    gather_copy_kernel<uint4><<<cuda_grid(rows), threads, 0, stream.get()>>>(
+        src.data(), src.row_stride(), dst.data(), dst.row_stride(), index, rows, count,
         row_bytes / 16);
-  } else if (scale.empty()) {
+  } else if (scale == nullptr) {
     auto launch = [&]<class Word>(Word*) {
-      detail::gather_copy_kernel<Word><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
-          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), rows,
+      gather_copy_kernel<Word><<<cuda_grid(rows), threads, 0, stream.get()>>>(
+          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index, rows, count,
           src.cols());
     };
     switch (size_of(src.element_type())) {
@@ -229,19 +241,77 @@ inline void gather_rows(cuda_stream_ref stream, const_token_view src, token_view
       break;
     }
   } else {
-    detail::visit_cuda_float(src.element_type(), "gate-scaled gather_rows", [&]<class T>(T*) {
+    visit_cuda_float(src.element_type(), "gate-scaled gather_rows", [&]<class T>(T*) {
       if (vec)
-        detail::gather_scale_kernel<T, true><<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
-            src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), scale.data(),
-            rows, row_bytes / 16);
+        gather_scale_kernel<T, true><<<cuda_grid(rows), threads, 0, stream.get()>>>(
+            src.data(), src.row_stride(), dst.data(), dst.row_stride(), index, scale, rows, count,
+            row_bytes / 16);
       else
-        detail::gather_scale_kernel<T, false>
-            <<<detail::cuda_grid(rows), threads, 0, stream.get()>>>(
-                src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(),
-                scale.data(), rows, src.cols());
+        gather_scale_kernel<T, false><<<cuda_grid(rows), threads, 0, stream.get()>>>(
+            src.data(), src.row_stride(), dst.data(), dst.row_stride(), index, scale, rows, count,
+            src.cols());
     });
   }
   WEAVE_CUDA_CHECK(cudaGetLastError());
+}
+
+// Launches a merge into up to `rows` rows (min(*count, rows) when `count` is set).
+inline void launch_merge(cuda_stream_ref stream, const const_token_view& src, const token_view& dst,
+                         const std::int64_t* index, int k, const float* weight, std::int64_t rows,
+                         const std::int64_t* count, bool skip_empty) {
+  if (rows == 0 || dst.cols() == 0)
+    return;
+  const bool vec = cuda_vectorizable(src, dst);
+  visit_cuda_float(src.element_type(), "merge_rows", [&]<class T>(T*) {
+    if (vec)
+      merge_kernel<T, true><<<cuda_grid(rows), 256, 0, stream.get()>>>(
+          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index, weight, k, rows, count,
+          skip_empty, dst.cols() * sizeof(T) / 16);
+    else
+      merge_kernel<T, false><<<cuda_grid(rows), 256, 0, stream.get()>>>(
+          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index, weight, k, rows, count,
+          skip_empty, dst.cols());
+  });
+  WEAVE_CUDA_CHECK(cudaGetLastError());
+}
+
+// One warp per row: out[i] = sum over h of a[i][h] * b[i][h] in fp32; lanes take every 32nd
+// element, then a fixed butterfly order, so the result is deterministic.
+template <class T>
+__global__ void dot_kernel(const std::byte* a, std::size_t a_stride, const std::byte* b,
+                           std::size_t b_stride, float* out, std::int64_t rows,
+                           const std::int64_t* count, std::size_t cols) {
+  const std::int64_t n = count != nullptr && *count < rows ? *count : rows;
+  const unsigned lane = threadIdx.x % 32;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::int64_t i =
+           static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+       i < n; i += warps) {
+    const T* x = reinterpret_cast<const T*>(a + static_cast<std::size_t>(i) * a_stride);
+    const T* y = reinterpret_cast<const T*>(b + static_cast<std::size_t>(i) * b_stride);
+    float acc = 0.0f;
+    for (std::size_t c = lane; c < cols; c += 32)
+      acc = __fadd_rn(acc, __fmul_rn(cuda_load(x[c]), cuda_load(y[c])));
+    for (int offset = 16; offset > 0; offset /= 2)
+      acc = __fadd_rn(acc, __shfl_down_sync(0xffffffffu, acc, offset));
+    if (lane == 0)
+      out[i] = acc;
+  }
+}
+
+} // namespace detail
+
+//! CUDA `gather_rows`: dst[i] = src[index[i]] (times scale[i] if given), on `stream`.
+inline void gather_rows(cuda_stream_ref stream, const_token_view src, token_view dst,
+                        std::span<const std::int64_t> index, std::span<const float> scale = {}) {
+  detail::check_rows(src, dst, "gather_rows");
+  detail::check_device(src, dst, "gather_rows");
+  WEAVE_EXPECT(dst.rows() == index.size(), errc::size_mismatch, "gather_rows: ", index.size(),
+               " indices for ", dst.rows(), " destination rows");
+  WEAVE_EXPECT(scale.empty() || scale.size() == index.size(), errc::size_mismatch,
+               "gather_rows: ", scale.size(), " scales for ", index.size(), " rows");
+  detail::launch_gather(stream, src, dst, index.data(), scale.empty() ? nullptr : scale.data(),
+                        static_cast<std::int64_t>(index.size()), nullptr);
 }
 
 //! CUDA `merge_rows`: dst[i] = sum over j of weight[i*k+j] * src[index[i*k+j]], on `stream`.
@@ -255,22 +325,8 @@ inline void merge_rows(cuda_stream_ref stream, const_token_view src, token_view 
                " rows with k = ", k);
   WEAVE_EXPECT(weight.empty() || weight.size() == index.size(), errc::size_mismatch,
                "merge_rows: ", weight.size(), " weights for ", index.size(), " indices");
-  const auto rows = static_cast<std::int64_t>(dst.rows());
-  if (rows == 0 || dst.cols() == 0)
-    return;
-  const bool vec = detail::cuda_vectorizable(src, dst);
-  const float* w = weight.empty() ? nullptr : weight.data();
-  detail::visit_cuda_float(src.element_type(), "merge_rows", [&]<class T>(T*) {
-    if (vec)
-      detail::merge_kernel<T, true><<<detail::cuda_grid(rows), 256, 0, stream.get()>>>(
-          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), w, k, rows,
-          dst.cols() * sizeof(T) / 16);
-    else
-      detail::merge_kernel<T, false><<<detail::cuda_grid(rows), 256, 0, stream.get()>>>(
-          src.data(), src.row_stride(), dst.data(), dst.row_stride(), index.data(), w, k, rows,
-          dst.cols());
-  });
-  WEAVE_CUDA_CHECK(cudaGetLastError());
+  detail::launch_merge(stream, src, dst, index.data(), k, weight.empty() ? nullptr : weight.data(),
+                       static_cast<std::int64_t>(dst.rows()), nullptr, false);
 }
 
 //! CUDA ORI -> SFD gather over uploaded `dispatch_plan` maps.

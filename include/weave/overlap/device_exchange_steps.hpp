@@ -1,0 +1,213 @@
+//! \file
+//! The data-parallel steps of `basic_device_exchange` that are not plans or row moves: the
+//! fixed-slot layout of static shapes, the gate-gradient maps of the backward, and the
+//! statistics counters; plus the callback batches the device exchange hands to the experts.
+//! Every step is a functor run by an execution space (host tasks or CUDA kernels).
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/exec/space.hpp"
+#include "weave/routing/device_expert_plan.hpp"
+#include "weave/routing/dispatch_plan.hpp"
+
+#include <cstdint>
+#include <span>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! One chunk's rows on one expert device for the device exchange, grouped by local expert (the
+//! EPD layout). The row count is known only in memory of the space: local slot `l` owns rows
+//! `[expert_offsets[l], expert_offsets[l + 1])`, and `expert_offsets[local_experts]` rows are
+//! valid out of the views' capacity (a grouped GEMM with device-side problem sizes). With
+//! `cuda_space` the callback runs on the calling thread and enqueues its work on `stream`; with
+//! `host_space` it runs on `stream`'s thread and computes directly.
+template <class Space>
+struct device_expert_batch {
+  int chunk = 0;                                //!< chunk index within the call
+  int device = 0;                               //!< this rank
+  std::span<const std::int64_t> expert_offsets; //!< local experts + 1 values, memory of the space
+  std::span<const std::int32_t> experts;        //!< logical expert of each local slot (host)
+  const_token_view input;                       //!< expert inputs (capacity rows)
+  token_view output;                            //!< expert outputs, to be written
+  typename Space::stream_arg stream;            //!< where the work goes
+};
+
+//! The backward of one chunk's experts in the device exchange: from `grad_output` (dL/d(expert
+//! output), already multiplied by the gate weight) write `grad_input`; `saved_input` holds the
+//! forward's inputs. Offsets and row counts as in `device_expert_batch`.
+template <class Space>
+struct device_expert_grad_batch {
+  int chunk = 0;
+  int device = 0;
+  std::span<const std::int64_t> expert_offsets;
+  std::span<const std::int32_t> experts;
+  const_token_view saved_input;
+  const_token_view grad_output;
+  token_view grad_input;
+  typename Space::stream_arg stream;
+};
+
+//! Bits the device exchange sets in its own error word.
+enum device_exchange_error : std::uint32_t {
+  device_exchange_slot_overflow = 1, //!< a chunk sent more rows to a peer than its static slot
+};
+
+//! Indices of the device exchange's statistics counters.
+enum device_exchange_counter : int {
+  counter_routed = 0,
+  counter_dropped,
+  counter_sent,
+  counter_received,
+  counter_local,
+  counter_expert_rows,
+  counter_count
+};
+
+namespace detail {
+
+// Static shapes, per slot row q of the send buffer (D slots of S rows): the token it carries
+// (-1 for padding) and its route entries.
+struct slot_layout_step {
+  const std::int64_t *counts, *offsets, *row_token;
+  const route_entry* routes;
+  std::int64_t S;
+  int k;
+  std::int64_t* slot_row_token;
+  route_entry* slot_routes;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t q) const {
+    const std::int64_t d = q / S, pos = q % S;
+    if (pos >= counts[d]) {
+      slot_row_token[q] = -1;
+      return;
+    }
+    const std::int64_t r = offsets[d] + pos;
+    slot_row_token[q] = row_token[r];
+    for (int i = 0; i < k; ++i)
+      slot_routes[q * k + i] = routes[r * k + i];
+  }
+};
+
+// Static shapes, per peer d: the rows its slot carries, and the overflow flag.
+struct slot_counts_step {
+  const std::int64_t* counts;
+  std::int64_t S;
+  std::int64_t* slot_counts;
+  std::uint32_t* error;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t d) const {
+    const std::int64_t c = counts[d];
+    slot_counts[d] = c < S ? c : S;
+    if (c > S)
+      atomic_or(error, device_exchange_slot_overflow);
+  }
+};
+
+// Where SFD row r of the plan travels in the send layout: r itself (S = 0, compact), or its
+// slot row (-1 past a full slot).
+WEAVE_HOST_DEVICE inline std::int64_t layout_row(const std::int64_t* offsets, int D, std::int64_t S,
+                                                 std::int64_t r) {
+  if (r < 0 || S == 0)
+    return r;
+  const int d = source_of_row(offsets, D, r);
+  const std::int64_t pos = r - offsets[d];
+  return pos < S ? d * S + pos : -1;
+}
+
+// Static shapes, per pair: the token's returned rows in slot coordinates (the combine map).
+struct layout_token_rows_step {
+  const std::int64_t *token_rows, *offsets;
+  int D;
+  std::int64_t S;
+  std::int64_t* out;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
+    out[i] = layout_row(offsets, D, S, token_rows[i]);
+  }
+};
+
+// Backward, per received route entry: the gate gradient of its EPD row (0 for none).
+struct entry_dw_step {
+  const std::int64_t* row_epd;
+  const float* dot;
+  float* dw;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t p) const {
+    dw[p] = row_epd[p] >= 0 ? dot[row_epd[p]] : 0.0f;
+  }
+};
+
+// Backward, per token of the chunk: each kept choice's gate gradient, read from the entry its
+// device returned (entries of a row are the token's choices on that device, in rank order).
+struct token_dw_step {
+  const std::int32_t *kept, *pair_device;
+  const std::int64_t *token_rows, *offsets;
+  int k, D;
+  std::int64_t S; // 0: compact layout
+  const float* returned_dw;
+  float* dw;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t p = t * k + j;
+      dw[p] = 0.0f;
+      if (kept[p] < 0)
+        continue;
+      const std::int32_t d = pair_device[p];
+      int entry = 0;
+      for (int i = 0; i < j; ++i)
+        entry += kept[t * k + i] >= 0 && pair_device[t * k + i] == d ? 1 : 0;
+      for (int m = 0; m < k; ++m) {
+        const std::int64_t r = token_rows[t * k + m];
+        if (r >= offsets[d] && r < offsets[d + 1]) {
+          const std::int64_t at = layout_row(offsets, D, S, r);
+          if (at >= 0)
+            dw[p] = returned_dw[at * k + entry];
+          break;
+        }
+      }
+    }
+  }
+};
+
+// Statistics, per pair of a chunk: routed pairs.
+struct routed_pairs_step {
+  const std::int32_t* kept;
+  std::int64_t* counters;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t p) const {
+    if (kept[p] >= 0)
+      atomic_add(counters + counter_routed, 1);
+  }
+};
+
+// Statistics, once per chunk on the sender: rows sent and rows that stay on this rank.
+struct sent_rows_step {
+  const std::int64_t *counts, *offsets;
+  int D, rank;
+  std::int64_t* counters;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
+    atomic_add(counters + counter_sent, offsets[D]);
+    atomic_add(counters + counter_local, counts[rank]);
+  }
+};
+
+// Once per chunk on the receiver: rows received (also the merge's count in a compact layout)
+// and rows the local experts compute.
+struct received_rows_step {
+  const std::int64_t* counts;
+  int D;
+  const std::int64_t* epd_rows;
+  std::int64_t* received; // this chunk's total
+  std::int64_t* counters;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
+    std::int64_t total = 0;
+    for (int d = 0; d < D; ++d)
+      total += counts[d];
+    *received = total;
+    atomic_add(counters + counter_received, total);
+    atomic_add(counters + counter_expert_rows, *epd_rows);
+  }
+};
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,247 @@
+//! \file
+//! `device_capacity_filter<Space>`: the capacity decision of `capacity_filter::decide` made
+//! where the choices live, for a whole batch at once (so every chunk of a pipelined layer reads
+//! its slice of one mask, and drops equal the unchunked batch's: Lancet's rule).
+//!
+//! Pairs claim capacity in the policy's order: `position` (token, then rank), `rank_major`
+//! (every first choice before any second) or `batch_prioritized` (tokens by descending
+//! priority = their best gate weight, ties to the earlier token, then rank). Steps: the token
+//! priorities and their stable descending order (batch-prioritized only), one step per pair
+//! writing (expert, pair) at the pair's position in the claiming order, a stable sort by
+//! expert, a scan of the per-expert counts, and one step per sorted pair: its rank within its
+//! expert decides it. The result equals the host filter's mask for the same batch.
+#pragma once
+
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/workspace.hpp"
+#include "weave/exec/space.hpp"
+#include "weave/routing/capacity.hpp"
+#include "weave/routing/device_dispatch_plan.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <type_traits>
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+// A sort key whose ascending order is the descending order of `p` (-0 counts as +0).
+WEAVE_HOST_DEVICE inline std::uint32_t descending_key(float p) {
+  if (p == 0.0f)
+    p = 0.0f;
+  std::uint32_t bits = 0;
+  memcpy(&bits, &p, sizeof(bits));
+  const std::uint32_t ordered = (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+  return ~ordered;
+}
+
+// Per token: its priority key (best weight over its valid choices, -inf without any).
+struct priority_step {
+  const std::int32_t* ids;
+  const float* weights;
+  int k, E;
+  std::uint32_t* keys;
+  std::int32_t* values;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    const std::uint32_t minus_infinity = 0xff800000u;
+    float best = 0.0f;
+    memcpy(&best, &minus_infinity, sizeof(best));
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t e = ids[t * k + j];
+      const float w = weights[t * k + j];
+      if (e >= 0 && e < E && w > best)
+        best = w;
+    }
+    keys[t] = descending_key(best);
+    values[t] = static_cast<std::int32_t>(t);
+  }
+};
+
+// Per rank r of the sorted priorities: the inverse permutation.
+struct rank_of_token_step {
+  const std::int32_t* token_of_rank;
+  std::int32_t* rank_of_token;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t r) const {
+    rank_of_token[token_of_rank[r]] = static_cast<std::int32_t>(r);
+  }
+};
+
+// Per pair (t, j): (expert, pair) at the pair's position in the claiming order.
+struct claim_step {
+  const std::int32_t* ids;
+  const std::int32_t* rank_of_token; // batch-prioritized only
+  int k, E;
+  std::int64_t tokens;
+  int order; // drop_order
+  std::uint32_t* keys;
+  std::int32_t* values;
+  std::int64_t* counts;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t p) const {
+    const std::int64_t t = p / k, j = p % k;
+    std::int64_t at = p; // position order
+    if (order == static_cast<int>(drop_order::rank_major))
+      at = j * tokens + t;
+    else if (order == static_cast<int>(drop_order::batch_prioritized))
+      at = static_cast<std::int64_t>(rank_of_token[t]) * k + j;
+    const std::int32_t e = ids[p];
+    const bool valid = e >= 0 && e < E;
+    keys[at] = static_cast<std::uint32_t>(valid ? e : E);
+    values[at] = static_cast<std::int32_t>(p);
+    if (valid)
+      atomic_add(counts + e, 1);
+  }
+};
+
+// Per sorted pair: kept while its rank within its expert is below the capacity.
+struct keep_step {
+  const std::uint32_t* keys;
+  const std::int32_t* values;
+  const std::int64_t* starts;
+  int E;
+  std::int64_t capacity; // -1: unbounded
+  std::uint8_t* keep;
+  std::int64_t* dropped;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
+    const auto e = static_cast<std::int64_t>(keys[i]);
+    const std::int64_t p = values[i];
+    if (e >= E) {
+      keep[p] = 0; // no expert: neither kept nor dropped
+      return;
+    }
+    const bool fits = capacity < 0 || i - starts[e] < capacity;
+    keep[p] = fits ? 1 : 0;
+    if (!fits)
+      atomic_add(dropped, 1);
+  }
+};
+
+} // namespace detail
+
+//! Capacity decisions in `Space` for batches of up to `max_tokens` tokens. Construct, allocate
+//! `workspace_size()` bytes of memory of the space, `initialize` once, `decide` per batch.
+template <execution_space Space>
+class device_capacity_filter {
+ public:
+  using stream_arg = typename Space::stream_arg;
+
+  //! Throws `errc::invalid_argument` for bad sizes or a non-finite factor, `errc::out_of_range`
+  //! when max_tokens * k exceeds 2^31 - 1.
+  device_capacity_filter(int num_experts, int k, std::size_t max_tokens, capacity_policy policy)
+      : E_(num_experts)
+      , k_(k)
+      , max_tokens_(max_tokens)
+      , policy_(policy) {
+    (void)expert_capacity(policy.factor, max_tokens, k, num_experts); // validates
+    const std::size_t n = checked_mul(max_tokens, static_cast<std::size_t>(k), "pairs");
+    WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+                 errc::out_of_range, max_tokens, " tokens with k = ", k,
+                 " exceed 2^31 - 1 pairs in a device capacity filter");
+    temp_bytes_ = std::max(Space::scan_temp_bytes(E_ + 1),
+                           Space::sort_temp_bytes(static_cast<std::int64_t>(n)));
+  }
+
+  const capacity_policy& policy() const noexcept { return policy_; }
+
+  std::size_t workspace_size() const {
+    workspace_carver measure;
+    return carve(*this, measure).used();
+  }
+
+  void initialize(void* workspace, std::size_t bytes, stream_arg) {
+    WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
+    workspace_carver carver(workspace, bytes);
+    carve(*this, carver);
+    initialized_ = true;
+  }
+
+  //! Writes the keep mask (one flag per pair, 1 = kept) of a batch of `ids.size() / k` tokens
+  //! on `stream`; `ids`, `weights` and `keep` are in memory of the space. Ids outside [0, E)
+  //! are neither kept nor dropped (a dispatch plan flags the bad ones). Throws
+  //! `errc::size_mismatch` for other lengths or more than `max_tokens` tokens.
+  void decide(stream_arg stream, std::span<const std::int32_t> ids, std::span<const float> weights,
+              std::span<std::uint8_t> keep) {
+    WEAVE_EXPECT(initialized_, errc::invalid_state, "device capacity filter is not initialised");
+    const auto kk = static_cast<std::size_t>(k_);
+    WEAVE_EXPECT(ids.size() % kk == 0 && ids.size() / kk <= max_tokens_ &&
+                     weights.size() == ids.size() && keep.size() == ids.size(),
+                 errc::size_mismatch, "device capacity filter: ", ids.size(), " ids, ",
+                 weights.size(), " weights, ", keep.size(), " flags with k = ", k_, " for up to ",
+                 max_tokens_, " tokens");
+    const auto T = static_cast<std::int64_t>(ids.size() / kk);
+    const auto n = static_cast<std::int64_t>(ids.size());
+    capacity_ = expert_capacity(policy_.factor, static_cast<std::size_t>(T), k_, E_);
+    Space::fill(stream, counts_, 0, (static_cast<std::size_t>(E_) + 1) * sizeof(std::int64_t));
+    Space::fill(stream, dropped_, 0, sizeof(std::int64_t));
+    if (n == 0)
+      return;
+    const bool prioritized = policy_.order == drop_order::batch_prioritized;
+    if (prioritized) {
+      Space::for_each(
+          stream, T,
+          detail::priority_step{ids.data(), weights.data(), k_, E_, keys_in_, values_in_});
+      Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, T, 32, temp_,
+                        temp_bytes_);
+      Space::for_each(stream, T, detail::rank_of_token_step{values_out_, rank_of_token_});
+    }
+    Space::for_each(stream, n,
+                    detail::claim_step{ids.data(), prioritized ? rank_of_token_ : nullptr, k_, E_,
+                                       T, static_cast<int>(policy_.order), keys_in_, values_in_,
+                                       counts_});
+    Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, n, detail::key_bits(E_),
+                      temp_, temp_bytes_);
+    Space::exclusive_scan(stream, counts_, starts_, E_ + 1, temp_, temp_bytes_);
+    Space::for_each(
+        stream, n,
+        detail::keep_step{keys_out_, values_out_, starts_, E_, capacity_, keep.data(), dropped_});
+  }
+
+  //! Rows per expert of the last batch, -1 for dropless.
+  std::int64_t capacity() const noexcept { return capacity_; }
+  //! Pairs the last `decide` dropped (one value in memory of the space).
+  const std::int64_t* dropped_count() const noexcept { return dropped_; }
+
+ private:
+  template <class Self>
+  static workspace_carver& carve(Self& self, workspace_carver& c) {
+    const std::size_t n = self.max_tokens_ * static_cast<std::size_t>(self.k_);
+    const auto E = static_cast<std::size_t>(self.E_);
+    const auto set = [&c]<class T>(T* const& ptr, std::size_t count) {
+      const std::span<T> s = c.take<T>(count);
+      if constexpr (!std::is_const_v<Self>)
+        const_cast<T*&>(ptr) = s.data();
+    };
+    set(self.counts_, E + 1);
+    set(self.starts_, E + 1);
+    set(self.dropped_, 1);
+    set(self.keys_in_, n);
+    set(self.keys_out_, n);
+    set(self.values_in_, n);
+    set(self.values_out_, n);
+    set(self.rank_of_token_, self.max_tokens_ == 0 ? 1 : self.max_tokens_);
+    set(self.temp_, self.temp_bytes_ == 0 ? 1 : self.temp_bytes_);
+    return c;
+  }
+
+  int E_ = 0, k_ = 0;
+  std::size_t max_tokens_ = 0;
+  capacity_policy policy_;
+  std::int64_t capacity_ = -1;
+  std::size_t temp_bytes_ = 0;
+  bool initialized_ = false;
+  std::int64_t *counts_ = nullptr, *starts_ = nullptr, *dropped_ = nullptr;
+  std::uint32_t *keys_in_ = nullptr, *keys_out_ = nullptr;
+  std::int32_t *values_in_ = nullptr, *values_out_ = nullptr;
+  std::int32_t* rank_of_token_ = nullptr;
+  std::byte* temp_ = nullptr;
+};
+
+WEAVE_NAMESPACE_END

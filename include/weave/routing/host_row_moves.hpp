@@ -1,0 +1,93 @@
+//! \file
+//! `row_moves<host_space>`: the row primitives of `weave/routing/row_moves.hpp` as host-stream
+//! tasks, with the host kernels' arithmetic (results equal `gather_rows` / `merge_rows`
+//! bitwise, and `dot` sums in column order as `moe_exchange`'s backward does).
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/exec/host_space.hpp"
+#include "weave/routing/kernels_host.hpp"
+#include "weave/routing/row_moves.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+WEAVE_NAMESPACE_BEGIN
+
+template <>
+struct row_moves<host_space> {
+  static void gather(host_stream& s, const_token_view src, token_view dst,
+                     const std::int64_t* index, const float* scale, const std::int64_t* count) {
+    detail::check_rows(src, dst, "row_moves::gather");
+    detail::check_host(src, dst, "row_moves::gather");
+    if (scale != nullptr)
+      detail::visit_float(src.element_type(), "gate-scaled gather", [](auto*) {});
+    s.submit([=] {
+      const std::size_t n = rows(count, dst.rows());
+      if (scale == nullptr) {
+        for (std::size_t i = 0; i < n; ++i)
+          if (index[i] >= 0)
+            std::memcpy(dst.row(i), src.row(static_cast<std::size_t>(index[i])), src.row_bytes());
+        return;
+      }
+      detail::visit_float(src.element_type(), "gate-scaled gather", [&]<class T>(T*) {
+        for (std::size_t i = 0; i < n; ++i)
+          if (index[i] >= 0)
+            detail::scale_row(
+                reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
+                reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i]);
+      });
+    });
+  }
+
+  static void merge(host_stream& s, const_token_view src, token_view dst, const std::int64_t* index,
+                    int k, const float* weight, const std::int64_t* count, bool skip_empty) {
+    detail::check_rows(src, dst, "row_moves::merge");
+    detail::check_host(src, dst, "row_moves::merge");
+    WEAVE_EXPECT(k >= 1, errc::invalid_argument, "row_moves::merge with k = ", k);
+    detail::visit_float(src.element_type(), "merge", [](auto*) {});
+    s.submit([=] {
+      const std::size_t n = rows(count, dst.rows());
+      const auto kk = static_cast<std::size_t>(k);
+      detail::visit_float(src.element_type(), "merge", [&]<class T>(T*) {
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::int64_t* idx = index + i * kk;
+          if (skip_empty && std::none_of(idx, idx + kk, [](std::int64_t x) { return x >= 0; }))
+            continue;
+          detail::merge_row(src, reinterpret_cast<T*>(dst.row(i)), src.cols(), idx,
+                            weight == nullptr ? nullptr : weight + i * kk, kk);
+        }
+      });
+    });
+  }
+
+  static void dot(host_stream& s, const_token_view a, const_token_view b, float* out,
+                  const std::int64_t* count) {
+    WEAVE_EXPECT(a.cols() == b.cols() && a.element_type() == b.element_type(), errc::size_mismatch,
+                 "row_moves::dot of rows of ", a.cols(), " ", a.element_type(), " and ", b.cols(),
+                 " ", b.element_type());
+    s.submit([=] {
+      const std::size_t n = rows(count, std::min(a.rows(), b.rows()));
+      for (std::size_t i = 0; i < n; ++i) {
+        float acc = 0.0f;
+        for (std::size_t h = 0; h < a.cols(); ++h)
+          acc += load_as_float(a.row(i), h, a.element_type()) *
+                 load_as_float(b.row(i), h, b.element_type());
+        out[i] = acc;
+      }
+    });
+  }
+
+ private:
+  static std::size_t rows(const std::int64_t* count, std::size_t capacity) {
+    if (count == nullptr)
+      return capacity;
+    return *count <= 0 ? 0 : std::min(static_cast<std::size_t>(*count), capacity);
+  }
+};
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,340 @@
+// The device exchange (`basic_device_exchange`, the algorithm of `cuda_moe_exchange`) run on host
+// streams by `host_space` over a local_world: bitwise equal to `moe_exchange` (itself checked
+// against a dense reference) for dynamic and static shapes, every chunking, capacities, dtypes,
+// forward and backward; its statistics; its flagged errors and slot overflows.
+#include <doctest/doctest.h>
+
+#include "moe_test_support.hpp"
+
+#include <weave/comm/local_world.hpp>
+#include <weave/exec/host_space.hpp>
+#include <weave/exec/host_stream.hpp>
+#include <weave/overlap/device_exchange.hpp>
+#include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_row_moves.hpp>
+
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <random>
+
+namespace {
+
+using device_exchange = weave::basic_device_exchange<weave::host_space, weave::local_communicator>;
+
+struct aligned_buffer {
+  explicit aligned_buffer(std::size_t bytes)
+      : ptr(static_cast<std::byte*>(::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256})))
+      , size(bytes) {
+    std::memset(ptr, 0xFF, bytes); // poisoned: NaN floats, -1 indices
+  }
+  ~aligned_buffer() { ::operator delete (ptr, std::align_val_t{256}); }
+  aligned_buffer(const aligned_buffer&) = delete;
+  aligned_buffer& operator=(const aligned_buffer&) = delete;
+  std::byte* ptr;
+  std::size_t size;
+};
+
+struct setup {
+  int ranks = 2, experts = 8, k = 2;
+  std::size_t hidden = 8;
+  std::vector<std::size_t> tokens; // per rank
+  weave::capacity_policy capacity{};
+  std::uint32_t seed = 1;
+  bool fixed = false;        // static shapes
+  std::size_t slot_rows = 0; // static_rows_per_peer
+};
+
+template <class T>
+struct result {
+  std::vector<weave::host_matrix<T>> y, dx;
+  std::vector<std::vector<float>> dw;
+  std::vector<weave::moe_stats> stats;
+};
+
+weave::moe_options options_of(const setup& s, weave::dtype element, int chunks) {
+  weave::moe_options o;
+  o.k = s.k;
+  o.hidden = s.hidden;
+  o.element = element;
+  o.max_tokens = *std::max_element(s.tokens.begin(), s.tokens.end());
+  o.chunks = chunks;
+  o.capacity = s.capacity;
+  o.save_for_backward = true;
+  o.static_shape = s.fixed;
+  o.static_rows_per_peer = s.slot_rows;
+  return o;
+}
+
+template <class T, bool Device>
+result<T> run(const setup& s, const weave::placement& where, int chunks,
+              const std::vector<moe_test::rank_input<T>>& in,
+              const moe_test::linear_experts& experts) {
+  weave::local_world world(s.ranks, {std::chrono::seconds(20), {}});
+  result<T> out;
+  const auto n = static_cast<std::size_t>(s.ranks);
+  out.y.resize(n);
+  out.dx.resize(n);
+  out.dw.resize(n);
+  out.stats.resize(n);
+  world.run([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    weave::moe_options o = options_of(s, weave::dtype_of_v<T>, chunks);
+    weave::host_stream compute("compute"), comm_stream("comm");
+    out.y[r] = weave::host_matrix<T>(in[r].x.rows(), s.hidden);
+    out.dx[r] = weave::host_matrix<T>(in[r].x.rows(), s.hidden);
+    out.dw[r].assign(in[r].ids.size(), -1.0f);
+    if constexpr (Device) {
+      device_exchange ex(comm, where, o);
+      aligned_buffer ws(ex.workspace_size());
+      ex.initialize(ws.ptr, ws.size, compute);
+      ex.forward(
+          in[r].x.view(), in[r].ids, in[r].weights, out.y[r].view(),
+          [&](const weave::device_expert_batch<weave::host_space>& b) {
+            experts.template operator()<T>(
+                {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+          },
+          compute, comm_stream);
+      ex.backward(
+          in[r].x.view(), out.dx[r].view(), out.dw[r], // dL/dy = x
+          [&](const weave::device_expert_grad_batch<weave::host_space>& b) {
+            experts.template backward<T>({b.chunk, b.device, b.expert_offsets, b.experts,
+                                          b.saved_input, b.grad_output, b.grad_input});
+          },
+          compute, comm_stream);
+      compute.synchronize();
+      comm_stream.synchronize();
+      out.stats[r] = ex.read_stats(compute);
+      ex.check_errors(compute);
+    } else {
+      o.static_shape = false;
+      weave::moe_exchange<weave::local_communicator> ex(comm, where, o);
+      ex.forward(
+          in[r].x.view(), in[r].ids, in[r].weights, out.y[r].view(),
+          [&](const weave::expert_batch& b) { experts.template operator()<T>(b); }, compute,
+          comm_stream);
+      ex.backward(
+          in[r].x.view(), out.dx[r].view(), out.dw[r],
+          [&](const weave::expert_grad_batch& b) { experts.template backward<T>(b); }, compute,
+          comm_stream);
+      compute.synchronize();
+      comm_stream.synchronize();
+      out.stats[r] = ex.stats();
+    }
+  });
+  return out;
+}
+
+template <class T>
+bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
+  return a.rows() == b.rows() &&
+         (a.rows() == 0 || std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0);
+}
+
+template <class T>
+std::vector<moe_test::rank_input<T>> inputs(const setup& s) {
+  std::mt19937 rng(s.seed);
+  std::vector<moe_test::rank_input<T>> in;
+  for (int r = 0; r < s.ranks; ++r)
+    in.push_back(moe_test::random_input<T>(s.tokens[static_cast<std::size_t>(r)], s.hidden,
+                                           s.experts, s.k, rng));
+  return in;
+}
+
+// The device exchange equals moe_exchange bitwise, for every chunking, with equal statistics.
+template <class T>
+void check_against_host(const setup& s, const weave::placement& where) {
+  const auto in = inputs<T>(s);
+  const moe_test::linear_experts experts(s.experts, s.hidden, s.seed + 100);
+  const auto want = run<T, false>(s, where, 1, in, experts);
+  for (const int chunks : {1, 2, 3}) {
+    CAPTURE(chunks);
+    const auto got = run<T, true>(s, where, chunks, in, experts);
+    for (std::size_t r = 0; r < static_cast<std::size_t>(s.ranks); ++r) {
+      CAPTURE(r);
+      REQUIRE(bitwise_equal(got.y[r], want.y[r]));
+      REQUIRE(bitwise_equal(got.dx[r], want.dx[r]));
+      REQUIRE(got.dw[r] == want.dw[r]);
+      const auto &a = got.stats[r], &b = want.stats[r];
+      CHECK(a.tokens == b.tokens);
+      CHECK(a.routed_pairs == b.routed_pairs);
+      CHECK(a.dropped_pairs == b.dropped_pairs);
+      CHECK(a.sent_rows == b.sent_rows);
+      CHECK(a.received_rows == b.received_rows);
+      CHECK(a.local_rows == b.local_rows);
+      CHECK(a.expert_rows == b.expert_rows);
+      CHECK(a.row_bytes == b.row_bytes);
+    }
+  }
+}
+
+} // namespace
+
+TEST_CASE("device exchange on host streams equals moe_exchange: dynamic and static shapes") {
+  for (const bool fixed : {false, true}) {
+    CAPTURE(fixed);
+    setup s;
+    s.fixed = fixed;
+    s.tokens = {37, 29};
+    check_against_host<float>(s, weave::placement::contiguous(8, 2));
+    s.ranks = 4;
+    s.experts = 16;
+    s.k = 4;
+    s.hidden = 12;
+    s.tokens = {40, 0, 17, 33};
+    s.seed = 5;
+    std::vector<std::int32_t> slots(16);
+    for (int i = 0; i < 16; ++i)
+      slots[static_cast<std::size_t>(i)] = (i * 7) % 16;
+    check_against_host<float>(s, weave::placement(16, 4, slots));
+    s.ranks = 3;
+    s.experts = 6;
+    s.k = 3;
+    s.tokens = {25, 25, 24};
+    s.seed = 9;
+    check_against_host<weave::bfloat16>(s, weave::placement::contiguous(6, 3));
+    s.ranks = 1;
+    s.experts = 4;
+    s.k = 2;
+    s.tokens = {19};
+    check_against_host<weave::half>(s, weave::placement::contiguous(4, 1));
+  }
+}
+
+TEST_CASE("device exchange decides capacity like moe_exchange, for every order") {
+  for (const bool fixed : {false, true})
+    for (const auto order : {weave::drop_order::position, weave::drop_order::rank_major,
+                             weave::drop_order::batch_prioritized})
+      for (const double factor : {0.5, 1.0, 1.25}) {
+        CAPTURE(fixed);
+        CAPTURE(static_cast<int>(order));
+        CAPTURE(factor);
+        setup s;
+        s.ranks = 3;
+        s.experts = 6;
+        s.k = 2;
+        s.tokens = {30, 21, 26};
+        s.capacity = {factor, order};
+        s.fixed = fixed;
+        s.seed = 77;
+        check_against_host<float>(s, weave::placement::contiguous(6, 3));
+      }
+}
+
+TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slots") {
+  // Rank 0 passes a bad id, a duplicate or a NaN weight: its peers do not hang (flagged ids are
+  // treated as absent, so every shape stays consistent) and check_errors reports the kind.
+  const auto where = weave::placement::contiguous(4, 2);
+  const auto code_of = [&](auto&& poison, bool fixed, std::size_t slot_rows) {
+    weave::local_world world(2, {std::chrono::seconds(20), {}});
+    std::vector<weave::errc> codes(2, weave::errc{});
+    world.run([&](weave::local_communicator& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      setup s;
+      s.experts = 4;
+      s.tokens = {12, 12};
+      s.fixed = fixed;
+      s.slot_rows = slot_rows;
+      std::mt19937 rng(3 + static_cast<unsigned>(r));
+      auto in = moe_test::random_input<float>(12, s.hidden, 4, 2, rng);
+      if (r == 0)
+        poison(in);
+      weave::host_matrix<float> y(12, s.hidden);
+      device_exchange ex(comm, where, options_of(s, weave::dtype::f32, 2));
+      aligned_buffer ws(ex.workspace_size());
+      weave::host_stream compute("compute"), comm_stream("comm");
+      ex.initialize(ws.ptr, ws.size, compute);
+      ex.forward(
+          in.x.view(), in.ids, in.weights, y.view(),
+          [](const weave::device_expert_batch<weave::host_space>& b) {
+            moe_test::linear_experts(4, 8, 1).operator()<float>(
+                {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+          },
+          compute, comm_stream);
+      compute.synchronize();
+      comm_stream.synchronize();
+      try {
+        ex.check_errors(compute);
+      } catch (const weave::error& e) {
+        codes[r] = e.code();
+      }
+    });
+    return codes;
+  };
+  const auto none = [](moe_test::rank_input<float>&) {};
+  for (const bool fixed : {false, true}) {
+    CAPTURE(fixed);
+    CHECK(code_of(none, fixed, 0) == std::vector<weave::errc>(2, weave::errc{}));
+    const auto bad_id = [](moe_test::rank_input<float>& in) { in.ids[5] = 4; };
+    CHECK(code_of(bad_id, fixed, 0)[0] == weave::errc::out_of_range);
+    const auto negative = [](moe_test::rank_input<float>& in) { in.ids[3] = -7; };
+    CHECK(code_of(negative, fixed, 0)[0] == weave::errc::out_of_range);
+    const auto twice = [](moe_test::rank_input<float>& in) { in.ids[7] = in.ids[6] = 1; };
+    CHECK(code_of(twice, fixed, 0)[0] == weave::errc::invalid_argument);
+    const auto nan = [](moe_test::rank_input<float>& in) {
+      in.weights[2] = std::numeric_limits<float>::quiet_NaN();
+    };
+    CHECK(code_of(nan, fixed, 0)[0] == weave::errc::invalid_argument);
+  }
+  // Slots of 2 rows cannot hold a chunk of 6 tokens sent mostly to one peer.
+  const auto crowd = [](moe_test::rank_input<float>& in) {
+    for (std::size_t i = 0; i < in.ids.size(); i += 2) {
+      in.ids[i] = 0;
+      in.ids[i + 1] = 1;
+    }
+  };
+  CHECK(code_of(crowd, true, 2)[0] == weave::errc::size_overflow);
+  CHECK(code_of(crowd, true, 6) == std::vector<weave::errc>(2, weave::errc{}));
+}
+
+TEST_CASE("device exchange rejects bad arguments") {
+  weave::local_world world(2);
+  world.run([&](weave::local_communicator& comm) {
+    weave::moe_options o;
+    o.k = 2;
+    o.hidden = 4;
+    o.max_tokens = 8;
+    const auto where = weave::placement::contiguous(4, 2);
+    const auto code = [](auto&& f) {
+      try {
+        f();
+      } catch (const weave::error& e) {
+        return e.code();
+      }
+      return weave::errc{};
+    };
+    CHECK(code([&] { device_exchange(comm, weave::placement::contiguous(4, 4), o); }) ==
+          weave::errc::invalid_argument);
+    CHECK(code([&] {
+            device_exchange(comm, weave::placement(4, 2, {0, 1, 2, 3, 0, 1}), o);
+          }) == weave::errc::not_supported);
+    weave::moe_options fixed = o;
+    fixed.static_shape = true;
+    CHECK(code([&] { weave::moe_exchange<weave::local_communicator>(comm, where, fixed); }) ==
+          weave::errc::not_supported);
+    device_exchange ex(comm, where, o);
+    weave::host_matrix<float> x(8, 4), y(8, 4), wide(8, 5), many(9, 4);
+    std::vector<std::int32_t> ids(16, 0);
+    std::vector<float> w(16, 1.0f);
+    weave::host_stream a("a"), b("b");
+    const auto noop = [](const weave::device_expert_batch<weave::host_space>&) {};
+    CHECK(code([&] { ex.forward(x.view(), ids, w, y.view(), noop, a, b); }) ==
+          weave::errc::invalid_state); // not initialised
+    aligned_buffer ws(ex.workspace_size());
+    CHECK(code([&] { ex.initialize(ws.ptr, ws.size / 2, a); }) == weave::errc::size_mismatch);
+    ex.initialize(ws.ptr, ws.size, a);
+    CHECK(code([&] { ex.forward(wide.view(), ids, w, y.view(), noop, a, b); }) ==
+          weave::errc::size_mismatch);
+    CHECK(code([&] { ex.forward(many.view(), ids, w, many.view(), noop, a, b); }) ==
+          weave::errc::invalid_argument);
+    CHECK(code([&] { ex.forward(x.view(), std::span(ids).first(15), w, y.view(), noop, a, b); }) ==
+          weave::errc::size_mismatch);
+    std::vector<float> dw(16);
+    CHECK(code([&] {
+            ex.backward(
+                x.view(), y.view(), dw,
+                [](const weave::device_expert_grad_batch<weave::host_space>&) {}, a, b);
+          }) == weave::errc::invalid_state); // no save_for_backward
+  });
+}
