@@ -4,7 +4,10 @@
 // - a one-GPU pipeline emulation (1 GiB each way): peer "ranks" are buffers, the all-to-all
 //   is cudaMemcpyAsync on two high-priority copy streams (one per direction), experts are a
 //   compute kernel of calibrated length; chunked with events against unchunked, reporting how
-//   much of the exposed copy time is hidden.
+//   much of the exposed copy time is hidden;
+// - the MoE exchange (cuda_moe_exchange over a one-rank NCCL communicator: plans, layout moves,
+//   all-to-alls and merges, forward) dynamic and static, eager and replayed from a CUDA graph,
+//   against a naive per-(token, expert) dispatch + combine of the same tokens.
 #include <benchmark/benchmark.h>
 
 #include <weave/core/cuda_error.hpp>
@@ -12,6 +15,12 @@
 #include <weave/routing/gate.cuh>
 #include <weave/routing/kernels.cuh>
 #include <weave/routing/plan.cuh>
+#ifdef WEAVE_BENCH_NCCL
+#include <weave/comm/nccl_communicator.hpp>
+#include <weave/overlap/cuda_exchange.cuh>
+
+#include <nccl.h>
+#endif
 
 #include "mask_routing.cuh"
 
@@ -370,6 +379,151 @@ void BM_pipeline(benchmark::State& state) {
       exposed_unchunked > 0 ? 100.0 * (exposed_unchunked - exposed) / exposed_unchunked : 0.0;
 }
 
+#ifdef WEAVE_BENCH_NCCL
+// --- the MoE exchange against a naive per-(token, expert) dispatch ----------------------------
+
+constexpr std::size_t exchange_tokens = 8192;
+constexpr int exchange_experts = 64, exchange_k = 8;
+
+// Identity experts: a copy of the batch's rows (the exchange's own cost is what is measured).
+struct copy_rows {
+  const ::uint4* in;
+  ::uint4* out;
+  __host__ __device__ void operator()(std::int64_t i) const { out[i] = in[i]; }
+};
+
+// row_token[rows[p]] = the token of pair p: the mask layout's gather map.
+struct invert_rows {
+  const std::int64_t* rows;
+  int k;
+  std::int64_t* row_token;
+  __host__ __device__ void operator()(std::int64_t p) const {
+    if (rows[p] >= 0)
+      row_token[rows[p]] = p / k;
+  }
+};
+
+// Gate choices for the exchange benchmarks: the device gate over random logits.
+struct exchange_inputs {
+  dev_buffer logits, ids, weights, x, y;
+  exchange_inputs()
+      : logits(gate_inputs::random_logits(exchange_experts))
+      , ids(std::vector<std::int32_t>(exchange_tokens * exchange_k))
+      , weights(std::vector<float>(exchange_tokens * exchange_k))
+      , x(exchange_tokens * row_bytes, 21)
+      , y(exchange_tokens * row_bytes, 22) {}
+  void gate(cudaStream_t st) const {
+    weave::gate_options options;
+    options.k = exchange_k;
+    options.renormalize = true;
+    weave::top_k_gate(weave::cuda_stream_ref(st),
+                      weave::const_token_view(static_cast<const std::byte*>(logits.ptr),
+                                              exchange_tokens, exchange_experts, weave::dtype::f32,
+                                              weave::memory_space::device, 0),
+                      options,
+                      std::span<std::int32_t>(ids.as<std::int32_t>(), exchange_tokens * exchange_k),
+                      std::span<float>(weights.as<float>(), exchange_tokens * exchange_k));
+  }
+};
+
+// One rank: every expert on this GPU, so each token sends one row (CT = 1) where a naive
+// dispatch sends k. Args: static shapes, chunks, replay from a CUDA graph.
+void BM_exchange(benchmark::State& state) {
+  const bool fixed = state.range(0) != 0, graph = state.range(2) != 0;
+  const int chunks = static_cast<int>(state.range(1));
+  ncclComm_t raw = nullptr;
+  int device = 0;
+  WEAVE_CUDA_CHECK(cudaGetDevice(&device));
+  WEAVE_NCCL_CHECK(ncclCommInitAll(&raw, 1, &device));
+  {
+    weave::nccl_communicator comm(raw);
+    const exchange_inputs in;
+    stream_pair s;
+    in.gate(s.compute);
+    weave::moe_options o;
+    o.k = exchange_k;
+    o.hidden = hidden;
+    o.element = weave::dtype::bf16;
+    o.max_tokens = exchange_tokens;
+    o.chunks = chunks;
+    o.static_shape = fixed;
+    weave::cuda_moe_exchange<weave::nccl_communicator> ex(
+        comm, weave::placement::contiguous(exchange_experts, 1), o);
+    dev_buffer ws(std::vector<std::byte>(ex.workspace_size()));
+    ex.initialize(ws.ptr, ws.bytes, weave::cuda_stream_ref(s.compute));
+    const auto experts = [](const weave::cuda_expert_batch& b) {
+      weave::cuda_space::for_each(b.stream,
+                                  static_cast<std::int64_t>(b.input.rows() * row_bytes / 16),
+                                  copy_rows{reinterpret_cast<const ::uint4*>(b.input.data()),
+                                            reinterpret_cast<::uint4*>(b.output.data())});
+    };
+    const auto forward = [&](cudaStream_t st) {
+      ex.forward(in.x.rows(), in.ids.span<std::int32_t>(), in.weights.span<float>(), in.y.rows(),
+                 experts, weave::cuda_stream_ref(st), weave::cuda_stream_ref(s.copy));
+    };
+    cudaGraphExec_t exec = nullptr;
+    if (graph) {
+      cudaGraph_t g = nullptr;
+      WEAVE_CUDA_CHECK(cudaStreamBeginCapture(s.compute, cudaStreamCaptureModeThreadLocal));
+      forward(s.compute);
+      WEAVE_CUDA_CHECK(cudaStreamEndCapture(s.compute, &g));
+      WEAVE_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      WEAVE_CUDA_CHECK(cudaGraphDestroy(g));
+    }
+    time_on_stream(state, s.compute, [&](cudaStream_t st) {
+      if (graph)
+        WEAVE_CUDA_CHECK(cudaGraphLaunch(exec, st));
+      else
+        forward(st);
+    });
+    ex.check_errors(weave::cuda_stream_ref(s.compute));
+    const weave::moe_stats stats = ex.read_stats(weave::cuda_stream_ref(s.compute));
+    state.counters["rows_sent"] = static_cast<double>(stats.sent_rows);
+    state.counters["naive_rows"] = static_cast<double>(stats.naive_rows());
+    if (exec)
+      WEAVE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
+  WEAVE_NCCL_CHECK(ncclCommDestroy(raw));
+  state.counters["tokens/s"] = benchmark::Counter(
+      static_cast<double>(exchange_tokens * state.iterations()), benchmark::Counter::kIsRate);
+}
+
+// The naive baseline on one GPU: the mask plan (one row per (token, expert)), a gather of
+// T * k rows, identity experts, and a merge of k rows per token.
+void BM_exchange_naive(benchmark::State& state) {
+  const exchange_inputs in;
+  stream_pair s;
+  in.gate(s.compute);
+  const weave_test::mask_routing mask(static_cast<std::int64_t>(exchange_tokens), exchange_experts,
+                                      exchange_k);
+  dev_buffer mws(std::vector<std::byte>(mask.bytes()));
+  dev_buffer rows(std::vector<std::int64_t>(exchange_tokens * exchange_k));
+  dev_buffer row_token(std::vector<std::int64_t>(exchange_tokens * exchange_k, 0));
+  dev_buffer expert_rows(exchange_tokens * exchange_k * row_bytes, 23);
+  dev_buffer expert_out(exchange_tokens * exchange_k * row_bytes, 24);
+  const auto view = [](const dev_buffer& b, std::size_t n) {
+    return weave::token_view(static_cast<std::byte*>(b.ptr), n, hidden, weave::dtype::bf16,
+                             weave::memory_space::device, 0);
+  };
+  const std::size_t pairs = exchange_tokens * exchange_k;
+  time_on_stream(state, s.compute, [&](cudaStream_t st) {
+    const weave::cuda_stream_ref r(st);
+    mask.run(in.ids.as<std::int32_t>(), rows.as<std::int64_t>(), mws.ptr, st);
+    // Dispatch into the mask layout (expert-major rows), experts, combine of each token's rows.
+    weave::cuda_space::for_each(
+        r, static_cast<std::int64_t>(pairs),
+        invert_rows{rows.as<std::int64_t>(), exchange_k, row_token.as<std::int64_t>()});
+    weave::gather_rows(r, in.x.rows(), view(expert_rows, pairs), row_token.span<std::int64_t>());
+    WEAVE_CUDA_CHECK(cudaMemcpyAsync(expert_out.ptr, expert_rows.ptr, pairs * row_bytes,
+                                     cudaMemcpyDeviceToDevice, st));
+    weave::merge_rows(r, view(expert_out, pairs), in.y.rows(), rows.span<std::int64_t>(),
+                      exchange_k, in.weights.span<float>());
+  });
+  state.counters["tokens/s"] = benchmark::Counter(
+      static_cast<double>(exchange_tokens * state.iterations()), benchmark::Counter::kIsRate);
+}
+#endif
+
 } // namespace
 
 BENCHMARK(BM_d2d_copy)->Arg(16384)->Arg(65536)->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -393,5 +547,19 @@ BENCHMARK(BM_pipeline)
     ->UseManualTime()
     ->Iterations(10)
     ->Unit(benchmark::kMillisecond);
+
+#ifdef WEAVE_BENCH_NCCL
+BENCHMARK(BM_exchange_naive)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_exchange)
+    ->ArgNames({"static", "chunks", "graph"})
+    ->Args({0, 1, 0})
+    ->Args({0, 4, 0})
+    ->Args({1, 1, 0})
+    ->Args({1, 4, 0})
+    ->Args({1, 1, 1})
+    ->Args({1, 4, 1})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+#endif
 
 BENCHMARK_MAIN();

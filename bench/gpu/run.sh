@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-call GPU check of weave on a single Hopper GPU (sm_90, e.g. one H200), within 6 minutes:
 # configures the `cuda` preset in a fresh build folder, builds the CUDA tests and the GPU
-# benchmarks, runs every CUDA test (ctest -L cuda: routing kernels against the host path,
-# stream/event tests, the 1-rank NCCL communicator test), then the GPU benchmarks with JSON
-# output, and prints a short table last. Results go under $OUT (./gpu-results when unset).
+# benchmarks, runs every CUDA test (ctest -L cuda: routing kernels and device plans against the
+# host path, stream/event tests, the 1-rank NCCL communicator, cuda_moe_exchange over
+# cuda_local_world and NCCL against the host moe_exchange, CUDA-graph capture), then the GPU
+# benchmarks with JSON output, and prints a short table last. Results go under $OUT (./gpu-results when unset).
 # Needs CMake >= 3.25, Ninja, nvcc (CUDA 12.x/13), doctest, Google Benchmark and NCCL headers.
 set -euo pipefail
 
@@ -76,6 +77,14 @@ for E in (64, 256):
     sp = None if not ours or mask is None else mask / ours
     print(f"{'gate + counting-sort plan':<30}{E:>5}{fmt(ours, '10.1f')}{fmt(mask, '10.1f')}"
           f"{fmt(sp, '9.2f')}   (gate alone {fmt(gate, '.1f')} us)")
+naive = get("BM_exchange_naive", "real_time")
+print(f"\n{'MoE exchange fwd, 1 GPU':<30}{'T':>6}{'us':>10}{'vs naive':>10}   (E=64, k=8, bf16 4096)")
+print(f"{'naive per-(token, expert)':<30}{8192:>6}{fmt(naive, '10.1f')}{'1.00':>10}")
+for fixed, chunks, graph in ((0, 1, 0), (0, 4, 0), (1, 1, 0), (1, 4, 0), (1, 1, 1), (1, 4, 1)):
+    t = get(f"BM_exchange/static:{fixed}/chunks:{chunks}/graph:{graph}", "real_time")
+    label = ("static" if fixed else "dynamic") + f", C={chunks}" + (", graph" if graph else "")
+    sp = None if not t or naive is None else naive / t
+    print(f"{'weave ' + label:<30}{8192:>6}{fmt(t, '10.1f')}{fmt(sp, '10.2f')}")
 print(f"\n{'pipeline emulation (1 GiB)':<30}{'chunks':>7}{'ms':>9}{'hidden %':>10}")
 for c in (1, 2, 4, 8, 16):
     name = f"BM_pipeline/{c}"

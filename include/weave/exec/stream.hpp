@@ -35,8 +35,8 @@ concept stream = requires(S& s, typename S::event_type& e) {
 
 //! A stream that also runs arbitrary host callables in order (`host_stream`).
 template <class S>
-concept host_executor = stream<S> && requires(S& s) {
-  s.submit([] {});
+concept host_executor = stream<S> && requires(S& s, void (*task)()) {
+  s.submit(task);
 };
 
 //! Makes `consumer` wait for everything submitted to `producer` so far.

@@ -1,0 +1,339 @@
+// cuda_moe_exchange on one GPU: several ranks through cuda_local_world and one rank through NCCL,
+// against the host moe_exchange on the same inputs (forward outputs and input gradients
+// bitwise, gate gradients to rounding: the device sums a row's products in warp order), every
+// chunking bitwise identical to one chunk, dynamic and static shapes, a static-shape layer
+// captured in a CUDA graph and replayed, and flagged bad input. Reports skipped without a GPU.
+#include <doctest/doctest.h>
+
+#include "cuda_buffers.hpp"
+#include "moe_test_support.hpp"
+
+#include <weave/comm/cuda_local_world.hpp>
+#include <weave/comm/local_world.hpp>
+#include <weave/comm/nccl_communicator.hpp>
+#include <weave/exec/host_stream.hpp>
+#include <weave/overlap/cuda_exchange.cuh>
+#include <weave/overlap/moe_exchange.hpp>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using weave_test::dev;
+using weave_test::stream_holder;
+using weave_test::to_host;
+
+namespace {
+
+// Expert "scale by 2" over every row of the batch's capacity (a capturable kernel).
+struct double_rows {
+  const float* in;
+  float* out;
+  __host__ __device__ void operator()(std::int64_t i) const { out[i] = 2.0f * in[i]; }
+};
+
+template <class T>
+struct cuda_type {
+  using type = T;
+};
+template <>
+struct cuda_type<weave::bfloat16> {
+  using type = __nv_bfloat16;
+};
+
+// Linear experts y = W_e x on the device, one thread per (EPD row, output), the row's sum in
+// input order with one rounding per step: the host linear_experts' arithmetic exactly.
+template <class T>
+__global__ void linear_kernel(const std::byte* in, std::byte* out, std::size_t stride,
+                              const std::int64_t* offsets, int L, const std::int32_t* experts,
+                              const float* w, int H, std::int64_t capacity, bool transpose) {
+  using U = typename cuda_type<T>::type;
+  const std::int64_t rows = offsets[L] < capacity ? offsets[L] : capacity;
+  const std::int64_t n = rows * H;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / H;
+    const int o = static_cast<int>(i % H);
+    int l = 0;
+    while (l + 1 < L && offsets[l + 1] <= r)
+      ++l;
+    const float* W = w + static_cast<std::size_t>(experts[l]) * H * H;
+    const U* x = reinterpret_cast<const U*>(in + static_cast<std::size_t>(r) * stride);
+    float acc = 0.0f;
+    for (int j = 0; j < H; ++j)
+      acc = __fadd_rn(
+          acc, __fmul_rn(transpose ? W[j * H + o] : W[o * H + j], weave::detail::cuda_load(x[j])));
+    reinterpret_cast<U*>(out + static_cast<std::size_t>(r) * stride)[o] =
+        weave::detail::cuda_store<U>(acc);
+  }
+}
+
+template <class T>
+void run_linear(weave::cuda_stream_ref s, const weave::const_token_view& in,
+                const weave::token_view& out, std::span<const std::int64_t> offsets,
+                const std::int32_t* experts, const float* w, int H, bool transpose) {
+  const auto L = static_cast<int>(offsets.size()) - 1;
+  linear_kernel<T><<<256, 256, 0, s.get()>>>(in.data(), out.data(), in.row_stride(), offsets.data(),
+                                             L, experts, w, H, static_cast<std::int64_t>(in.rows()),
+                                             transpose);
+  WEAVE_CUDA_CHECK(cudaGetLastError());
+}
+
+struct rank_output {
+  std::vector<std::byte> y, dx;
+  std::vector<float> dw;
+  weave::moe_stats stats{};
+};
+
+template <class T>
+std::vector<std::byte> bytes_of(const weave::host_matrix<T>& m) {
+  std::vector<std::byte> out(m.rows() * m.cols() * sizeof(T));
+  if (!out.empty())
+    std::memcpy(out.data(), m.data(), out.size());
+  return out;
+}
+
+// One rank's layer on the GPU over `comm`: inputs uploaded, forward and backward, outputs back.
+template <class T, class Comm>
+rank_output run_rank(Comm& comm, const weave::placement& where, weave::moe_options o,
+                     const moe_test::rank_input<T>& in, const moe_test::linear_experts& experts) {
+  stream_holder compute, comm_stream;
+  const std::size_t T_ = in.x.rows(), H = o.hidden;
+  dev<T> x(std::vector<T>(in.x.elements().begin(), in.x.elements().end()));
+  dev<T> y(T_ * H), dx(T_ * H);
+  dev<std::int32_t> ids(in.ids);
+  dev<float> weights(in.weights), dw(in.ids.size()), w(experts.w);
+  weave::cuda_moe_exchange<Comm> ex(comm, where, o);
+  dev<std::byte> ws(ex.workspace_size());
+  ex.initialize(ws.ptr, ws.size, compute.ref());
+  const auto view = [H](dev<T>& b, std::size_t rows) {
+    return weave::token_view(reinterpret_cast<std::byte*>(b.ptr), rows, H, weave::dtype_of_v<T>,
+                             weave::memory_space::device, 0);
+  };
+  // The logical expert of each local slot, for the expert kernel to read on the device.
+  const int spd = where.slots_per_device();
+  std::vector<std::int32_t> held(static_cast<std::size_t>(spd));
+  for (int l = 0; l < spd; ++l)
+    held[static_cast<std::size_t>(l)] = where.expert_of_slot(comm.rank() * spd + l);
+  dev<std::int32_t> held_d(held);
+  ex.forward(
+      weave::const_token_view(view(x, T_)), ids.cspan(), weights.cspan(), view(y, T_),
+      [&](const weave::cuda_expert_batch& b) {
+        run_linear<T>(b.stream, b.input, b.output, b.expert_offsets, held_d.ptr, w.ptr,
+                      static_cast<int>(H), false);
+      },
+      compute.ref(), comm_stream.ref());
+  ex.backward(
+      weave::const_token_view(view(x, T_)), view(dx, T_), dw.span(), // dL/dy = x
+      [&](const weave::cuda_expert_grad_batch& b) {
+        run_linear<T>(b.stream, b.grad_output, b.grad_input, b.expert_offsets, held_d.ptr, w.ptr,
+                      static_cast<int>(H), true);
+      },
+      compute.ref(), comm_stream.ref());
+  compute.ref().synchronize();
+  comm_stream.ref().synchronize();
+  ex.check_errors(compute.ref());
+  rank_output out;
+  const auto yh = to_host(y.cspan()), dxh = to_host(dx.cspan());
+  out.y.resize(yh.size() * sizeof(T));
+  out.dx.resize(dxh.size() * sizeof(T));
+  if (!yh.empty()) {
+    std::memcpy(out.y.data(), yh.data(), out.y.size());
+    std::memcpy(out.dx.data(), dxh.data(), out.dx.size());
+  }
+  out.dw = to_host(dw.cspan());
+  out.stats = ex.read_stats(compute.ref());
+  return out;
+}
+
+// The host moe_exchange on the same problem: the reference.
+template <class T>
+std::vector<rank_output> run_host(int ranks, const weave::placement& where, weave::moe_options o,
+                                  const std::vector<moe_test::rank_input<T>>& in,
+                                  const moe_test::linear_experts& experts) {
+  o.static_shape = false;
+  std::vector<rank_output> out(static_cast<std::size_t>(ranks));
+  weave::local_world world(ranks);
+  world.run([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    weave::host_matrix<T> y(in[r].x.rows(), o.hidden), dx(in[r].x.rows(), o.hidden);
+    out[r].dw.assign(in[r].ids.size(), 0.0f);
+    weave::moe_exchange<weave::local_communicator> ex(comm, where, o);
+    weave::host_stream compute("compute"), comm_stream("comm");
+    ex.forward(
+        in[r].x.view(), in[r].ids, in[r].weights, y.view(),
+        [&](const weave::expert_batch& b) { experts.template operator()<T>(b); }, compute,
+        comm_stream);
+    ex.backward(
+        in[r].x.view(), dx.view(), out[r].dw,
+        [&](const weave::expert_grad_batch& b) { experts.template backward<T>(b); }, compute,
+        comm_stream);
+    compute.synchronize();
+    comm_stream.synchronize();
+    out[r].y = bytes_of(y);
+    out[r].dx = bytes_of(dx);
+    out[r].stats = ex.stats();
+  });
+  return out;
+}
+
+template <class T>
+void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
+                       std::vector<std::size_t> tokens, weave::capacity_policy capacity,
+                       bool fixed) {
+  std::mt19937 rng(17);
+  std::vector<moe_test::rank_input<T>> in;
+  for (int r = 0; r < ranks; ++r)
+    in.push_back(moe_test::random_input<T>(tokens[static_cast<std::size_t>(r)], hidden,
+                                           experts_count, k, rng));
+  const moe_test::linear_experts experts(experts_count, hidden, 5);
+  const auto where = weave::placement::contiguous(experts_count, ranks);
+  weave::moe_options o;
+  o.k = k;
+  o.hidden = hidden;
+  o.element = weave::dtype_of_v<T>;
+  o.max_tokens = *std::max_element(tokens.begin(), tokens.end());
+  o.capacity = capacity;
+  o.save_for_backward = true;
+  o.static_shape = fixed;
+  const auto want = run_host<T>(ranks, where, o, in, experts);
+  std::vector<rank_output> base;
+  for (const int chunks : {1, 2, 3}) {
+    CAPTURE(chunks);
+    o.chunks = chunks;
+    std::vector<rank_output> got(static_cast<std::size_t>(ranks));
+    weave::cuda_local_world world(ranks);
+    world.run([&](weave::cuda_local_communicator& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      got[r] = run_rank<T>(comm, where, o, in[r], experts);
+    });
+    for (std::size_t r = 0; r < got.size(); ++r) {
+      CAPTURE(r);
+      CHECK(got[r].y == want[r].y);
+      CHECK(got[r].dx == want[r].dx);
+      for (std::size_t i = 0; i < got[r].dw.size(); ++i)
+        CHECK(got[r].dw[i] == doctest::Approx(want[r].dw[i]).epsilon(1e-4).scale(1.0));
+      CHECK(got[r].stats.sent_rows == want[r].stats.sent_rows);
+      CHECK(got[r].stats.received_rows == want[r].stats.received_rows);
+      CHECK(got[r].stats.dropped_pairs == want[r].stats.dropped_pairs);
+      CHECK(got[r].stats.routed_pairs == want[r].stats.routed_pairs);
+      if (chunks > 1)
+        CHECK(got[r].dw == base[r].dw); // every chunking bitwise equal to one chunk
+    }
+    if (chunks == 1)
+      base = got;
+  }
+}
+
+} // namespace
+
+TEST_CASE("cuda_moe_exchange over cuda_local_world equals the host moe_exchange") {
+  for (const bool fixed : {false, true}) {
+    CAPTURE(fixed);
+    check_local_world<float>(1, 4, 2, 16, {33}, {}, fixed);
+    check_local_world<float>(2, 8, 2, 16, {40, 23}, {}, fixed);
+    check_local_world<weave::bfloat16>(4, 16, 4, 32, {64, 0, 37, 50}, {}, fixed);
+    check_local_world<float>(3, 6, 3, 8, {30, 30, 29}, {1.0, weave::drop_order::position}, fixed);
+    check_local_world<float>(2, 8, 2, 8, {41, 40}, {1.25, weave::drop_order::batch_prioritized},
+                             fixed);
+  }
+}
+
+TEST_CASE("a static-shape cuda_moe_exchange over NCCL runs inside a CUDA graph") {
+  ncclComm_t raw = nullptr;
+  int device = 0;
+  WEAVE_CUDA_CHECK(cudaGetDevice(&device));
+  WEAVE_NCCL_CHECK(ncclCommInitAll(&raw, 1, &device));
+  {
+    weave::nccl_communicator comm(raw);
+    std::mt19937 rng(8);
+    const std::size_t T = 96, H = 64;
+    const auto in = moe_test::random_input<float>(T, H, 8, 2, rng);
+    const auto where = weave::placement::contiguous(8, 1);
+    weave::moe_options o;
+    o.k = 2;
+    o.hidden = H;
+    o.max_tokens = T;
+    o.chunks = 2;
+    o.static_shape = true;
+    weave::cuda_moe_exchange<weave::nccl_communicator> ex(comm, where, o);
+    stream_holder compute, comm_stream;
+    dev<std::byte> ws(ex.workspace_size());
+    ex.initialize(ws.ptr, ws.size, compute.ref());
+    dev<float> x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()));
+    dev<float> y(T * H);
+    dev<std::int32_t> ids(in.ids);
+    dev<float> weights(in.weights);
+    const auto view = [H, T](dev<float>& b) {
+      return weave::token_view(reinterpret_cast<std::byte*>(b.ptr), T, H, weave::dtype::f32,
+                               weave::memory_space::device, 0);
+    };
+    // Experts: scale rows by 2 (a kernel on the batch's stream, capturable).
+    const auto experts = [&](const weave::cuda_expert_batch& b) {
+      weave::cuda_space::for_each(b.stream, static_cast<std::int64_t>(b.input.rows() * H),
+                                  double_rows{reinterpret_cast<const float*>(b.input.data()),
+                                              reinterpret_cast<float*>(b.output.data())});
+    };
+    ex.forward(weave::const_token_view(view(x)), ids.cspan(), weights.cspan(), view(y), experts,
+               compute.ref(), comm_stream.ref());
+    compute.ref().synchronize();
+    const auto eager = to_host(y.cspan());
+    y.poison();
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    WEAVE_CUDA_CHECK(cudaStreamBeginCapture(compute.raw, cudaStreamCaptureModeThreadLocal));
+    ex.forward(weave::const_token_view(view(x)), ids.cspan(), weights.cspan(), view(y), experts,
+               compute.ref(), comm_stream.ref());
+    WEAVE_CUDA_CHECK(cudaStreamEndCapture(compute.raw, &graph));
+    WEAVE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      WEAVE_CUDA_CHECK(cudaGraphLaunch(exec, compute.raw));
+      compute.ref().synchronize();
+      CHECK(to_host(y.cspan()) == eager);
+      y.poison();
+    }
+    ex.check_errors(compute.ref());
+    // One device: y[t] = the sum over its choices, in rank order, of w * (2 x[t]).
+    for (std::size_t t = 0; t < T; ++t)
+      for (std::size_t h = 0; h < H; ++h) {
+        float acc = 0.0f;
+        for (std::size_t j = 0; j < 2; ++j)
+          if (in.ids[t * 2 + j] >= 0)
+            acc = acc + in.weights[t * 2 + j] * (2.0f * in.x(t, h));
+        REQUIRE(eager[t * H + h] == acc);
+      }
+    WEAVE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    WEAVE_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  WEAVE_NCCL_CHECK(ncclCommDestroy(raw));
+}
+
+TEST_CASE("cuda_moe_exchange flags a bad expert id without hanging its peers") {
+  weave::cuda_local_world world(2);
+  std::vector<weave::errc> codes(2, weave::errc{});
+  world.run([&](weave::cuda_local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    std::mt19937 rng(4 + static_cast<unsigned>(r));
+    auto in = moe_test::random_input<float>(16, 8, 4, 2, rng);
+    if (r == 0)
+      in.ids[3] = 9;
+    const moe_test::linear_experts experts(4, 8, 2);
+    weave::moe_options o;
+    o.k = 2;
+    o.hidden = 8;
+    o.max_tokens = 16;
+    o.save_for_backward = true;
+    try {
+      run_rank<float>(comm, weave::placement::contiguous(4, 2), o, in, experts);
+    } catch (const weave::error& e) {
+      codes[r] = e.code();
+    }
+  });
+  CHECK(codes[0] == weave::errc::out_of_range);
+  CHECK(codes[1] == weave::errc{});
+}
