@@ -254,16 +254,7 @@ TEST_CASE("a static-shape cuda_moe_exchange over NCCL runs inside a CUDA graph")
     const std::size_t T = 96, H = 64;
     const auto in = moe_test::random_input<float>(T, H, 8, 2, rng);
     const auto where = weave::placement::contiguous(8, 1);
-    weave::moe_options o;
-    o.k = 2;
-    o.hidden = H;
-    o.max_tokens = T;
-    o.chunks = 2;
-    o.static_shape = true;
-    weave::cuda_moe_exchange<weave::nccl_communicator> ex(comm, where, o);
     stream_holder compute, comm_stream;
-    dev<std::byte> ws(ex.workspace_size());
-    ex.initialize(ws.ptr, ws.size, compute.ref());
     dev<float> x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()));
     dev<float> y(T * H);
     dev<std::int32_t> ids(in.ids);
@@ -272,32 +263,47 @@ TEST_CASE("a static-shape cuda_moe_exchange over NCCL runs inside a CUDA graph")
       return weave::token_view(reinterpret_cast<std::byte*>(b.ptr), T, H, weave::dtype::f32,
                                weave::memory_space::device, 0);
     };
-    // Experts: scale rows by 2 (a kernel on the batch's stream, capturable).
+    const weave::const_token_view x_rows = view(x);
+    const weave::token_view y_rows = view(y);
+    //! [graph]
+    weave::moe_options o;
+    o.k = 2;
+    o.hidden = H;
+    o.max_tokens = T;
+    o.chunks = 2;
+    o.static_shape = true; // fixed-size slots, counts stay on the device: capturable
+    weave::cuda_moe_exchange<weave::nccl_communicator> ex(comm, where, o);
+    dev<std::byte> ws(ex.workspace_size()); // device memory, allocated once
+    ex.initialize(ws.ptr, ws.size, compute.ref());
+    // Experts enqueue kernels on the batch's stream; the per-expert offsets are device memory.
     const auto experts = [&](const weave::cuda_expert_batch& b) {
       weave::cuda_space::for_each(b.stream, static_cast<std::int64_t>(b.input.rows() * H),
                                   double_rows{reinterpret_cast<const float*>(b.input.data()),
                                               reinterpret_cast<float*>(b.output.data())});
     };
-    ex.forward(weave::const_token_view(view(x)), ids.cspan(), weights.cspan(), view(y), experts,
-               compute.ref(), comm_stream.ref());
-    compute.ref().synchronize();
-    const auto eager = to_host(y.cspan());
-    y.poison();
-
     cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
     WEAVE_CUDA_CHECK(cudaStreamBeginCapture(compute.raw, cudaStreamCaptureModeThreadLocal));
-    ex.forward(weave::const_token_view(view(x)), ids.cspan(), weights.cspan(), view(y), experts,
-               compute.ref(), comm_stream.ref());
+    ex.forward(x_rows, ids.cspan(), weights.cspan(), y_rows, experts, compute.ref(),
+               comm_stream.ref());
     WEAVE_CUDA_CHECK(cudaStreamEndCapture(compute.raw, &graph));
+    cudaGraphExec_t exec = nullptr;
     WEAVE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 3; ++replay) {
+    WEAVE_CUDA_CHECK(cudaGraphLaunch(exec, compute.raw)); // the whole layer, both streams
+    ex.check_errors(compute.ref()); // waits; throws for flagged ids, weights or full slots
+    //! [graph]
+    const auto replayed = to_host(y.cspan());
+    for (int replay = 0; replay < 2; ++replay) {
+      y.poison();
       WEAVE_CUDA_CHECK(cudaGraphLaunch(exec, compute.raw));
       compute.ref().synchronize();
-      CHECK(to_host(y.cspan()) == eager);
-      y.poison();
+      CHECK(to_host(y.cspan()) == replayed);
     }
-    ex.check_errors(compute.ref());
+    y.poison();
+    ex.forward(x_rows, ids.cspan(), weights.cspan(), y_rows, experts, compute.ref(),
+               comm_stream.ref());
+    compute.ref().synchronize();
+    const auto eager = to_host(y.cspan());
+    CHECK(eager == replayed);
     // One device: y[t] = the sum over its choices, in rank order, of w * (2 x[t]).
     for (std::size_t t = 0; t < T; ++t)
       for (std::size_t h = 0; h < H; ++h) {
