@@ -4,6 +4,7 @@
 // forward and backward; its statistics; its flagged errors and slot overflows.
 #include <doctest/doctest.h>
 
+#include "aligned_buffer.hpp"
 #include "moe_test_support.hpp"
 
 #include <weave/comm/local_world.hpp>
@@ -19,22 +20,11 @@
 #include <new>
 #include <random>
 
+using weave_test::aligned_buffer;
+
 namespace {
 
 using device_exchange = weave::basic_device_exchange<weave::host_space, weave::local_communicator>;
-
-struct aligned_buffer {
-  explicit aligned_buffer(std::size_t bytes)
-      : ptr(static_cast<std::byte*>(::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256})))
-      , size(bytes) {
-    std::memset(ptr, 0xFF, bytes); // poisoned: NaN floats, -1 indices
-  }
-  ~aligned_buffer() { ::operator delete (ptr, std::align_val_t{256}); }
-  aligned_buffer(const aligned_buffer&) = delete;
-  aligned_buffer& operator=(const aligned_buffer&) = delete;
-  std::byte* ptr;
-  std::size_t size;
-};
 
 struct setup {
   int ranks = 2, experts = 8, k = 2;

@@ -2,6 +2,9 @@
 // on host streams by `host_space`, against the host `dispatch_plan` they must equal exactly.
 #include <doctest/doctest.h>
 
+#include "aligned_buffer.hpp"
+#include "random_choices.hpp"
+
 #include <weave/exec/host_space.hpp>
 #include <weave/routing/capacity.hpp>
 #include <weave/routing/device_capacity.hpp>
@@ -21,23 +24,12 @@
 #include <random>
 #include <vector>
 
+using weave_test::random_choices;
+using workspace = weave_test::aligned_buffer;
+
 namespace {
 
 using host_plan = weave::device_dispatch_plan<weave::host_space>;
-
-// A 256-byte aligned, 0xFF-poisoned workspace.
-struct workspace {
-  explicit workspace(std::size_t bytes)
-      : size(bytes)
-      , ptr(static_cast<std::byte*>(::operator new (bytes, std::align_val_t{256}))) {
-    std::fill(ptr, ptr + bytes, std::byte{0xFF});
-  }
-  ~workspace() { ::operator delete (ptr, std::align_val_t{256}); }
-  workspace(const workspace&) = delete;
-  workspace& operator=(const workspace&) = delete;
-  std::size_t size;
-  std::byte* ptr;
-};
 
 template <class T>
 std::vector<T> vec(std::span<const T> s) {
@@ -65,21 +57,6 @@ weave::placement shuffled(int E, int D, std::mt19937& rng) {
   std::iota(slots.begin(), slots.end(), 0);
   std::shuffle(slots.begin(), slots.end(), rng);
   return weave::placement(E, D, slots);
-}
-
-void random_choices(std::mt19937& rng, std::size_t T, int E, int k, std::vector<std::int32_t>& ids,
-                    std::vector<float>& w) {
-  ids.assign(T * k, -1);
-  w.assign(T * k, 0.0f);
-  std::vector<std::int32_t> perm(static_cast<std::size_t>(E));
-  for (std::size_t t = 0; t < T; ++t) {
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int i = 0; i < k; ++i) {
-      ids[t * k + i] = rng() % 9 == 0 ? -1 : perm[static_cast<std::size_t>(i)];
-      w[t * k + i] = static_cast<float>(rng() % 1000) / 997.0f;
-    }
-  }
 }
 
 } // namespace

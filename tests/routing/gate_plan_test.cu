@@ -12,6 +12,7 @@
 
 #include "cuda_buffers.hpp"
 #include "mask_routing.cuh"
+#include "random_choices.hpp"
 #include "routing_reference.hpp"
 
 #include <cuda_runtime.h>
@@ -25,6 +26,7 @@
 #include <vector>
 
 using weave_test::dev;
+using weave_test::random_choices;
 using weave_test::stream_holder;
 using weave_test::to_host;
 
@@ -134,22 +136,6 @@ void expect_plan_equal(const weave::dispatch_plan& host, const weave::cuda_dispa
   CHECK(to_host(gpu.slot_loads()) ==
         std::vector<std::int64_t>(host.slot_loads().begin(), host.slot_loads().end()));
   gpu.check_errors(stream.ref());
-}
-
-// Random distinct choices per token, some -1.
-void random_choices(std::mt19937& rng, std::size_t T, int E, int k, std::vector<std::int32_t>& ids,
-                    std::vector<float>& w) {
-  ids.assign(T * k, -1);
-  w.assign(T * k, 0.0f);
-  std::vector<std::int32_t> perm(static_cast<std::size_t>(E));
-  for (std::size_t t = 0; t < T; ++t) {
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int i = 0; i < k; ++i) {
-      ids[t * k + i] = rng() % 9 == 0 ? -1 : perm[static_cast<std::size_t>(i)];
-      w[t * k + i] = static_cast<float>(rng() % 1000) / 997.0f;
-    }
-  }
 }
 
 } // namespace

@@ -66,4 +66,18 @@ class workspace_carver {
   bool measuring_ = true;
 };
 
+//! The recorder of a `carve(self, carver)` function shared by a size query (`Self` const, a
+//! measuring carver) and the real carving: `record(ptr, count)` takes `count` elements of the
+//! pointer's type and, unless `Self` is const, points `ptr` at them.
+template <class Self>
+auto carve_into(workspace_carver& carver) {
+  return [&carver]<class T>(T* const& ptr, std::size_t count) {
+    const std::span<T> taken = carver.take<T>(count);
+    if constexpr (!std::is_const_v<Self>)
+      const_cast<T*&>(ptr) = taken.data();
+    else
+      (void)taken;
+  };
+}
+
 WEAVE_NAMESPACE_END

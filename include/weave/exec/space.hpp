@@ -76,4 +76,12 @@ concept execution_space = requires {
   S::exclusive_scan(s, count, const_cast<std::int64_t*>(count), n, p, std::size_t{0});
 };
 
+//! Enqueues on `s` the copy of the error word `word` (memory of the space) into `*host` and
+//! its clearing; `*host` is valid once the caller synchronizes the stream.
+template <execution_space Space>
+void take_error_word(typename Space::stream_arg s, std::uint32_t* host, std::uint32_t* word) {
+  Space::copy_to_host(s, host, word, sizeof(std::uint32_t));
+  Space::fill(s, word, 0, sizeof(std::uint32_t));
+}
+
 WEAVE_NAMESPACE_END

@@ -184,13 +184,10 @@ class basic_device_exchange {
   //! an overflowing static slot (`errc::size_overflow`). Clears the flags.
   void check_errors(stream_arg stream) const {
     std::vector<std::uint32_t> words(1 + 2 * chunks_.size(), 0);
-    Space::copy_to_host(stream, words.data(), error_, sizeof(std::uint32_t));
-    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+    take_error_word<Space>(stream, &words[0], error_);
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      Space::copy_to_host(stream, &words[1 + 2 * c], chunks_[c].plan.error_word(), 4);
-      Space::fill(stream, chunks_[c].plan.error_word(), 0, 4);
-      Space::copy_to_host(stream, &words[2 + 2 * c], chunks_[c].experts.error_word(), 4);
-      Space::fill(stream, chunks_[c].experts.error_word(), 0, 4);
+      take_error_word<Space>(stream, &words[1 + 2 * c], chunks_[c].plan.error_word());
+      take_error_word<Space>(stream, &words[2 + 2 * c], chunks_[c].experts.error_word());
     }
     stream.synchronize();
     std::uint32_t plan = 0, experts = 0;
@@ -259,16 +256,7 @@ class basic_device_exchange {
     std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
   };
 
-  struct call_arguments {
-    const_token_view x; // forward input or backward dy
-    token_view y;       // forward output or backward dx
-    std::span<const std::int32_t> ids;
-    std::span<const float> weights;
-    std::span<float> dw;
-    experts_fn experts;
-    experts_grad_fn experts_grad;
-    std::size_t tokens = 0;
-  };
+  using call_arguments = detail::moe_call_arguments<experts_fn, experts_grad_fn>;
 
   // The worst case of a peer's rows per chunk: every token of the chunk, or fewer when a
   // capacity factor bounds what the experts of one device take from a batch.
@@ -289,11 +277,7 @@ class basic_device_exchange {
   // Measures (const self, null base) or carves and records every buffer; one code for both.
   template <class Self>
   static workspace_carver& carve(Self& self, workspace_carver& c) {
-    const auto set = [&c]<class T>(T* const& ptr, std::size_t count) {
-      const std::span<T> s = c.take<T>(count);
-      if constexpr (!std::is_const_v<Self>)
-        const_cast<T*&>(ptr) = s.data();
-    };
+    const auto set = carve_into<Self>(c);
     const std::size_t row = self.options_.hidden * size_of(self.options_.element);
     const auto rows = [&](std::byte* const& ptr, std::size_t n) {
       set(ptr, checked_mul(n, row, "row buffer bytes"));
@@ -382,19 +366,6 @@ class basic_device_exchange {
       compute.record(call_done_[direction]);
   }
 
-  // A host step that fails on one rank would leave its peers waiting in the next collective:
-  // tell the communicator (where it can be told), then fail.
-  template <class F>
-  void guarded(F&& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      if constexpr (requires { comm_->abort(std::string()); })
-        comm_->abort(e.what());
-      throw;
-    }
-  }
-
   std::pair<std::size_t, std::size_t> chunk_range(int c) const noexcept {
     const std::size_t T = calls_[0].tokens, C = chunks_.size(), i = static_cast<std::size_t>(c);
     return {T * i / C, T * (i + 1) / C - T * i / C};
@@ -468,7 +439,8 @@ class basic_device_exchange {
       Space::copy_to_host(s, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
       Space::copy_to_host(s, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
       Space::copy_to_host(s, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
-      Space::on_host(s, [this, &ch] { guarded([&] { plan_receive(ch); }); });
+      Space::on_host(
+          s, [this, &ch] { detail::abort_peers_on_failure(*comm_, [&] { plan_receive(ch); }); });
       Space::copy_from_host(s, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
       all_to_all_v(*comm_, s, ch.plan.row_routes().data(), ch.send_counts_h, ch.send_displs_h,
                    ch.recv_routes, ch.recv_counts_h, ch.recv_displs_h,

@@ -184,12 +184,14 @@ class moe_exchange {
     const bool bwd = direction_;
     switch (stage) {
     case pipeline_stage::prepare:
-      s.submit([this, c, bwd] { guarded([&] { bwd ? prepare_backward(c) : prepare(c); }); });
+      s.submit([this, c, bwd] {
+        detail::abort_peers_on_failure(*comm_, [&] { bwd ? prepare_backward(c) : prepare(c); });
+      });
       break;
     case pipeline_stage::dispatch:
       if (!bwd) {
         comm_->exchange_counts(s, ch.send_counts, ch.recv_counts);
-        s.submit([this, c] { guarded([&] { plan_receive(c); }); });
+        s.submit([this, c] { detail::abort_peers_on_failure(*comm_, [&] { plan_receive(c); }); });
         all_to_all_v(*comm_, s, ch.send_routes.data(), ch.send_counts, ch.send_displs,
                      ch.recv_routes.data(), ch.recv_counts, ch.recv_displs,
                      static_cast<std::size_t>(options_.k) * sizeof(route_entry));
@@ -198,8 +200,10 @@ class moe_exchange {
                    ch.recv_counts, ch.recv_displs, ch.send.row_bytes());
       break;
     case pipeline_stage::experts:
-      s.submit(
-          [this, c, bwd] { guarded([&] { bwd ? experts_backward(c) : experts_forward(c); }); });
+      s.submit([this, c, bwd] {
+        detail::abort_peers_on_failure(*comm_,
+                                       [&] { bwd ? experts_backward(c) : experts_forward(c); });
+      });
       break;
     case pipeline_stage::combine:
       all_to_all_v(*comm_, s, ch.back.data(), ch.recv_counts, ch.recv_displs, ch.returned.data(),
@@ -210,7 +214,9 @@ class moe_exchange {
                      static_cast<std::size_t>(options_.k) * sizeof(float));
       break;
     case pipeline_stage::finish:
-      s.submit([this, c, bwd] { guarded([&] { bwd ? finish_backward(c) : finish(c); }); });
+      s.submit([this, c, bwd] {
+        detail::abort_peers_on_failure(*comm_, [&] { bwd ? finish_backward(c) : finish(c); });
+      });
       break;
     }
   }
@@ -226,16 +232,7 @@ class moe_exchange {
     std::vector<float> send_dw, returned_dw; // backward: gate gradients per route entry
   };
 
-  struct call_arguments {
-    const_token_view x; // forward input or backward dy
-    token_view y;       // forward output or backward dx
-    std::span<const std::int32_t> ids;
-    std::span<const float> weights;
-    std::span<float> dw;
-    experts_fn experts;
-    experts_grad_fn experts_grad;
-    std::size_t tokens = 0;
-  };
+  using call_arguments = detail::moe_call_arguments<experts_fn, experts_grad_fn>;
 
   // Each direction has one argument slot: wait until the previous call of that direction has
   // run (its end event completes even if a stream failed; the failure surfaces at the caller's
@@ -246,19 +243,6 @@ class moe_exchange {
     } catch (...) {
     }
     direction_ = backward;
-  }
-
-  // A stage that fails on one rank would leave its peers waiting in the next collective: tell
-  // the communicator (where it can be told) so they fail at once, then fail this stream.
-  template <class F>
-  void guarded(F&& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      if constexpr (requires { comm_->abort(std::string()); })
-        comm_->abort(e.what());
-      throw;
-    }
   }
 
   void check_rows(const const_token_view& v, const char* what) const {

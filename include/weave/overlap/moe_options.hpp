@@ -10,7 +10,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <span>
+#include <string>
 
 WEAVE_NAMESPACE_BEGIN
 
@@ -84,6 +86,33 @@ inline void check_moe_options(const moe_options& o) {
   WEAVE_EXPECT(o.element == dtype::f32 || o.element == dtype::f16 || o.element == dtype::bf16,
                errc::not_supported, "moe_exchange rows of ", o.element,
                " (f32, f16 and bf16 are supported)");
+}
+
+// The arguments of one call of an exchange, kept until its stages have run (forward: x, y,
+// ids, weights; backward: dy, dx, the forward's ids and weights, dw).
+template <class ExpertsFn, class ExpertsGradFn>
+struct moe_call_arguments {
+  const_token_view x; // forward input or backward dy
+  token_view y;       // forward output or backward dx
+  std::span<const std::int32_t> ids;
+  std::span<const float> weights;
+  std::span<float> dw;
+  ExpertsFn experts;
+  ExpertsGradFn experts_grad;
+  std::size_t tokens = 0;
+};
+
+// A step that fails on one rank would leave its peers waiting in the next collective: runs
+// `f`, and on failure tells the communicator (where it can be told) before rethrowing.
+template <class Comm, class F>
+void abort_peers_on_failure(Comm& comm, F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    if constexpr (requires { comm.abort(std::string()); })
+      comm.abort(e.what());
+    throw;
+  }
 }
 
 } // namespace detail

@@ -214,11 +214,7 @@ class device_capacity_filter {
   static workspace_carver& carve(Self& self, workspace_carver& c) {
     const std::size_t n = self.max_tokens_ * static_cast<std::size_t>(self.k_);
     const auto E = static_cast<std::size_t>(self.E_);
-    const auto set = [&c]<class T>(T* const& ptr, std::size_t count) {
-      const std::span<T> s = c.take<T>(count);
-      if constexpr (!std::is_const_v<Self>)
-        const_cast<T*&>(ptr) = s.data();
-    };
+    const auto set = carve_into<Self>(c);
     set(self.counts_, E + 1);
     set(self.starts_, E + 1);
     set(self.dropped_, 1);

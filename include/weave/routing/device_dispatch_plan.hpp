@@ -303,8 +303,7 @@ class device_dispatch_plan {
   //! id, `errc::invalid_argument` for a duplicate or a non-finite weight) and clears the word.
   void check_errors(stream_arg stream) const {
     std::uint32_t flags = 0;
-    Space::copy_to_host(stream, &flags, error_, sizeof(flags));
-    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+    take_error_word<Space>(stream, &flags, error_);
     stream.synchronize();
     throw_plan_errors(flags, E_);
   }
@@ -327,11 +326,7 @@ class device_dispatch_plan {
   static workspace_carver& carve(Self& self, workspace_carver& c) {
     const std::size_t n = self.max_tokens_ * static_cast<std::size_t>(self.k_);
     const auto D = static_cast<std::size_t>(self.D_);
-    const auto set = [&c]<class T>(T* const& ptr, std::size_t count) {
-      const std::span<T> s = c.take<T>(count);
-      if constexpr (!std::is_const_v<Self>)
-        const_cast<T*&>(ptr) = s.data();
-    };
+    const auto set = carve_into<Self>(c);
     set(self.expert_slot_, static_cast<std::size_t>(self.E_));
     set(self.error_, 1);
     set(self.counts_, D + 1);

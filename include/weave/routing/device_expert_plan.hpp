@@ -233,8 +233,7 @@ class device_expert_plan {
   //! `errc::invalid_argument` for the others) and clears the word.
   void check_errors(stream_arg stream) const {
     std::uint32_t flags = 0;
-    Space::copy_to_host(stream, &flags, error_, sizeof(flags));
-    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+    take_error_word<Space>(stream, &flags, error_);
     stream.synchronize();
     throw_expert_errors(flags, L_);
   }
@@ -257,11 +256,7 @@ class device_expert_plan {
     const std::size_t n = self.max_rows_ * static_cast<std::size_t>(self.k_);
     const std::size_t epd = self.max_epd_rows();
     const auto L = static_cast<std::size_t>(self.L_);
-    const auto set = [&c]<class T>(T* const& ptr, std::size_t count) {
-      const std::span<T> s = c.take<T>(count);
-      if constexpr (!std::is_const_v<Self>)
-        const_cast<T*&>(ptr) = s.data();
-    };
+    const auto set = carve_into<Self>(c);
     set(self.error_, 1);
     set(self.counts_, L + 1);
     set(self.offsets_, L + 1);
