@@ -13,6 +13,7 @@
 #include <weave/comm/nccl_communicator.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/cuda_exchange.cuh>
+#include <weave/overlap/cuda_pipeline_timing.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 
 #include <cuda_runtime.h>
@@ -137,6 +138,11 @@ rank_output run_rank(Comm& comm, const weave::placement& where, weave::moe_optio
   compute.ref().synchronize();
   comm_stream.ref().synchronize();
   ex.check_errors(compute.ref());
+  // The backward's stages, timed by the pipeline's events.
+  const weave::pipeline_timing timing = weave::measure(ex.pipeline());
+  CHECK(timing.makespan_ms > 0);
+  CHECK(timing.compute_busy_ms > 0);
+  CHECK(timing.makespan_ms >= timing.compute_busy_ms * 0.999);
   rank_output out;
   const auto yh = to_host(y.cspan()), dxh = to_host(dx.cspan());
   out.y.resize(yh.size() * sizeof(T));

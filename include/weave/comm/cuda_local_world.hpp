@@ -73,6 +73,7 @@ class cuda_local_communicator {
   cuda_local_world* world_;
   int rank_;
   cuda_event ready_, done_;
+  std::vector<std::int64_t> counts_, displs_; // exchange_counts' layout
 };
 
 //! Ranks of one process on CUDA streams (see the file comment).
@@ -239,10 +240,12 @@ inline void cuda_local_communicator::exchange_counts(cuda_stream_ref s,
                "exchange_counts: ", send.size(), " counts to send and ", recv.size(),
                " to receive for ", n, " ranks");
   const auto k = static_cast<std::int64_t>(send.size() / n);
-  std::vector<std::int64_t> counts(n, k), displs(n);
+  counts_.assign(n, k); // reuses its capacity: no allocation after the first call
+  displs_.resize(n);
   for (std::size_t j = 0; j < n; ++j)
-    displs[j] = static_cast<std::int64_t>(j) * k;
-  all_to_all_v(s, send.data(), counts, displs, recv.data(), counts, displs, sizeof(std::int64_t));
+    displs_[j] = static_cast<std::int64_t>(j) * k;
+  all_to_all_v(s, send.data(), counts_, displs_, recv.data(), counts_, displs_,
+               sizeof(std::int64_t));
 }
 
 inline void cuda_local_communicator::abort(const std::string& reason) {
