@@ -4,6 +4,7 @@
 
 #include "aligned_buffer.hpp"
 #include "random_choices.hpp"
+#include "routing_reference.hpp"
 
 #include <weave/exec/host_space.hpp>
 #include <weave/routing/capacity.hpp>
@@ -51,48 +52,44 @@ void expect_equal(const weave::dispatch_plan& host, const host_plan& dev, weave:
   dev.check_errors(s);
 }
 
-// A random unreplicated placement of E experts over D devices.
-weave::placement shuffled(int E, int D, std::mt19937& rng) {
-  std::vector<std::int32_t> slots(static_cast<std::size_t>(E));
-  std::iota(slots.begin(), slots.end(), 0);
-  std::shuffle(slots.begin(), slots.end(), rng);
-  return weave::placement(E, D, slots);
-}
-
 } // namespace
 
 TEST_CASE("device dispatch plan steps equal the host plan on random placements and choices") {
   std::mt19937 rng(11);
   weave::host_stream s("plan");
-  for (const int D : {1, 2, 3, 8, 64}) {
-    const int E = D * static_cast<int>(1 + rng() % 4);
-    const int k = std::min(E, static_cast<int>(1 + rng() % 6));
-    const std::size_t T = rng() % 300;
-    const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
-    const auto p = shuffled(E, D, rng);
-    std::vector<std::int32_t> ids;
-    std::vector<float> w;
-    random_choices(rng, T, E, k, ids, w);
-    std::vector<std::uint8_t> keep;
-    if (rng() % 2 == 0)
-      for (std::size_t i = 0; i < ids.size(); ++i)
-        keep.push_back(rng() % 4 == 0 ? 0 : 1);
-    weave::dispatch_plan host(p, k, source);
-    host.build(ids, w, keep);
+  for (const int D : {1, 2, 3, 8, 64, 2, 3, 8})
+    for (const int extra : {0, 1, 2}) {
+      const int E = D * static_cast<int>(1 + rng() % 4);
+      const int k = std::min(E, static_cast<int>(1 + rng() % 6));
+      const std::size_t T = rng() % 300;
+      const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
+      CAPTURE(D);
+      CAPTURE(extra);
+      const auto p = ref::random_placement(E, D, extra, rng);
+      const std::size_t offset = rng() % 1000; // the chunk's first token: replicas depend on it
+      std::vector<std::int32_t> ids;
+      std::vector<float> w;
+      random_choices(rng, T, E, k, ids, w);
+      std::vector<std::uint8_t> keep;
+      if (rng() % 2 == 0)
+        for (std::size_t i = 0; i < ids.size(); ++i)
+          keep.push_back(rng() % 4 == 0 ? 0 : 1);
+      weave::dispatch_plan host(p, k, source);
+      host.build(ids, w, keep, offset);
 
-    host_plan dev(p, k, source, T + rng() % 100);
-    workspace ws(dev.workspace_size());
-    dev.initialize(ws.ptr, ws.size, s);
-    dev.build(s, ids, w, keep);
-    expect_equal(host, dev, s);
-    // A rebuild over poisoned outputs with other choices gives the new host plan.
-    random_choices(rng, T, E, k, ids, w);
-    host.build(ids, w);
-    std::fill(ws.ptr, ws.ptr + ws.size, std::byte{0xFF});
-    dev.initialize(ws.ptr, ws.size, s);
-    dev.build(s, ids, w);
-    expect_equal(host, dev, s);
-  }
+      host_plan dev(p, k, source, T + rng() % 100);
+      workspace ws(dev.workspace_size());
+      dev.initialize(ws.ptr, ws.size, s);
+      dev.build(s, ids, w, keep, offset);
+      expect_equal(host, dev, s);
+      // A rebuild over poisoned outputs with other choices gives the new host plan.
+      random_choices(rng, T, E, k, ids, w);
+      host.build(ids, w);
+      std::fill(ws.ptr, ws.ptr + ws.size, std::byte{0xFF});
+      dev.initialize(ws.ptr, ws.size, s);
+      dev.build(s, ids, w);
+      expect_equal(host, dev, s);
+    }
 }
 
 TEST_CASE("device dispatch plan flags bad choices and rejects bad arguments") {
@@ -126,8 +123,6 @@ TEST_CASE("device dispatch plan flags bad choices and rejects bad arguments") {
         weave::errc::size_mismatch); // 5 tokens in a plan for 4
   CHECK_THROWS_AS(host_plan(p, 9, 0, 4), weave::error);
   CHECK_THROWS_AS(host_plan(p, 2, 4, 4), weave::error);
-  const weave::placement replicated(4, 2, {0, 1, 2, 0, 3, 1});
-  CHECK_THROWS_AS(host_plan(replicated, 2, 0, 4), weave::error);
   workspace small(dev.workspace_size() / 2);
   CHECK_THROWS_AS(dev.initialize(small.ptr, small.size, s), weave::error);
 }

@@ -222,8 +222,8 @@ TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a k
     const int E = D * spd;
     const int k = 1 + static_cast<int>(rng() % std::min(E, 8));
     const std::size_t T = rng() % 4 == 0 ? rng() % 4 : 1 + rng() % 5000;
-    const auto p = ref::random_placement(E, D, 0, rng);
-    REQUIRE_FALSE(p.replicated());
+    const auto p = ref::random_placement(E, D, static_cast<int>(rng() % 3), rng); // replicas too
+    const std::size_t offset = rng() % 1000; // a chunk's first token: replicas depend on it
     const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
     std::vector<std::int32_t> ids;
     std::vector<float> w;
@@ -233,7 +233,7 @@ TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a k
       for (std::size_t i = 0; i < ids.size(); ++i)
         keep.push_back(rng() % 4 == 0 ? 0 : 1);
     weave::dispatch_plan host(p, k, source);
-    host.build(ids, w, keep);
+    host.build(ids, w, keep, offset);
 
     const std::size_t max_tokens = T + rng() % 100;
     weave::cuda_dispatch_plan gpu(p, k, source, max_tokens);
@@ -243,7 +243,7 @@ TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a k
     dev<float> d_w(w);
     dev<std::uint8_t> d_keep(keep);
     gpu.build(stream.ref(), d_ids.cspan(), d_w.cspan(),
-              keep.empty() ? std::span<const std::uint8_t>{} : d_keep.cspan());
+              keep.empty() ? std::span<const std::uint8_t>{} : d_keep.cspan(), offset);
     expect_plan_equal(host, gpu, stream);
     // A rebuild over poisoned outputs with other choices gives the new host plan.
     random_choices(rng, T, E, k, ids, w);

@@ -12,7 +12,7 @@
 //! - static (`moe_options::static_shape`): every peer gets a slot of `slot_rows()` rows per
 //!   chunk, counts stay in memory of the space and ride beside the rows. No call waits for the
 //!   GPU, and a call can be captured in a CUDA graph; the price is sending whole slots.
-//! Unreplicated placements only (replicas need the host plan of `moe_exchange`). Construct,
+//! Replicas are chosen as `moe_exchange` chooses them (`placement::slot_for`). Construct,
 //! allocate `workspace_size()` bytes of memory of the space (256-byte aligned), `initialize`
 //! once; calls then allocate nothing. Bad ids, weights and slot overflows are flagged in
 //! memory of the space and reported by `check_errors`.
@@ -61,9 +61,8 @@ class basic_device_exchange {
   using experts_grad_fn = std::function<void(const device_expert_grad_batch<Space>&)>;
 
   //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Throws
-  //! `errc::invalid_argument` for bad options or a placement of another size,
-  //! `errc::not_supported` for a replicated placement. With `cuda_space` it needs a current
-  //! device (it sizes CUB's scratch).
+  //! `errc::invalid_argument` for bad options or a placement of another size. With
+  //! `cuda_space` it needs a current device (it sizes CUB's scratch).
   basic_device_exchange(Comm& comm, placement where, moe_options options)
       : comm_(&comm)
       , placement_(std::move(where))
@@ -74,8 +73,6 @@ class basic_device_exchange {
                  placement_.num_devices(), " devices for a world of ", comm.size());
     WEAVE_EXPECT(options_.k <= placement_.num_experts(), errc::invalid_argument, "k = ", options_.k,
                  " exceeds the ", placement_.num_experts(), " experts");
-    WEAVE_EXPECT(!placement_.replicated(), errc::not_supported,
-                 "replicated placement in the device exchange (use moe_exchange)");
     rank_ = comm.rank();
     D_ = comm.size();
     k_ = options_.k;
@@ -387,7 +384,7 @@ class basic_device_exchange {
         filter_ ? std::span<const std::uint8_t>(keep_ + ch.first * k, ch.count * k)
                 : std::span<const std::uint8_t>{};
     ch.plan.build(s, call.ids.subspan(ch.first * k, ch.count * k),
-                  call.weights.subspan(ch.first * k, ch.count * k), keep);
+                  call.weights.subspan(ch.first * k, ch.count * k), keep, ch.first);
     Space::for_each(s, static_cast<std::int64_t>(ch.count * k),
                     detail::routed_pairs_step{ch.plan.kept_experts().data(), counters_});
     Space::for_each(s, 1,

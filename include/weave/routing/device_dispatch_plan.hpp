@@ -1,13 +1,15 @@
 //! \file
 //! `device_dispatch_plan<Space>`: the dispatch plan built where the choices live, with no host
-//! round trip, for placements without replicas. `cuda_dispatch_plan` (`plan.cuh`) is this
+//! round trip. `cuda_dispatch_plan` (`plan.cuh`) is this
 //! class in `cuda_space`; in `host_space` the same steps run as host-stream tasks (what CI
 //! tests against `dispatch_plan::build`).
 //!
 //! From top-k choices (and an optional keep mask) in memory of the space it builds the same
 //! SFD layout as the host plan: per-destination counts and offsets, `row_token`,
 //! `token_rows`, the `route_entry`s of every row, the kept experts and the per-slot loads, all
-//! equal to `dispatch_plan::build` for the same inputs. The counting sort is one step per token
+//! equal to `dispatch_plan::build` for the same inputs, replicas chosen as
+//! `placement::slot_for` does (the one on the source device, else in turn by global token
+//! index). The counting sort is one step per token
 //! (its distinct devices, ascending), an exclusive scan of the per-device counts and a stable
 //! sort of (device, token-major pair) keys, so rows of a device come out in token order
 //! deterministically (atomics only count). The list of dropped pairs is not built (the keep
@@ -49,7 +51,10 @@ struct plan_pairs_step {
   const float* weights;
   const std::uint8_t* keep; // null: keep every pair
   int k, E, D, spd;
-  const std::int32_t* expert_slot;
+  std::int64_t token_offset; // global index of token 0 (replicas are chosen by it)
+  // Replica table: the slot on the source device (or the only one), else -1 and the expert's
+  // replicas at replicas[replica_offsets[e] ..), taken in turn by global token index.
+  const std::int32_t *fixed_slot, *replica_offsets, *replicas;
   std::int32_t *pair_device, *pair_local, *kept, *token_devices;
   std::uint32_t* keys;
   std::int32_t* values;
@@ -84,7 +89,11 @@ struct plan_pairs_step {
         flags |= device_plan_bad_weight;
       if (keep != nullptr && keep[p] == 0)
         continue;
-      const std::int32_t slot = expert_slot[e];
+      std::int32_t slot = fixed_slot[e];
+      if (slot < 0) {
+        const std::int32_t first = replica_offsets[e], n = replica_offsets[e + 1] - first;
+        slot = replicas[first + static_cast<std::int32_t>((token_offset + t) % n)];
+      }
       const std::int32_t d = slot / spd;
       pair_device[p] = d;
       pair_local[p] = slot - d * spd;
@@ -167,9 +176,9 @@ class device_dispatch_plan {
  public:
   using stream_arg = typename Space::stream_arg;
 
-  //! Throws `errc::not_supported` for a replicated placement, `errc::invalid_argument` for k
-  //! outside 1..E or a source device outside the placement, `errc::out_of_range` when
-  //! max_tokens * k exceeds 2^31 - 1. In the CUDA space it needs a current device.
+  //! Throws `errc::invalid_argument` for k outside 1..E or a source device outside the
+  //! placement, `errc::out_of_range` when max_tokens * k exceeds 2^31 - 1. In the CUDA space it
+  //! needs a current device.
   device_dispatch_plan(const placement& where, int k, int source_device, std::size_t max_tokens)
       : k_(k)
       , source_(source_device)
@@ -179,8 +188,6 @@ class device_dispatch_plan {
       , spd_(where.slots_per_device())
       , slots_(where.num_slots()) {
     WEAVE_EXPECT(E_ > 0, errc::invalid_argument, "empty placement");
-    WEAVE_EXPECT(!where.replicated(), errc::not_supported,
-                 "replicated placement in a device dispatch plan (build it on the host)");
     WEAVE_EXPECT(k >= 1 && k <= E_, errc::invalid_argument, "k = ", k, " outside 1..", E_);
     WEAVE_EXPECT(source_device >= 0 && source_device < D_, errc::invalid_argument, "source device ",
                  source_device, " outside [0, ", D_, ")");
@@ -188,9 +195,21 @@ class device_dispatch_plan {
     WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
                  errc::out_of_range, max_tokens, " tokens with k = ", k,
                  " exceed 2^31 - 1 pairs in a device dispatch plan");
-    expert_slot_host_.resize(static_cast<std::size_t>(E_));
-    for (int e = 0; e < E_; ++e)
-      expert_slot_host_[static_cast<std::size_t>(e)] = where.slots_of(e)[0];
+    // The replica table, in one host array uploaded by `initialize`: fixed slots (E), replica
+    // offsets (E + 1), replicas (slots).
+    table_host_.assign(static_cast<std::size_t>(2 * E_ + 1), 0);
+    for (int e = 0; e < E_; ++e) {
+      const auto replicas = where.slots_of(e);
+      std::int32_t fixed = replicas.size() == 1 ? replicas[0] : -1;
+      for (const std::int32_t r : replicas)
+        if (fixed < 0 && where.device_of_slot(r) == source_device)
+          fixed = r;
+      table_host_[static_cast<std::size_t>(e)] = fixed;
+      table_host_[static_cast<std::size_t>(E_ + e + 1)] =
+          table_host_[static_cast<std::size_t>(E_ + e)] +
+          static_cast<std::int32_t>(replicas.size());
+      table_host_.insert(table_host_.end(), replicas.begin(), replicas.end());
+    }
     temp_bytes_ = std::max(Space::scan_temp_bytes(D_ + 1),
                            Space::sort_temp_bytes(static_cast<std::int64_t>(n)));
   }
@@ -207,19 +226,20 @@ class device_dispatch_plan {
     WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
     workspace_carver carver(workspace, bytes);
     carve(*this, carver);
-    Space::copy_from_host(stream, expert_slot_, expert_slot_host_.data(),
-                          expert_slot_host_.size() * sizeof(std::int32_t));
+    Space::copy_from_host(stream, table_, table_host_.data(),
+                          table_host_.size() * sizeof(std::int32_t));
     Space::fill(stream, error_, 0, sizeof(std::uint32_t));
     initialized_ = true;
   }
 
   //! Builds the plan on `stream` from `ids` / `weights` (k per token, -1 = none) and an
-  //! optional keep mask (one flag per pair, 0 = dropped), all in memory of the space. Throws
+  //! optional keep mask (one flag per pair, 0 = dropped), all in memory of the space, for the
+  //! tokens from global index `token_offset` on (a chunk's first token). Throws
   //! `errc::size_mismatch` for spans of different lengths or more than `max_tokens` tokens,
   //! `errc::invalid_state` before `initialize`. Errors in the values are flagged in the error
   //! word (`check_errors`).
   void build(stream_arg stream, std::span<const std::int32_t> ids, std::span<const float> weights,
-             std::span<const std::uint8_t> keep = {}) {
+             std::span<const std::uint8_t> keep = {}, std::size_t token_offset = 0) {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device dispatch plan is not initialised");
     const auto kk = static_cast<std::size_t>(k_);
     WEAVE_EXPECT(ids.size() % kk == 0, errc::size_mismatch, ids.size(),
@@ -238,10 +258,26 @@ class device_dispatch_plan {
     Space::fill(stream, token_rows_, 0xFF, ids.size() * sizeof(std::int64_t)); // -1 padding
     if (n > 0)
       Space::for_each(stream, static_cast<std::int64_t>(tokens_),
-                      detail::plan_pairs_step{
-                          ids.data(), weights.data(), keep.empty() ? nullptr : keep.data(), k_, E_,
-                          D_, spd_, expert_slot_, pair_device_, pair_local_, kept_, token_devices_,
-                          keys_in_, values_in_, counts_, slot_loads_, error_});
+                      detail::plan_pairs_step{ids.data(),
+                                              weights.data(),
+                                              keep.empty() ? nullptr : keep.data(),
+                                              k_,
+                                              E_,
+                                              D_,
+                                              spd_,
+                                              static_cast<std::int64_t>(token_offset),
+                                              table_,
+                                              table_ + E_,
+                                              table_ + 2 * E_ + 1,
+                                              pair_device_,
+                                              pair_local_,
+                                              kept_,
+                                              token_devices_,
+                                              keys_in_,
+                                              values_in_,
+                                              counts_,
+                                              slot_loads_,
+                                              error_});
     Space::exclusive_scan(stream, counts_, offsets_, D_ + 1, temp_, temp_bytes_);
     if (n == 0)
       return;
@@ -327,7 +363,7 @@ class device_dispatch_plan {
     const std::size_t n = self.max_tokens_ * static_cast<std::size_t>(self.k_);
     const auto D = static_cast<std::size_t>(self.D_);
     const auto set = carve_into<Self>(c);
-    set(self.expert_slot_, static_cast<std::size_t>(self.E_));
+    set(self.table_, self.table_host_.size());
     set(self.error_, 1);
     set(self.counts_, D + 1);
     set(self.offsets_, D + 1);
@@ -354,8 +390,8 @@ class device_dispatch_plan {
   std::size_t tokens_ = 0;
   std::size_t temp_bytes_ = 0;
   bool initialized_ = false;
-  std::vector<std::int32_t> expert_slot_host_;
-  std::int32_t* expert_slot_ = nullptr;
+  std::vector<std::int32_t> table_host_; // fixed slots, replica offsets, replicas
+  std::int32_t* table_ = nullptr;
   std::uint32_t* error_ = nullptr;
   std::int64_t* counts_ = nullptr; // D + 1 (the last stays 0: the scan's total)
   std::int64_t* offsets_ = nullptr;

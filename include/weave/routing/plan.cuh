@@ -1,7 +1,7 @@
 //! \file
 //! `cuda_dispatch_plan`: the device twin of `dispatch_plan::build` (compiled by the consumer's
-//! nvcc), for placements without replicas: `device_dispatch_plan` (see
-//! `device_dispatch_plan.hpp`) in `cuda_space`. The counting sort is one thread per token, a
+//! nvcc): `device_dispatch_plan` (see `device_dispatch_plan.hpp`) in `cuda_space`, replicas
+//! included. The counting sort is one thread per token, a
 //! `cub::DeviceScan` of the per-device counts and a stable `cub::DeviceRadixSort`; the same
 //! steps run on host streams in `host_space`, where CI checks them against the host plan.
 #pragma once
