@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -190,14 +191,14 @@ std::vector<rank_output> run_host(int ranks, const weave::placement& where, weav
 template <class T>
 void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
                        std::vector<std::size_t> tokens, weave::capacity_policy capacity,
-                       bool fixed) {
+                       bool fixed, std::optional<weave::placement> placed = std::nullopt) {
   std::mt19937 rng(17);
   std::vector<moe_test::rank_input<T>> in;
   for (int r = 0; r < ranks; ++r)
     in.push_back(moe_test::random_input<T>(tokens[static_cast<std::size_t>(r)], hidden,
                                            experts_count, k, rng));
   const moe_test::linear_experts experts(experts_count, hidden, 5);
-  const auto where = weave::placement::contiguous(experts_count, ranks);
+  const auto where = placed ? *placed : weave::placement::contiguous(experts_count, ranks);
   weave::moe_options o;
   o.k = k;
   o.hidden = hidden;
@@ -246,6 +247,9 @@ TEST_CASE("cuda_moe_exchange over cuda_local_world equals the host moe_exchange"
     check_local_world<float>(3, 6, 3, 8, {30, 30, 29}, {1.0, weave::drop_order::position}, fixed);
     check_local_world<float>(2, 8, 2, 8, {41, 40}, {1.25, weave::drop_order::batch_prioritized},
                              fixed);
+    // Replicas of experts 0 and 2 on both ranks.
+    check_local_world<float>(2, 4, 2, 8, {35, 36}, {}, fixed,
+                             weave::placement(4, 2, {0, 1, 2, 3, 0, 2}));
   }
 }
 

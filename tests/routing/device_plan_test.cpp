@@ -274,3 +274,42 @@ TEST_CASE("device capacity filter equals the host filter for every order and fac
     CHECK(dev.capacity() == host.capacity());
   }
 }
+
+TEST_CASE("device capacity filter admits chunk by chunk what it decides for the whole batch") {
+  std::mt19937 rng(41);
+  weave::host_stream s("capacity");
+  for (int trial = 0; trial < 20; ++trial) {
+    const int E = 2 + static_cast<int>(rng() % 10);
+    const int k = 1 + static_cast<int>(rng() % std::min(E, 4));
+    const std::size_t T = 1 + rng() % 150;
+    std::vector<std::int32_t> ids;
+    std::vector<float> w;
+    random_choices(rng, T, E, k, ids, w);
+    const weave::capacity_policy policy{std::array{0.0, 0.5, 1.0, 1.5}[rng() % 4],
+                                        weave::drop_order::position};
+    weave::device_capacity_filter<weave::host_space> dev(E, k, T, policy);
+    workspace ws(dev.workspace_size());
+    dev.initialize(ws.ptr, ws.size, s);
+    std::vector<std::uint8_t> whole(ids.size()), chunked(ids.size(), 0xEE);
+    dev.decide(s, ids, w, whole);
+    s.synchronize();
+    const std::int64_t dropped = *dev.dropped_count();
+    dev.reset(s, T);
+    const std::size_t chunks = 1 + rng() % 5;
+    const auto kk = static_cast<std::size_t>(k);
+    for (std::size_t c = 0; c < chunks; ++c) {
+      const std::size_t first = T * c / chunks, last = T * (c + 1) / chunks;
+      dev.admit(s, std::span(ids).subspan(first * kk, (last - first) * kk),
+                std::span(chunked).subspan(first * kk, (last - first) * kk));
+    }
+    s.synchronize();
+    CAPTURE(trial);
+    CHECK(chunked == whole);
+    CHECK(*dev.dropped_count() == dropped);
+  }
+  weave::device_capacity_filter<weave::host_space> ranked(4, 1, 8,
+                                                          {1.0, weave::drop_order::rank_major});
+  workspace ws(ranked.workspace_size());
+  ranked.initialize(ws.ptr, ws.size, s);
+  CHECK_THROWS_AS(ranked.reset(s, 8), weave::error);
+}

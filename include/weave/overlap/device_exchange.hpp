@@ -137,12 +137,15 @@ class basic_device_exchange {
   //! Enqueues the forward of `x` routed by `ids` / `weights` (k per token, -1 = none) into `y`,
   //! all in memory of the space. Throws `errc::size_mismatch` / `errc::invalid_argument` for
   //! shapes or memory that disagree with the options; bad values are flagged (`check_errors`).
+  //! `hooks` (optional, borrowed) partitions the operators around the layer into the same
+  //! chunks (see `moe_chunk_hooks`).
   void forward(const_token_view x, std::span<const std::int32_t> ids,
                std::span<const float> weights, token_view y, experts_fn experts, stream_arg compute,
-               stream_arg comm) {
+               stream_arg comm, const device_chunk_hooks<Space>* hooks = nullptr) {
     check_call(x, y, ids.size(), weights.size());
+    detail::check_hooks(hooks, options_);
     begin_call(0);
-    calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, x.rows()};
+    calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, x.rows(), hooks};
     direction_ = false;
     pipeline_.run(compute, comm, *this);
     end_call(0, compute);
@@ -253,7 +256,8 @@ class basic_device_exchange {
     std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
   };
 
-  using call_arguments = detail::moe_call_arguments<experts_fn, experts_grad_fn>;
+  using call_arguments =
+      detail::moe_call_arguments<experts_fn, experts_grad_fn, device_chunk_hooks<Space>>;
 
   // The worst case of a peer's rows per chunk: every token of the chunk, or fewer when a
   // capacity factor bounds what the experts of one device take from a batch.
@@ -373,18 +377,28 @@ class basic_device_exchange {
     const call_arguments& call = calls_[0];
     const auto k = static_cast<std::size_t>(k_);
     std::tie(ch.first, ch.count) = chunk_range(c);
-    if (c == 0) {
+    const bool produced = call.hooks != nullptr && static_cast<bool>(call.hooks->produce);
+    if (produced)
+      Space::launch(s, [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+        hooks->produce(first, count, ls);
+      });
+    const std::span<std::uint8_t> keep =
+        filter_ ? std::span<std::uint8_t>(keep_ + ch.first * k, ch.count * k)
+                : std::span<std::uint8_t>{};
+    if (c == 0)
       Space::fill(s, counters_, 0, counter_count * sizeof(std::int64_t));
-      if (filter_) { // the whole batch at once: every chunk reads its slice (Lancet's rule)
-        filter_->decide(s, call.ids, call.weights, std::span(keep_, call.tokens * k));
-        Space::copy(s, counters_ + counter_dropped, filter_->dropped_count(), sizeof(std::int64_t));
-      }
+    if (filter_ && produced) { // choices arrive chunk by chunk: admit them in position order
+      if (c == 0)
+        filter_->reset(s, call.tokens);
+      filter_->admit(s, call.ids.subspan(ch.first * k, ch.count * k), keep);
+    } else if (filter_ && c == 0) { // the whole batch at once: every chunk reads its slice
+      filter_->decide(s, call.ids, call.weights, std::span(keep_, call.tokens * k));
     }
-    const std::span<const std::uint8_t> keep =
-        filter_ ? std::span<const std::uint8_t>(keep_ + ch.first * k, ch.count * k)
-                : std::span<const std::uint8_t>{};
+    if (filter_)
+      Space::copy(s, counters_ + counter_dropped, filter_->dropped_count(), sizeof(std::int64_t));
     ch.plan.build(s, call.ids.subspan(ch.first * k, ch.count * k),
-                  call.weights.subspan(ch.first * k, ch.count * k), keep, ch.first);
+                  call.weights.subspan(ch.first * k, ch.count * k),
+                  std::span<const std::uint8_t>(keep), ch.first);
     Space::for_each(s, static_cast<std::int64_t>(ch.count * k),
                     detail::routed_pairs_step{ch.plan.kept_experts().data(), counters_});
     Space::for_each(s, 1,
@@ -535,6 +549,10 @@ class basic_device_exchange {
         options_.static_shape ? ch.layout_rows : ch.plan.token_rows().data();
     moves::merge(s, rows_view(ch.returned, send_cap_), call.y.subrows(ch.first, ch.count),
                  token_rows, k_, nullptr, nullptr, false);
+    if (!backward && call.hooks != nullptr && call.hooks->consume)
+      Space::launch(s, [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+        hooks->consume(first, count, ls);
+      });
     if (backward)
       Space::for_each(
           s, static_cast<std::int64_t>(ch.count),

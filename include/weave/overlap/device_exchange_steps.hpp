@@ -11,7 +11,9 @@
 #include "weave/routing/device_expert_plan.hpp"
 #include "weave/routing/dispatch_plan.hpp"
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 
 WEAVE_NAMESPACE_BEGIN
@@ -46,6 +48,14 @@ struct device_expert_grad_batch {
   const_token_view grad_output;
   token_view grad_input;
   typename Space::stream_arg stream;
+};
+
+//! Per-chunk hooks of a device-exchange forward (see `moe_chunk_hooks`): they receive the
+//! chunk's token range and the stream to enqueue on (`cuda_space`), or run on it (`host_space`).
+template <class Space>
+struct device_chunk_hooks {
+  std::function<void(std::size_t first, std::size_t count, typename Space::stream_arg)> produce;
+  std::function<void(std::size_t first, std::size_t count, typename Space::stream_arg)> consume;
 };
 
 //! Bits the device exchange sets in its own error word.

@@ -139,10 +139,12 @@ class moe_exchange {
   //! `experts` runs on `compute`'s thread once per chunk. Throws `errc::size_mismatch` for
   //! shapes that disagree with the options, `errc::invalid_argument` for T > max_tokens or
   //! equal streams; bad ids or weights fail the streams (surfacing at synchronize) with
-  //! `out_of_range`/`invalid_argument`.
+  //! `out_of_range`/`invalid_argument`. `hooks` (optional, borrowed) partitions the operators
+  //! around the layer into the same chunks (see `moe_chunk_hooks`).
   void forward(const_token_view x, std::span<const std::int32_t> ids,
                std::span<const float> weights, token_view y, experts_fn experts,
-               stream_type& compute, stream_type& comm) {
+               stream_type& compute, stream_type& comm, const moe_chunk_hooks* hooks = nullptr) {
+    detail::check_hooks(hooks, options_);
     check_rows(x, "input");
     check_rows(y, "output");
     WEAVE_EXPECT(x.rows() == y.rows(), errc::size_mismatch, "forward: ", x.rows(),
@@ -153,7 +155,7 @@ class moe_exchange {
                  "forward: ", ids.size(), " ids and ", weights.size(), " weights for ", T,
                  " tokens with k = ", k);
     begin_call(false, compute);
-    calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, T};
+    calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, T, hooks};
     pipeline_.run(compute, comm, *this);
     compute.record(call_done_[0]);
   }
@@ -232,7 +234,7 @@ class moe_exchange {
     std::vector<float> send_dw, returned_dw; // backward: gate gradients per route entry
   };
 
-  using call_arguments = detail::moe_call_arguments<experts_fn, experts_grad_fn>;
+  using call_arguments = detail::moe_call_arguments<experts_fn, experts_grad_fn, moe_chunk_hooks>;
 
   // Each direction has one argument slot: wait until the previous call of that direction has
   // run (its end event completes even if a stream failed; the failure surfaces at the caller's
@@ -264,6 +266,8 @@ class moe_exchange {
     chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
     const auto k = static_cast<std::size_t>(options_.k);
     std::tie(ch.first, ch.count) = chunk_range(c);
+    if (calls_[0].hooks != nullptr && calls_[0].hooks->produce)
+      calls_[0].hooks->produce(ch.first, ch.count);
     const auto ids = calls_[0].ids.subspan(ch.first * k, ch.count * k);
     const auto weights = calls_[0].weights.subspan(ch.first * k, ch.count * k);
     const std::span<std::uint8_t> keep = std::span(keep_).subspan(ch.first * k, ch.count * k);
@@ -359,6 +363,8 @@ class moe_exchange {
       pending_.routed_pairs += e >= 0 ? 1 : 0;
     if (c + 1 == static_cast<int>(chunks_.size()))
       stats_ = pending_;
+    if (calls_[0].hooks != nullptr && calls_[0].hooks->consume)
+      calls_[0].hooks->consume(ch.first, ch.count);
   }
 
   void prepare_backward(int c) {

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <span>
 #include <string>
 
@@ -59,6 +60,20 @@ struct expert_grad_batch {
   token_view grad_input;        //!< dL/d(expert input) per row, to be written
 };
 
+//! Per-chunk hooks of a forward: Lancet's partitioning of the operators around the layer.
+//! `produce(first, count)` runs first in the prepare stage of the chunk of tokens
+//! [first, first + count), on the compute stream, and must write those tokens' rows, ids and
+//! weights (e.g. run attention and the gate on them); `consume(first, count)` runs once their
+//! output rows are final (e.g. the residual add and the next operator). Chunk c + 1's producer
+//! then runs while chunk c is dispatched, and chunk c's consumer while chunk c + 1 is combined,
+//! so the layer's first and last all-to-alls are no longer exposed. Capacity must be dropless
+//! or `drop_order::position` (the other orders need every token's choices before the first
+//! chunk). Borrowed until the call's streams are synchronized.
+struct moe_chunk_hooks {
+  std::function<void(std::size_t first, std::size_t count)> produce;
+  std::function<void(std::size_t first, std::size_t count)> consume;
+};
+
 //! What one call moved, for this rank (valid once the call's streams are synchronized).
 struct moe_stats {
   std::size_t tokens = 0;         //!< tokens of this rank
@@ -90,7 +105,7 @@ inline void check_moe_options(const moe_options& o) {
 
 // The arguments of one call of an exchange, kept until its stages have run (forward: x, y,
 // ids, weights; backward: dy, dx, the forward's ids and weights, dw).
-template <class ExpertsFn, class ExpertsGradFn>
+template <class ExpertsFn, class ExpertsGradFn, class Hooks>
 struct moe_call_arguments {
   const_token_view x; // forward input or backward dy
   token_view y;       // forward output or backward dx
@@ -100,7 +115,18 @@ struct moe_call_arguments {
   ExpertsFn experts;
   ExpertsGradFn experts_grad;
   std::size_t tokens = 0;
+  const Hooks* hooks = nullptr; // forward only
 };
+
+// Producers write a chunk's choices only when its prepare stage runs: the batch-wide drop orders
+// cannot be decided before the first chunk.
+template <class Hooks>
+void check_hooks(const Hooks* hooks, const moe_options& o) {
+  WEAVE_EXPECT(hooks == nullptr || !hooks->produce || o.capacity.factor == 0.0 ||
+                   o.capacity.order == drop_order::position,
+               errc::invalid_argument,
+               "a chunk producer needs dropless capacity or drop_order::position");
+}
 
 // A step that fails on one rank would leave its peers waiting in the next collective: runs
 // `f`, and on failure tells the communicator (where it can be told) before rethrowing.

@@ -100,11 +100,13 @@ struct claim_step {
   }
 };
 
-// Per sorted pair: kept while its rank within its expert is below the capacity.
+// Per sorted pair: kept while its rank within its expert, after the rows earlier chunks of the
+// batch took (`used`, null for a whole batch), is below the capacity.
 struct keep_step {
   const std::uint32_t* keys;
   const std::int32_t* values;
   const std::int64_t* starts;
+  const std::int64_t* used;
   int E;
   std::int64_t capacity; // -1: unbounded
   std::uint8_t* keep;
@@ -117,10 +119,22 @@ struct keep_step {
       keep[p] = 0; // no expert: neither kept nor dropped
       return;
     }
-    const bool fits = capacity < 0 || i - starts[e] < capacity;
+    const std::int64_t before = used != nullptr ? used[e] : 0;
+    const bool fits = capacity < 0 || before + (i - starts[e]) < capacity;
     keep[p] = fits ? 1 : 0;
     if (!fits)
       atomic_add(dropped, 1);
+  }
+};
+
+// Per expert, after a chunk: the rows its chunks have taken so far.
+struct used_step {
+  const std::int64_t* counts;
+  std::int64_t capacity;
+  std::int64_t* used;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t e) const {
+    const std::int64_t total = used[e] + counts[e];
+    used[e] = capacity >= 0 && total > capacity ? capacity : total;
   }
 };
 
@@ -199,9 +213,49 @@ class device_capacity_filter {
     Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, n, detail::key_bits(E_),
                       temp_, temp_bytes_);
     Space::exclusive_scan(stream, counts_, starts_, E_ + 1, temp_, temp_bytes_);
-    Space::for_each(
-        stream, n,
-        detail::keep_step{keys_out_, values_out_, starts_, E_, capacity_, keep.data(), dropped_});
+    Space::for_each(stream, n,
+                    detail::keep_step{keys_out_, values_out_, starts_, nullptr, E_, capacity_,
+                                      keep.data(), dropped_});
+  }
+
+  //! Position order, chunk by chunk (for chunks whose choices are produced one after the
+  //! other): `reset` starts a batch of `batch_tokens` tokens, then `admit` decides each chunk's
+  //! pairs against the capacity earlier chunks used, so the chunks together drop what `decide`
+  //! drops for the whole batch. `dropped_count()` accumulates over the batch's chunks.
+  void reset(stream_arg stream, std::size_t batch_tokens) {
+    WEAVE_EXPECT(initialized_, errc::invalid_state, "device capacity filter is not initialised");
+    WEAVE_EXPECT(policy_.order == drop_order::position, errc::invalid_state,
+                 "chunk-by-chunk capacity needs drop_order::position");
+    WEAVE_EXPECT(batch_tokens <= max_tokens_, errc::size_mismatch, batch_tokens,
+                 " tokens in a device capacity filter for ", max_tokens_);
+    capacity_ = expert_capacity(policy_.factor, batch_tokens, k_, E_);
+    Space::fill(stream, used_, 0, static_cast<std::size_t>(E_) * sizeof(std::int64_t));
+    Space::fill(stream, dropped_, 0, sizeof(std::int64_t));
+  }
+
+  //! Decides the next chunk of the batch (`ids`, `keep`: k per token, memory of the space).
+  void admit(stream_arg stream, std::span<const std::int32_t> ids, std::span<std::uint8_t> keep) {
+    WEAVE_EXPECT(policy_.order == drop_order::position, errc::invalid_state,
+                 "chunk-by-chunk capacity needs drop_order::position");
+    WEAVE_EXPECT(ids.size() % static_cast<std::size_t>(k_) == 0 && keep.size() == ids.size() &&
+                     ids.size() <= max_tokens_ * static_cast<std::size_t>(k_),
+                 errc::size_mismatch, "device capacity filter: ", ids.size(), " ids and ",
+                 keep.size(), " flags with k = ", k_);
+    const auto n = static_cast<std::int64_t>(ids.size());
+    Space::fill(stream, counts_, 0, (static_cast<std::size_t>(E_) + 1) * sizeof(std::int64_t));
+    if (n == 0)
+      return;
+    Space::for_each(stream, n,
+                    detail::claim_step{ids.data(), nullptr, k_, E_, n / k_,
+                                       static_cast<int>(drop_order::position), keys_in_, values_in_,
+                                       counts_});
+    Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, n, detail::key_bits(E_),
+                      temp_, temp_bytes_);
+    Space::exclusive_scan(stream, counts_, starts_, E_ + 1, temp_, temp_bytes_);
+    Space::for_each(stream, n,
+                    detail::keep_step{keys_out_, values_out_, starts_, used_, E_, capacity_,
+                                      keep.data(), dropped_});
+    Space::for_each(stream, E_, detail::used_step{counts_, capacity_, used_});
   }
 
   //! Rows per expert of the last batch, -1 for dropless.
@@ -218,6 +272,7 @@ class device_capacity_filter {
     set(self.counts_, E + 1);
     set(self.starts_, E + 1);
     set(self.dropped_, 1);
+    set(self.used_, E);
     set(self.keys_in_, n);
     set(self.keys_out_, n);
     set(self.values_in_, n);
@@ -233,7 +288,7 @@ class device_capacity_filter {
   std::int64_t capacity_ = -1;
   std::size_t temp_bytes_ = 0;
   bool initialized_ = false;
-  std::int64_t *counts_ = nullptr, *starts_ = nullptr, *dropped_ = nullptr;
+  std::int64_t *counts_ = nullptr, *starts_ = nullptr, *dropped_ = nullptr, *used_ = nullptr;
   std::uint32_t *keys_in_ = nullptr, *keys_out_ = nullptr;
   std::int32_t *values_in_ = nullptr, *values_out_ = nullptr;
   std::int32_t* rank_of_token_ = nullptr;
