@@ -1,5 +1,8 @@
 // moe_exchange on an emulated link: pipelined (C chunks) against unpipelined (C = 1), in the
-// same binary and run, at compute/communication ratios 0.25..4.
+// same binary and run, at compute/communication ratios 0.25..4 (`moe_layer`); and a whole block
+// (producer op, MoE layer, consumer op) unpartitioned, pipelined inside the layer only (Tutel),
+// and with the producer and consumer partitioned into the layer's chunks (Lancet, chunk hooks)
+// (`moe_block`).
 //
 // 4 in-process ranks, 2048 tokens/rank, E = 32, k = 4, hidden 256 (bf16). The link is
 // 0.05 GB/s per rank pair (slow, so that the emulated costs dominate the CPU work of a 2-core
@@ -33,10 +36,14 @@ constexpr std::size_t tokens = 2048, hidden = 256;
 constexpr double link_bytes_per_second = 0.05e9;
 using row_t = weave::bfloat16;
 
+// What runs around the layer: nothing (the layer alone), a producer and a consumer outside the
+// layer's pipeline, or the same two inside it as chunk hooks.
+enum class around { nothing, whole, partitioned };
+
 // Persistent ranks: each owns an exchange and streams; `step()` runs one forward on all.
 class layer_ranks {
  public:
-  layer_ranks(int chunks, double ratio)
+  layer_ranks(int chunks, double ratio, around mode = around::nothing)
       : world_(ranks, {std::chrono::seconds(60), weave::emulated_link{{}, link_bytes_per_second}})
       , start_(ranks + 1)
       , done_(ranks + 1) {
@@ -62,6 +69,7 @@ class layer_ranks {
     // Link time of one layer for rank 0: its largest per-peer volume, both ways.
     ns_per_row_ = 0; // calibrated after the first step from the plan's volumes
     ratio_ = ratio;
+    mode_ = mode;
     for (int r = 0; r < ranks; ++r)
       threads_.emplace_back([this, r, chunks] { serve(r, chunks); });
   }
@@ -86,6 +94,16 @@ class layer_ranks {
     std::vector<float> weights;
   };
 
+  // The producer and consumer stand-ins: each sleeps half the experts' time per token (so the
+  // operators around the layer cost as much as its experts) and touches its rows.
+  static void around_op(weave::host_matrix<row_t>& rows, std::size_t first, std::size_t count,
+                        double ns_per_token) {
+    std::memmove(rows.data() + first * hidden, rows.data() + first * hidden,
+                 count * hidden * sizeof(row_t));
+    std::this_thread::sleep_for(std::chrono::nanoseconds(
+        static_cast<std::int64_t>(ns_per_token * static_cast<double>(count))));
+  }
+
   void serve(int r, int chunks) {
     auto& comm = world_.comm(r);
     weave::moe_options o;
@@ -104,6 +122,22 @@ class layer_ranks {
       if (stop_)
         return;
       const double ns = calibrated ? ns_per_row_.load() : 0.0;
+      // Expert rows per token (k over the devices' copies) sets the around-ops' cost per token.
+      const double around_ns =
+          calibrated ? 0.5 * ns * static_cast<double>(expert_rows_) / static_cast<double>(tokens)
+                     : 0.0;
+      const weave::moe_chunk_hooks hooks{[&d, around_ns](std::size_t first, std::size_t count) {
+                                           around_op(d.x, first, count, around_ns);
+                                         },
+                                         [&d, around_ns](std::size_t first, std::size_t count) {
+                                           around_op(d.y, first, count, around_ns);
+                                         }};
+      const weave::host_event begin = compute.record();
+      weave::host_event produced, consumed;
+      if (mode_ == around::whole) {
+        compute.submit([&] { around_op(d.x, 0, tokens, around_ns); });
+        compute.record(produced);
+      }
       ex.forward(
           d.x.view(), d.ids, d.weights, d.y.view(),
           [ns](const weave::expert_batch& b) {
@@ -114,7 +148,13 @@ class layer_ranks {
             std::this_thread::sleep_for(std::chrono::nanoseconds(
                 static_cast<std::int64_t>(ns * static_cast<double>(b.expert_offsets.back()))));
           },
-          compute, stream);
+          compute, stream, mode_ == around::partitioned ? &hooks : nullptr);
+      const weave::host_event forwarded = compute.record();
+      if (mode_ == around::whole) {
+        compute.submit([&] { around_op(d.y, 0, tokens, around_ns); });
+        compute.record(consumed);
+      }
+      const weave::host_event end = compute.record();
       compute.synchronize();
       stream.synchronize();
       if (!calibrated && r == 0) {
@@ -124,10 +164,20 @@ class layer_ranks {
         const double link_s =
             2.0 * remote * static_cast<double>(st.row_bytes) / link_bytes_per_second;
         ns_per_row_ = ratio_ * link_s * 1e9 / static_cast<double>(st.expert_rows);
+        expert_rows_ = static_cast<std::size_t>(st.expert_rows);
       }
       calibrated = true;
-      if (r == 0)
+      if (r == 0) {
+        // The block: from before the producer to after the consumer; compute busy includes
+        // the around-ops wherever they ran.
         timing_ = weave::measure(ex.pipeline());
+        using ms = std::chrono::duration<double, std::milli>;
+        if (mode_ != around::nothing)
+          timing_.makespan_ms = ms(end.completed_at() - begin.completed_at()).count();
+        if (mode_ == around::whole)
+          timing_.compute_busy_ms += ms(produced.completed_at() - begin.completed_at()).count() +
+                                     ms(consumed.completed_at() - forwarded.completed_at()).count();
+      }
       done_.arrive_and_wait();
     }
   }
@@ -138,14 +188,34 @@ class layer_ranks {
   std::vector<std::thread> threads_;
   std::atomic<double> ns_per_row_{0};
   double ratio_ = 1;
+  around mode_ = around::nothing;
+  std::size_t expert_rows_ = 0; // rank 0's expert rows per layer (calibration)
   std::atomic<bool> stop_{false};
   weave::pipeline_timing timing_;
 };
+
+void run_steps(benchmark::State& state, layer_ranks& layer, int chunks, double ratio);
 
 void moe_layer(benchmark::State& state) {
   const int chunks = static_cast<int>(state.range(0));
   const double ratio = static_cast<double>(state.range(1)) / 100.0;
   layer_ranks layer(chunks, ratio);
+  run_steps(state, layer, chunks, ratio);
+}
+
+// A block at experts/comm ratio `ratio_pct`, the producer and consumer together costing as much
+// as the experts. mode 0: unpartitioned (around-ops on the whole batch, the layer with C
+// chunks; C = 1 is the baseline), mode 1: the around-ops as chunk hooks (Lancet).
+void moe_block(benchmark::State& state) {
+  const int chunks = static_cast<int>(state.range(0));
+  const double ratio = static_cast<double>(state.range(1)) / 100.0;
+  const auto mode = state.range(2) == 0 ? around::whole : around::partitioned;
+  layer_ranks layer(chunks, ratio, mode);
+  run_steps(state, layer, chunks, ratio);
+  state.counters["partitioned"] = state.range(2) == 0 ? 0 : 1;
+}
+
+void run_steps(benchmark::State& state, layer_ranks& layer, int chunks, double ratio) {
   layer.step(); // calibrate the emulated compute
   layer.step(); // warm up at the calibrated cost
   double exposed = 0, compute = 0, comm = 0;
@@ -169,6 +239,23 @@ void moe_layer(benchmark::State& state) {
 BENCHMARK(moe_layer)
     ->ArgNames({"chunks", "ratio_pct"})
     ->ArgsProduct({{1, 2, 4, 8}, {25, 50, 100, 200, 400}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(5);
+
+BENCHMARK(moe_block)
+    ->ArgNames({"chunks", "ratio_pct", "partitioned"})
+    ->Args({1, 100, 0})
+    ->Args({4, 100, 0})
+    ->Args({8, 100, 0})
+    ->Args({4, 100, 1})
+    ->Args({8, 100, 1})
+    ->Args({1, 50, 0})
+    ->Args({8, 50, 0})
+    ->Args({8, 50, 1})
+    ->Args({1, 200, 0})
+    ->Args({8, 200, 0})
+    ->Args({8, 200, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(5);

@@ -119,11 +119,15 @@ std::vector<block> run(int chunks, weave::capacity_policy capacity, bool hooked)
       ex.check_errors(compute);
     } else {
       weave::moe_exchange<weave::local_communicator> ex(comm, where, options(chunks, capacity));
+      //! [hooks]
+      // The operators around the layer, on the layer's chunks: `produce` writes tokens
+      // [first, first + count) of x, ids and weights; `consume` reads the same rows of y.
       const weave::moe_chunk_hooks hooks{
           [&](std::size_t first, std::size_t count) { b.produce(first, count); },
           [&](std::size_t first, std::size_t count) { b.consume(first, count); }};
       ex.forward(b.x.view(), b.ids, b.weights, b.y.view(), experts_fn, compute, comm_stream,
                  hooked ? &hooks : nullptr);
+      //! [hooks]
       compute.synchronize();
       comm_stream.synchronize();
     }
@@ -179,15 +183,15 @@ TEST_CASE("a chunk producer needs dropless or position-order capacity") {
   weave::local_world world(1);
   world.run([&](weave::local_communicator& comm) {
     weave::moe_options o = options(2, {1.0, weave::drop_order::batch_prioritized});
-    weave::moe_exchange<weave::local_communicator> ex(comm, weave::placement::contiguous(6, 1),
-                                                      o);
+    weave::moe_exchange<weave::local_communicator> ex(comm, weave::placement::contiguous(6, 1), o);
     weave::host_matrix<float> x(4, hidden), y(4, hidden);
     std::vector<std::int32_t> ids(8, 0);
     std::vector<float> w(8, 1.0f);
     weave::host_stream a("a"), b("b");
     const weave::moe_chunk_hooks hooks{[](std::size_t, std::size_t) {}, {}};
     try {
-      ex.forward(x.view(), ids, w, y.view(), [](const weave::expert_batch&) {}, a, b, &hooks);
+      ex.forward(
+          x.view(), ids, w, y.view(), [](const weave::expert_batch&) {}, a, b, &hooks);
       FAIL("a producer with batch-prioritized capacity was accepted");
     } catch (const weave::error& e) {
       CHECK(e.code() == weave::errc::invalid_argument);
