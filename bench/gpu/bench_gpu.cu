@@ -463,6 +463,8 @@ void BM_exchange(benchmark::State& state) {
     };
     cudaGraphExec_t exec = nullptr;
     if (graph) {
+      forward(s.compute); // loads the kernels: module loading cannot happen in a capture
+      WEAVE_CUDA_CHECK(cudaStreamSynchronize(s.compute));
       cudaGraph_t g = nullptr;
       WEAVE_CUDA_CHECK(cudaStreamBeginCapture(s.compute, cudaStreamCaptureModeThreadLocal));
       forward(s.compute);

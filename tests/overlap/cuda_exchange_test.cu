@@ -190,8 +190,8 @@ std::vector<rank_output> run_host(int ranks, const weave::placement& where, weav
 
 template <class T>
 void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
-                       std::vector<std::size_t> tokens, weave::capacity_policy capacity,
-                       bool fixed, std::optional<weave::placement> placed = std::nullopt) {
+                       std::vector<std::size_t> tokens, weave::capacity_policy capacity, bool fixed,
+                       std::optional<weave::placement> placed = std::nullopt) {
   std::mt19937 rng(17);
   std::vector<moe_test::rank_input<T>> in;
   for (int r = 0; r < ranks; ++r)
@@ -291,6 +291,10 @@ TEST_CASE("a static-shape cuda_moe_exchange over NCCL runs inside a CUDA graph")
                                   double_rows{reinterpret_cast<const float*>(b.input.data()),
                                               reinterpret_cast<float*>(b.output.data())});
     };
+    // One eager call first: it loads the kernels (module loading cannot happen in a capture).
+    ex.forward(x_rows, ids.cspan(), weights.cspan(), y_rows, experts, compute.ref(),
+               comm_stream.ref());
+    compute.ref().synchronize();
     cudaGraph_t graph = nullptr;
     WEAVE_CUDA_CHECK(cudaStreamBeginCapture(compute.raw, cudaStreamCaptureModeThreadLocal));
     ex.forward(x_rows, ids.cspan(), weights.cspan(), y_rows, experts, compute.ref(),
