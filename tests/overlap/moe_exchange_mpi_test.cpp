@@ -1,14 +1,20 @@
 // moe_exchange over real MPI processes (mpirun -np 2 / 4): every rank builds the same global
 // problem from one seed, runs its share forward and backward unchunked and chunked, checks its
 // results against the dense reference, and checks the chunked run bitwise against the
-// unchunked one.
+// unchunked one; then the device exchange's algorithm (host_space) over the same MPI
+// communicator, dynamic and static shapes, bitwise against moe_exchange.
 #include <doctest/doctest.h>
 
 #include "moe_test_support.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_row_moves.hpp>
+
+#include "aligned_buffer.hpp"
 
 #include <cstring>
 #include <random>
@@ -60,6 +66,50 @@ run_output run(weave::mpi_communicator& comm, const weave::placement& where, int
   return out;
 }
 
+// The device exchange's algorithm on host streams over MPI, forward and backward.
+run_output run_device(weave::mpi_communicator& comm, const weave::placement& where, int chunks,
+                      int k, std::size_t max_tokens, const weave::capacity_policy& capacity,
+                      bool fixed, const moe_test::rank_input<float>& in,
+                      const moe_test::linear_experts& experts) {
+  weave::moe_options o;
+  o.k = k;
+  o.hidden = in.x.cols();
+  o.max_tokens = max_tokens;
+  o.chunks = chunks;
+  o.capacity = capacity;
+  o.save_for_backward = true;
+  o.static_shape = fixed;
+  weave::basic_device_exchange<weave::host_space, weave::mpi_communicator> ex(comm, where, o);
+  weave::host_stream compute("compute"), stream("comm");
+  weave_test::aligned_buffer ws(ex.workspace_size());
+  ex.initialize(ws.ptr, ws.size, compute);
+  run_output out{weave::host_matrix<float>(in.x.rows(), in.x.cols()),
+                 weave::host_matrix<float>(in.x.rows(), in.x.cols()),
+                 std::vector<float>(in.ids.size()),
+                 {}};
+  using batch = weave::device_expert_batch<weave::host_space>;
+  using grad_batch = weave::device_expert_grad_batch<weave::host_space>;
+  ex.forward(
+      in.x.view(), in.ids, in.weights, out.y.view(),
+      [&](const batch& b) {
+        experts.operator()<float>(
+            {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+      },
+      compute, stream);
+  ex.backward(
+      in.x.view(), out.dx.view(), out.dw,
+      [&](const grad_batch& b) {
+        experts.backward<float>({b.chunk, b.device, b.expert_offsets, b.experts, b.saved_input,
+                                 b.grad_output, b.grad_input});
+      },
+      compute, stream);
+  compute.synchronize();
+  stream.synchronize();
+  ex.check_errors(compute);
+  out.stats = ex.read_stats(compute);
+  return out;
+}
+
 } // namespace
 
 TEST_CASE("moe_exchange over MPI equals the dense reference; chunking is bitwise neutral") {
@@ -86,5 +136,14 @@ TEST_CASE("moe_exchange over MPI equals the dense reference; chunking is bitwise
     CHECK(std::memcmp(base.y.data(), piped.y.data(), base.y.rows() * hidden * 4) == 0);
     CHECK(std::memcmp(base.dx.data(), piped.dx.data(), base.dx.rows() * hidden * 4) == 0);
     CHECK(std::memcmp(base.dw.data(), piped.dw.data(), base.dw.size() * 4) == 0);
+    for (const bool fixed : {false, true}) {
+      CAPTURE(fixed);
+      const auto dev = run_device(comm, where, 3, k, max_tokens, capacity, fixed, mine, experts);
+      CHECK(std::memcmp(base.y.data(), dev.y.data(), base.y.rows() * hidden * 4) == 0);
+      CHECK(std::memcmp(base.dx.data(), dev.dx.data(), base.dx.rows() * hidden * 4) == 0);
+      CHECK(std::memcmp(base.dw.data(), dev.dw.data(), base.dw.size() * 4) == 0);
+      CHECK(dev.stats.sent_rows == base.stats.sent_rows);
+      CHECK(dev.stats.dropped_pairs == base.stats.dropped_pairs);
+    }
   }
 }

@@ -2,7 +2,8 @@
 //! `host_space`: the execution space of weave's device algorithms on `host_stream`s (see
 //! `weave/exec/space.hpp`). Each step is a task that visits its indices in order on the
 //! stream's thread; sorts are stable sorts, scans loops. It is what CI runs the device
-//! algorithms in. Host-compiler only (nvcc translation units use `cuda_space`).
+//! algorithms in, and a way to run them on CPUs; it is not allocation-free (a step whose
+//! functor outgrows `unique_task`'s inline buffer, and every sort, allocates).
 #pragma once
 
 #include "weave/core/config.hpp"
