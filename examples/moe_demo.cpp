@@ -1,20 +1,24 @@
-// weave's main demo: one MoE layer (gate -> dispatch -> experts -> combine) on 4 in-process
-// ranks joined by an emulated network link, run unpipelined and pipelined side by side.
-// The defaults are sized for a small CPU machine; pass --tokens=8192 --hidden=1024 for a
-// layer of a mid-size model.
+// weave's main demo: a transformer block's MoE part on 4 in-process ranks joined by an emulated
+// network link. The block is attention + gate (the producer of the layer's input and routing),
+// the MoE layer (dispatch -> experts -> combine), and the residual add (the consumer). It runs
+// three ways side by side: unpipelined; with the layer pipelined over token chunks (Tutel); and
+// with the attention, gate and residual partitioned into the same chunks as well (Lancet,
+// through weave's chunk hooks). The defaults are sized for a small CPU machine; pass
+// --tokens=8192 --hidden=1024 for a layer of a mid-size model.
 //
 // What is real: gating, capacity, the dispatch plans, every row gathered, sent (copied between
-// ranks), scattered, merged and returned. What is emulated: the link (each transfer completes
-// after latency + bytes / bandwidth, sleeping) and the experts' arithmetic cost (each expert
-// batch copies its rows scaled by a per-expert power of two (exact in bf16, so cheap), then
-// sleeps rows x --expert-ns-per-row, as a GPU's grouped GEMM would leave the CPU free). Prints
-// copies per token against naive per-(token, expert) sending, bytes moved, exposed communication
-// and the speedup, and writes a Chrome trace (chrome://tracing or ui.perfetto.dev) of the pipelined
-// run.
+// ranks), scattered, merged and returned, the residual add. What is emulated: the link (each
+// transfer completes after latency + bytes / bandwidth, sleeping), the experts' arithmetic
+// (each expert batch copies its rows scaled by a per-expert power of two, exact in bf16, then
+// sleeps rows x --expert-ns-per-row, as a GPU's grouped GEMM would leave the CPU free) and
+// attention (a sleep of --attention-ns-per-token per token). Prints copies per token against
+// naive per-(token, expert) sending, bytes moved, exposed communication and the speedups, checks
+// that the three outputs are bitwise identical, and writes a Chrome trace (chrome://tracing or
+// ui.perfetto.dev) of the partitioned run.
 //
 //   moe_demo [--tokens=4096] [--experts=64] [--k=8] [--hidden=512] [--ranks=4] [--chunks=4]
-//            [--link-gbps=0.5] [--latency-us=10] [--expert-ns-per-row=500] [--iterations=3]
-//            [--trace=moe_demo.trace.json]
+//            [--link-gbps=0.5] [--latency-us=10] [--expert-ns-per-row=500]
+//            [--attention-ns-per-token=2000] [--iterations=3] [--trace=moe_demo.trace.json]
 // Under mpirun (when built with MPI) each process is one rank and MPI is the link:
 //   mpirun -np 4 moe_demo
 #include <weave/comm/local_world.hpp>
@@ -52,6 +56,7 @@ struct settings {
   double link_gbps = 0.5;
   double latency_us = 10.0;
   double expert_ns_per_row = 500.0;
+  double attention_ns_per_token = 2000.0;
   int iterations = 3;
   std::string trace = "moe_demo.trace.json";
 };
@@ -87,6 +92,7 @@ settings parse(int argc, char** argv) {
   take("link-gbps", s.link_gbps);
   take("latency-us", s.latency_us);
   take("expert-ns-per-row", s.expert_ns_per_row);
+  take("attention-ns-per-token", s.attention_ns_per_token);
   take("iterations", s.iterations);
   take("trace", s.trace);
   if (!args.empty()) {
@@ -98,14 +104,22 @@ settings parse(int argc, char** argv) {
 
 using row_t = weave::bfloat16;
 
+// How the block runs: the layer unpipelined, the layer pipelined over chunks (the operators
+// around it on the whole batch), or the operators around it partitioned into the same chunks.
+enum class variant : int { unpipelined = 0, pipelined = 1, partitioned = 2 };
+constexpr int variants = 3;
+
 struct rank_data {
-  weave::host_matrix<row_t> x, y_unpipelined, y_pipelined;
-  std::vector<std::int32_t> ids;
-  std::vector<float> weights;
+  weave::host_matrix<row_t> x;             // the layer's input (attention's output)
+  weave::host_matrix<float> logits;        // the gate's input
+  std::vector<std::int32_t> ids;           // written by the gate
+  std::vector<float> weights;              // written by the gate
+  weave::host_matrix<row_t> y;             // the layer's output
+  weave::host_matrix<row_t> out[variants]; // the block's output x + y, per variant
 };
 
 struct measured {
-  weave::pipeline_timing timing;
+  weave::pipeline_timing timing; // of the whole block
   weave::moe_stats stats;
 };
 
@@ -132,29 +146,72 @@ struct emulated_experts {
   }
 };
 
-// Runs `iterations` forwards with `chunks` on one rank; returns its median timing.
+// The operators around the layer. The producer emulates attention (a sleep) and runs the gate
+// on tokens [first, first + count); the consumer adds the residual into the block's output.
+struct around_ops {
+  const settings* s;
+  rank_data* d;
+  row_t* out;
+  void produce(std::size_t first, std::size_t count) const {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(
+        static_cast<std::int64_t>(s->attention_ns_per_token * static_cast<double>(count))));
+    weave::gate_options gate;
+    gate.k = s->k;
+    gate.renormalize = true;
+    const auto k = static_cast<std::size_t>(s->k);
+    (void)weave::top_k_gate(d->logits.view().subrows(first, count), gate,
+                            std::span(d->ids).subspan(first * k, count * k),
+                            std::span(d->weights).subspan(first * k, count * k));
+  }
+  void consume(std::size_t first, std::size_t count) const {
+    const std::size_t H = d->x.cols();
+    for (std::size_t t = first; t < first + count; ++t)
+      for (std::size_t h = 0; h < H; ++h)
+        out[t * H + h] = row_t(static_cast<float>(d->x(t, h)) + static_cast<float>(d->y(t, h)));
+  }
+};
+
+// Runs `iterations` blocks of one variant on one rank; returns its median timing.
 //! [generic]
 template <class Comm>
-measured run_rank(Comm& comm, const settings& s, const weave::placement& where, int chunks,
-                  rank_data& d, bool pipelined_output, weave::overlap::trace_writer* trace,
+measured run_rank(Comm& comm, const settings& s, const weave::placement& where, variant v,
+                  rank_data& d, weave::overlap::trace_writer* trace,
                   weave::host_event::clock::time_point origin) {
   weave::moe_options o;
   o.k = s.k;
   o.hidden = s.hidden;
   o.element = weave::dtype::bf16;
   o.max_tokens = s.tokens;
-  o.chunks = chunks;
+  o.chunks = v == variant::unpipelined ? 1 : s.chunks;
   weave::moe_exchange<Comm> layer(comm, where, o);
   weave::host_stream compute("compute"), comm_stream("comm");
-  auto& y = pipelined_output ? d.y_pipelined : d.y_unpipelined;
+  const around_ops around{&s, &d, d.out[static_cast<int>(v)].data()};
+  const weave::moe_chunk_hooks hooks{
+      [&around](std::size_t first, std::size_t count) { around.produce(first, count); },
+      [&around](std::size_t first, std::size_t count) { around.consume(first, count); }};
+  const bool partitioned = v == variant::partitioned;
   std::vector<weave::pipeline_timing> timings;
   for (int it = 0; it <= s.iterations; ++it) { // iteration 0 warms the buffers up
-    layer.forward(d.x.view(), d.ids, d.weights, y.view(), emulated_experts{s.expert_ns_per_row},
-                  compute, comm_stream);
+    weave::host_event begin = compute.record(), produced, forwarded, end;
+    if (!partitioned) // the operators around the layer run on the whole batch
+      compute.submit([&] { around.produce(0, s.tokens); });
+    compute.record(produced);
+    layer.forward(d.x.view(), d.ids, d.weights, d.y.view(), emulated_experts{s.expert_ns_per_row},
+                  compute, comm_stream, partitioned ? &hooks : nullptr);
+    compute.record(forwarded);
+    if (!partitioned)
+      compute.submit([&] { around.consume(0, s.tokens); });
+    compute.record(end);
     compute.synchronize();
     comm_stream.synchronize();
-    if (it > 0)
-      timings.push_back(weave::measure(layer.pipeline()));
+    if (it == 0)
+      continue;
+    using ms = std::chrono::duration<double, std::milli>;
+    weave::pipeline_timing t = weave::measure(layer.pipeline());
+    t.makespan_ms = ms(end.completed_at() - begin.completed_at()).count();
+    t.compute_busy_ms += ms(produced.completed_at() - begin.completed_at()).count() +
+                         ms(end.completed_at() - forwarded.completed_at()).count();
+    timings.push_back(t);
   }
   std::sort(timings.begin(), timings.end(),
             [](const auto& a, const auto& b) { return a.makespan_ms < b.makespan_ms; });
@@ -165,9 +222,8 @@ measured run_rank(Comm& comm, const settings& s, const weave::placement& where, 
 //! [generic]
 
 // Every rank of an in-process world, one thread each.
-std::vector<measured> run_local(const settings& s, const weave::placement& where, int chunks,
-                                std::vector<rank_data>& data, bool pipelined_output,
-                                weave::overlap::trace_writer* trace) {
+std::vector<measured> run_local(const settings& s, const weave::placement& where, variant v,
+                                std::vector<rank_data>& data, weave::overlap::trace_writer* trace) {
   weave::local_world_options options;
   options.link = weave::emulated_link::gbps(
       s.link_gbps, std::chrono::nanoseconds(static_cast<std::int64_t>(s.latency_us * 1e3)));
@@ -178,8 +234,7 @@ std::vector<measured> run_local(const settings& s, const weave::placement& where
   world.run([&](weave::local_communicator& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     weave::overlap::trace_writer mine;
-    result[r] = run_rank(comm, s, where, chunks, data[r], pipelined_output, trace ? &mine : nullptr,
-                         origin);
+    result[r] = run_rank(comm, s, where, v, data[r], trace ? &mine : nullptr, origin);
     if (trace) {
       std::lock_guard lock(trace_mutex);
       for (const auto& e : mine.events())
@@ -192,8 +247,8 @@ std::vector<measured> run_local(const settings& s, const weave::placement& where
   return result;
 }
 
-// Each rank's tokens and gate logits (the same on every process: one seed); the gate picks
-// top-k with softmax weights. Returns the mean GShard auxiliary loss.
+// Each rank's tokens and gate logits (the same on every process: one seed). Returns the mean
+// GShard auxiliary loss of the gate (softmax top-k, renormalized) over the whole batch.
 double make_data(const settings& s, std::vector<rank_data>& data) {
   data.resize(static_cast<std::size_t>(s.ranks));
   std::mt19937 rng(2026);
@@ -203,39 +258,43 @@ double make_data(const settings& s, std::vector<rank_data>& data) {
     d.x = weave::host_matrix<row_t>(s.tokens, s.hidden);
     for (row_t& v : d.x.elements())
       v = row_t(normal(rng));
-    weave::host_matrix<float> logits(s.tokens, static_cast<std::size_t>(s.experts));
-    for (float& v : logits.elements())
+    d.logits = weave::host_matrix<float>(s.tokens, static_cast<std::size_t>(s.experts));
+    for (float& v : d.logits.elements())
       v = 2.0f * normal(rng);
     d.ids.resize(s.tokens * static_cast<std::size_t>(s.k));
     d.weights.resize(d.ids.size());
     weave::gate_options gate;
     gate.k = s.k;
     gate.renormalize = true;
-    aux_loss += weave::top_k_gate(logits.view(), gate, d.ids, d.weights).aux_loss;
-    d.y_unpipelined = weave::host_matrix<row_t>(s.tokens, s.hidden);
-    d.y_pipelined = weave::host_matrix<row_t>(s.tokens, s.hidden);
+    aux_loss += weave::top_k_gate(d.logits.view(), gate, d.ids, d.weights).aux_loss;
+    d.y = weave::host_matrix<row_t>(s.tokens, s.hidden);
+    for (auto& out : d.out)
+      out = weave::host_matrix<row_t>(s.tokens, s.hidden);
   }
   return aux_loss / s.ranks;
 }
 
+// The three variants' block outputs are bitwise identical.
 bool outputs_identical(const rank_data& d) {
-  return std::memcmp(d.y_unpipelined.data(), d.y_pipelined.data(),
-                     d.x.rows() * d.x.cols() * sizeof(row_t)) == 0;
+  const std::size_t bytes = d.x.rows() * d.x.cols() * sizeof(row_t);
+  return std::memcmp(d.out[0].data(), d.out[1].data(), bytes) == 0 &&
+         std::memcmp(d.out[0].data(), d.out[2].data(), bytes) == 0;
 }
 
 void print_header(const settings& s, const char* world, double aux_loss) {
   std::printf("weave MoE demo: %d ranks (%s), %zu tokens/rank, %d experts, top-%d, hidden %zu "
-              "(bf16), experts %.0f ns/row\n",
-              s.ranks, world, s.tokens, s.experts, s.k, s.hidden, s.expert_ns_per_row);
+              "(bf16), experts %.0f ns/row, attention %.0f ns/token\n",
+              s.ranks, world, s.tokens, s.experts, s.k, s.hidden, s.expert_ns_per_row,
+              s.attention_ns_per_token);
   std::printf("gate: softmax top-%d, GShard aux loss %.4f (1.0 = perfectly balanced)\n", s.k,
               aux_loss);
 }
 
-void report(const settings& s, const std::vector<measured>& plain,
-            const std::vector<measured>& piped, bool identical) {
+// `runs[v]` holds every rank's measurement of variant v.
+void report(const settings& s, const std::vector<measured> (&runs)[variants], bool identical) {
   // Volumes, summed over ranks; a naive dispatch sends one row per (token, expert).
   std::int64_t sent = 0, local = 0, naive = 0, dropped = 0;
-  for (const measured& m : plain) {
+  for (const measured& m : runs[0]) {
     sent += m.stats.sent_rows;
     local += m.stats.local_rows;
     naive += m.stats.naive_rows();
@@ -253,27 +312,36 @@ void report(const settings& s, const std::vector<measured>& plain,
               2.0 * static_cast<double>(sent) * row_bytes / mib,
               2.0 * static_cast<double>(local) * row_bytes / mib,
               2.0 * static_cast<double>(naive) * row_bytes / mib, static_cast<long long>(dropped));
-  auto slowest = [](const std::vector<measured>& m) { // the slowest rank sets the layer's time
+  auto slowest = [](const std::vector<measured>& m) { // the slowest rank sets the block's time
     weave::pipeline_timing t{};
     for (const measured& x : m)
       if (x.timing.makespan_ms > t.makespan_ms)
         t = x.timing;
     return t;
   };
-  const auto a = slowest(plain), b = slowest(piped);
-  std::printf("\n%-22s %12s %12s %14s %12s\n", "", "layer (ms)", "compute (ms)", "exposed comm",
-              "comm busy");
-  std::printf("%-22s %12.1f %12.1f %11.1f ms %9.1f ms\n", "unpipelined (C = 1)", a.makespan_ms,
-              a.compute_busy_ms, a.exposed_comm_ms(), a.comm_busy_ms);
-  std::printf("%-22s %12.1f %12.1f %11.1f ms %9.1f ms\n",
-              ("pipelined (C = " + std::to_string(s.chunks) + ")").c_str(), b.makespan_ms,
-              b.compute_busy_ms, b.exposed_comm_ms(), b.comm_busy_ms);
-  const double hidden_pct =
-      a.exposed_comm_ms() > 0 ? 100.0 * (1.0 - b.exposed_comm_ms() / a.exposed_comm_ms()) : 0.0;
-  std::printf("\npipelining saved %.1f ms per layer: %.0f%% of the exposed communication hidden, "
-              "%.2fx speedup\n",
-              a.makespan_ms - b.makespan_ms, hidden_pct, a.makespan_ms / b.makespan_ms);
-  std::printf("pipelined output bitwise identical to unpipelined: %s\n", identical ? "yes" : "NO");
+  const std::string c = std::to_string(s.chunks);
+  const std::string labels[variants] = {"unpipelined (C = 1)", "layer pipelined (C = " + c + ")",
+                                        "+ attention, gate, residual in the chunks"};
+  std::printf("\n%-42s %11s %13s %14s %11s\n", "block (attention, gate, MoE, residual)",
+              "time (ms)", "compute (ms)", "exposed comm", "comm busy");
+  weave::pipeline_timing t[variants];
+  for (int v = 0; v < variants; ++v) {
+    t[v] = slowest(runs[v]);
+    std::printf("%-42s %11.1f %13.1f %11.1f ms %8.1f ms\n", labels[v].c_str(), t[v].makespan_ms,
+                t[v].compute_busy_ms, t[v].exposed_comm_ms(), t[v].comm_busy_ms);
+  }
+  const auto hidden = [&](int v) {
+    return t[0].exposed_comm_ms() > 0
+               ? 100.0 * (1.0 - t[v].exposed_comm_ms() / t[0].exposed_comm_ms())
+               : 0.0;
+  };
+  std::printf("\npipelining the MoE layer (Tutel) saved %.1f ms: %.0f%% of the exposed "
+              "communication hidden, %.2fx\n",
+              t[0].makespan_ms - t[1].makespan_ms, hidden(1), t[0].makespan_ms / t[1].makespan_ms);
+  std::printf("partitioning the operators around it too (Lancet) saved %.1f ms: %.0f%% hidden, "
+              "%.2fx\n",
+              t[0].makespan_ms - t[2].makespan_ms, hidden(2), t[0].makespan_ms / t[2].makespan_ms);
+  std::printf("outputs of the three bitwise identical: %s\n", identical ? "yes" : "NO");
 }
 
 #ifdef WEAVE_DEMO_MPI
@@ -298,22 +366,23 @@ int run_mpi(settings s) {
         print_header(s, "MPI processes", aux_loss);
       const auto origin = weave::host_event::clock::now();
       weave::overlap::trace_writer trace;
-      const measured plain = run_rank(comm, s, where, 1, mine, false, nullptr, origin);
-      const measured piped = run_rank(comm, s, where, s.chunks, mine, true, &trace, origin);
-      std::vector<measured> all_plain(static_cast<std::size_t>(s.ranks));
-      std::vector<measured> all_piped(all_plain.size());
-      MPI_Gather(&plain, sizeof(measured), MPI_BYTE, all_plain.data(), sizeof(measured), MPI_BYTE,
-                 0, MPI_COMM_WORLD);
-      MPI_Gather(&piped, sizeof(measured), MPI_BYTE, all_piped.data(), sizeof(measured), MPI_BYTE,
-                 0, MPI_COMM_WORLD);
+      std::vector<measured> runs[variants];
+      for (int v = 0; v < variants; ++v) {
+        const bool traced = v == static_cast<int>(variant::partitioned);
+        const measured m = run_rank(comm, s, where, static_cast<variant>(v), mine,
+                                    traced ? &trace : nullptr, origin);
+        runs[v].resize(static_cast<std::size_t>(s.ranks));
+        MPI_Gather(&m, sizeof(measured), MPI_BYTE, runs[v].data(), sizeof(measured), MPI_BYTE, 0,
+                   MPI_COMM_WORLD);
+      }
       int identical = outputs_identical(mine) ? 1 : 0;
       MPI_Allreduce(MPI_IN_PLACE, &identical, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
       if (comm.rank() == 0)
-        report(s, all_plain, all_piped, identical != 0);
+        report(s, runs, identical != 0);
       if (!s.trace.empty()) {
         trace.write_file(s.trace + ".rank" + std::to_string(comm.rank()));
         if (comm.rank() == 0)
-          std::printf("traces of the pipelined layer: %s.rank<N> (one per rank)\n",
+          std::printf("traces of the partitioned block: %s.rank<N> (one per rank)\n",
                       s.trace.c_str());
       }
       status = identical ? 0 : 1;
@@ -341,16 +410,19 @@ int main(int argc, char** argv) {
   const double aux_loss = make_data(s, data);
   print_header(s, "in-process", aux_loss);
   std::printf("link: %.2f GB/s + %.0f us per rank pair (emulated)\n", s.link_gbps, s.latency_us);
-  const auto plain = run_local(s, where, 1, data, false, nullptr);
   weave::overlap::trace_writer trace;
-  const auto piped = run_local(s, where, s.chunks, data, true, &trace);
+  std::vector<measured> runs[variants];
+  for (int v = 0; v < variants; ++v) {
+    const bool traced = v == static_cast<int>(variant::partitioned);
+    runs[v] = run_local(s, where, static_cast<variant>(v), data, traced ? &trace : nullptr);
+  }
   bool identical = true;
   for (const rank_data& d : data)
     identical = identical && outputs_identical(d);
-  report(s, plain, piped, identical);
+  report(s, runs, identical);
   if (!s.trace.empty()) {
     trace.write_file(s.trace);
-    std::printf("trace of the pipelined layer: %s (open in ui.perfetto.dev)\n", s.trace.c_str());
+    std::printf("trace of the partitioned block: %s (open in ui.perfetto.dev)\n", s.trace.c_str());
   }
   return identical ? 0 : 1;
 }
