@@ -26,6 +26,7 @@
 #include <vector>
 
 using weave_test::random_choices;
+using weave_test::random_keep;
 using workspace = weave_test::aligned_buffer;
 
 namespace {
@@ -70,10 +71,7 @@ TEST_CASE("device dispatch plan steps equal the host plan on random placements a
       std::vector<std::int32_t> ids;
       std::vector<float> w;
       random_choices(rng, T, E, k, ids, w);
-      std::vector<std::uint8_t> keep;
-      if (rng() % 2 == 0)
-        for (std::size_t i = 0; i < ids.size(); ++i)
-          keep.push_back(rng() % 4 == 0 ? 0 : 1);
+      const std::vector<std::uint8_t> keep = random_keep(rng, ids.size());
       weave::dispatch_plan host(p, k, source);
       host.build(ids, w, keep, offset);
 

@@ -27,6 +27,7 @@
 
 using weave_test::dev;
 using weave_test::random_choices;
+using weave_test::random_keep;
 using weave_test::stream_holder;
 using weave_test::to_host;
 
@@ -228,10 +229,7 @@ TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a k
     std::vector<std::int32_t> ids;
     std::vector<float> w;
     random_choices(rng, T, E, k, ids, w);
-    std::vector<std::uint8_t> keep;
-    if (rng() % 2 == 0)
-      for (std::size_t i = 0; i < ids.size(); ++i)
-        keep.push_back(rng() % 4 == 0 ? 0 : 1);
+    const std::vector<std::uint8_t> keep = random_keep(rng, ids.size());
     weave::dispatch_plan host(p, k, source);
     host.build(ids, w, keep, offset);
 

@@ -1,5 +1,5 @@
 // Random top-k choices for the plan tests: distinct experts per token, about one in nine
-// choices -1 ("no expert"), weights in [0, 1.003].
+// choices -1 ("no expert"), weights in [0, 1.003]; and random keep masks.
 #pragma once
 
 #include <algorithm>
@@ -24,6 +24,15 @@ inline void random_choices(std::mt19937& rng, std::size_t T, int E, int k,
       w[t * k + i] = static_cast<float>(rng() % 1000) / 997.0f;
     }
   }
+}
+
+// Half the time no keep mask (dropless); else one flag per choice, about a quarter dropped.
+inline std::vector<std::uint8_t> random_keep(std::mt19937& rng, std::size_t choices) {
+  std::vector<std::uint8_t> keep;
+  if (rng() % 2 == 0)
+    for (std::size_t i = 0; i < choices; ++i)
+      keep.push_back(rng() % 4 == 0 ? 0 : 1);
+  return keep;
 }
 
 } // namespace weave_test
