@@ -175,7 +175,7 @@ struct around_ops {
 //! [generic]
 template <class Comm>
 measured run_rank(Comm& comm, const settings& s, const weave::placement& where, variant v,
-                  rank_data& d, weave::overlap::trace_writer* trace,
+                  rank_data& d, weave::trace_writer* trace,
                   weave::host_event::clock::time_point origin) {
   weave::moe_options o;
   o.k = s.k;
@@ -223,7 +223,7 @@ measured run_rank(Comm& comm, const settings& s, const weave::placement& where, 
 
 // Every rank of an in-process world, one thread each.
 std::vector<measured> run_local(const settings& s, const weave::placement& where, variant v,
-                                std::vector<rank_data>& data, weave::overlap::trace_writer* trace) {
+                                std::vector<rank_data>& data, weave::trace_writer* trace) {
   weave::local_world_options options;
   options.link = weave::emulated_link::gbps(
       s.link_gbps, std::chrono::nanoseconds(static_cast<std::int64_t>(s.latency_us * 1e3)));
@@ -233,7 +233,7 @@ std::vector<measured> run_local(const settings& s, const weave::placement& where
   const auto origin = weave::host_event::clock::now();
   world.run([&](weave::local_communicator& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
-    weave::overlap::trace_writer mine;
+    weave::trace_writer mine;
     result[r] = run_rank(comm, s, where, v, data[r], trace ? &mine : nullptr, origin);
     if (trace) {
       std::lock_guard lock(trace_mutex);
@@ -365,7 +365,7 @@ int run_mpi(settings s) {
       if (comm.rank() == 0)
         print_header(s, "MPI processes", aux_loss);
       const auto origin = weave::host_event::clock::now();
-      weave::overlap::trace_writer trace;
+      weave::trace_writer trace;
       std::vector<measured> runs[variants];
       for (int v = 0; v < variants; ++v) {
         const bool traced = v == static_cast<int>(variant::partitioned);
@@ -410,7 +410,7 @@ int main(int argc, char** argv) {
   const double aux_loss = make_data(s, data);
   print_header(s, "in-process", aux_loss);
   std::printf("link: %.2f GB/s + %.0f us per rank pair (emulated)\n", s.link_gbps, s.latency_us);
-  weave::overlap::trace_writer trace;
+  weave::trace_writer trace;
   std::vector<measured> runs[variants];
   for (int v = 0; v < variants; ++v) {
     const bool traced = v == static_cast<int>(variant::partitioned);

@@ -9,5 +9,6 @@
 #include "weave/exec.hpp"
 #include "weave/overlap.hpp"
 #include "weave/placement.hpp"
+#include "weave/plan.hpp"
 #include "weave/routing.hpp"
 #include "weave/sim.hpp"

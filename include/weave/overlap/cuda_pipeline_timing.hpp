@@ -6,10 +6,10 @@
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/trace_writer.hpp"
 #include "weave/exec/cuda_stream.hpp"
 #include "weave/overlap/pipeline.hpp"
 #include "weave/overlap/pipeline_timing.hpp"
-#include "weave/overlap/trace.hpp"
 
 #include <string>
 
@@ -24,8 +24,8 @@ inline pipeline_timing measure(const chunk_pipeline<cuda_stream_ref>& p) {
 
 //! Adds the last run's stages of rank `rank` to `trace` (pid = rank, tid 0 = compute,
 //! 1 = comm), `offset_us` after the trace's origin; `label` prefixes the event names.
-inline void add_to_trace(overlap::trace_writer& trace, const chunk_pipeline<cuda_stream_ref>& p,
-                         int rank, double offset_us = 0, const std::string& label = "") {
+inline void add_to_trace(trace_writer& trace, const chunk_pipeline<cuda_stream_ref>& p, int rank,
+                         double offset_us = 0, const std::string& label = "") {
   const cuda_event& origin = p.began(pipeline_stage::prepare, 0);
   detail::add_stages_to_trace(
       trace, p, rank,

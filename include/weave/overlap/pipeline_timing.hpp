@@ -4,9 +4,9 @@
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/trace_writer.hpp"
 #include "weave/exec/host_stream.hpp"
 #include "weave/overlap/pipeline.hpp"
-#include "weave/overlap/trace.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -52,13 +52,13 @@ pipeline_timing measure_with(const chunk_pipeline<Stream>& p, MsOf&& ms_of) {
 }
 
 template <class Stream, class MsOf>
-void add_stages_to_trace(overlap::trace_writer& trace, const chunk_pipeline<Stream>& p, int rank,
+void add_stages_to_trace(trace_writer& trace, const chunk_pipeline<Stream>& p, int rank,
                          MsOf&& ms_of, const std::string& label) {
   trace.name_process(rank, "rank " + std::to_string(rank));
   trace.name_thread(rank, 0, "compute stream");
   trace.name_thread(rank, 1, "comm stream");
   for_each_stage_time(p, ms_of, [&](pipeline_stage stage, int c, double begin, double end) {
-    overlap::trace_event e;
+    trace_event e;
     e.name = label + to_string(stage) + " " + std::to_string(c);
     e.category = on_comm_stream(stage) ? "a2a" : "compute";
     e.pid = rank;
@@ -82,9 +82,8 @@ inline pipeline_timing measure(const chunk_pipeline<host_stream>& p) {
 
 //! Adds the last run's stages of rank `rank` to `trace` (pid = rank, tid 0 = compute,
 //! 1 = comm), with times relative to `origin`; `label` prefixes the event names.
-inline void add_to_trace(overlap::trace_writer& trace, const chunk_pipeline<host_stream>& p,
-                         int rank, host_event::clock::time_point origin,
-                         const std::string& label = "") {
+inline void add_to_trace(trace_writer& trace, const chunk_pipeline<host_stream>& p, int rank,
+                         host_event::clock::time_point origin, const std::string& label = "") {
   detail::add_stages_to_trace(
       trace, p, rank,
       [origin](const host_event& e) {

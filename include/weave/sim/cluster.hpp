@@ -19,7 +19,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/placement/topology.hpp"
-#include "weave/sim/cost_model.hpp"
+#include "weave/plan/cost_model.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -44,7 +44,7 @@ struct link_spec {
     return latency_us + bytes * 1e-3 / gbytes_per_s;
   }
   //! The alpha-beta model of this link (`a2a_cost`).
-  a2a_cost cost() const { return a2a_cost::from_bandwidth(latency_us, gbytes_per_s); }
+  plan::a2a_cost cost() const { return plan::a2a_cost::from_bandwidth(latency_us, gbytes_per_s); }
 
   friend bool operator==(const link_spec&, const link_spec&) = default;
 };

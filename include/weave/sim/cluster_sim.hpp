@@ -2,7 +2,7 @@
 //! Cluster-scale simulation of an MoE model's forward pass: for each layer, the dispatch and
 //! combine all-to-alls priced on the cluster's links (`layer_traffic_of` volumes), the expert
 //! compute of every device, pipelined in `pipeline_degree` chunks on two streams per rank by the
-//! overlap planner's schedule and `sim::simulate`; the step time is the sum of the layer
+//! overlap planner's schedule and `plan::simulate`; the step time is the sum of the layer
 //! makespans (layers run one after another, attention and the rest are not modelled).
 //!
 //! Link models (the time of rank r's part of one all-to-all of fraction f of the volume):
@@ -19,13 +19,13 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/graph.hpp"
-#include "weave/overlap/schedule.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/placement/trace.hpp"
+#include "weave/plan/graph.hpp"
+#include "weave/plan/schedule.hpp"
+#include "weave/plan/timeline.hpp"
 #include "weave/sim/cluster.hpp"
 #include "weave/sim/moe_model.hpp"
-#include "weave/sim/timeline.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -92,10 +92,10 @@ struct sim_result {
   double imbalance_mean = 0;  //!< mean over layers of max/mean device load
   std::vector<layer_result> layers;
   //! Tasks of one layer's schedule (streams and chunks for the trace).
-  overlap::schedule schedule;
+  plan::schedule schedule;
   std::vector<std::string> schedule_names; //!< name of each op of `schedule`
   //! For each layer, for each kept trace rank, every task's interval (task-major).
-  std::vector<std::vector<std::vector<interval>>> traced;
+  std::vector<std::vector<std::vector<plan::interval>>> traced;
   std::vector<int> trace_ranks; //!< the ranks of `traced`, in order
 };
 
@@ -134,24 +134,24 @@ inline std::vector<std::string> layer_op_names(a2a_algorithm algorithm) {
 //! The schedule of one layer: dispatch (one or two phases), expert compute, combine, each split
 //! into `degree` chunks and pipelined. Op ids: dispatch phases first, then compute, then the
 //! combine phases. Throws `errc::invalid_argument` for a degree below 1.
-inline overlap::schedule layer_schedule(a2a_algorithm algorithm, std::int64_t degree) {
+inline plan::schedule layer_schedule(a2a_algorithm algorithm, std::int64_t degree) {
   WEAVE_EXPECT(degree >= 1, errc::invalid_argument, "pipeline degree ", degree, " < 1");
-  overlap::graph g;
-  std::vector<overlap::op_id> order;
-  const overlap::op_cost unit{0.0, 1.0}; // durations come from the simulation, not the graph
+  plan::graph g;
+  std::vector<plan::op_id> order;
+  const plan::op_cost unit{0.0, 1.0}; // durations come from the simulation, not the graph
   const auto names = layer_op_names(algorithm);
   for (std::size_t i = 0; i < names.size(); ++i) {
-    std::vector<overlap::op_id> deps;
+    std::vector<plan::op_id> deps;
     if (i > 0)
       deps.push_back(order.back());
     const bool compute = names[i] == "experts";
     order.push_back(compute ? g.add_compute(names[i], unit, std::move(deps))
                             : g.add_a2a(names[i], 0.0, unit, std::move(deps)));
   }
-  overlap::plan pl;
+  plan::partition_plan pl;
   pl.ranges.push_back({0, order.size(), degree});
   pl.order = std::move(order);
-  return overlap::make_schedule(g, pl);
+  return plan::make_schedule(g, pl);
 }
 
 //! Where each layer's routing comes from.
@@ -220,7 +220,7 @@ inline sim_result simulate_cluster(const cluster& c, const moe_model& m,
   sim_result res;
   res.schedule = layer_schedule(o.algorithm, o.pipeline_degree);
   res.schedule_names = layer_op_names(o.algorithm);
-  const overlap::schedule& s = res.schedule;
+  const plan::schedule& s = res.schedule;
   for (const int r : o.trace_ranks)
     if (r >= 0 && r < D)
       res.trace_ranks.push_back(r);
@@ -245,7 +245,7 @@ inline sim_result simulate_cluster(const cluster& c, const moe_model& m,
   double imbalance_sum = 0;
   for (int layer = 0; layer < m.layers; ++layer) {
     const layer_traffic& tr = traffic_of_layer(layer);
-    auto a2a_us = [&](std::size_t r, overlap::op_id op, double f) {
+    auto a2a_us = [&](std::size_t r, plan::op_id op, double f) {
       if (flat)
         return detail::rank_a2a_us(c, o.links, tr.flat[r], f, op == 2, true, true);
       // ops: 0 dispatch.intra, 1 dispatch.inter, 3 combine.inter, 4 combine.intra
@@ -253,13 +253,14 @@ inline sim_result simulate_cluster(const cluster& c, const moe_model& m,
       return detail::rank_a2a_us(c, o.links, intra ? tr.phase1[r] : tr.phase2[r], f, op >= 3, intra,
                                  !intra);
     };
-    const overlap::op_id compute_op = flat ? 1 : 2;
-    const timeline t = simulate(s, static_cast<std::size_t>(D), [&](std::size_t r, std::size_t i) {
-      const overlap::task& task = s[i];
-      if (task.op == compute_op)
-        return o.kernel_fixed_us + us_per_row * tr.device_rows[r] * task.fraction;
-      return a2a_us(r, task.op, task.fraction);
-    });
+    const plan::op_id compute_op = flat ? 1 : 2;
+    const plan::timeline t =
+        plan::simulate(s, static_cast<std::size_t>(D), [&](std::size_t r, std::size_t i) {
+          const plan::task& task = s[i];
+          if (task.op == compute_op)
+            return o.kernel_fixed_us + us_per_row * tr.device_rows[r] * task.fraction;
+          return a2a_us(r, task.op, task.fraction);
+        });
     layer_result lr;
     lr.makespan_us = t.makespan_us();
     lr.imbalance = tr.imbalance();
@@ -268,14 +269,14 @@ inline sim_result simulate_cluster(const cluster& c, const moe_model& m,
       lr.max_sent_bytes =
           std::max(lr.max_sent_bytes, tr.flat[r].sent.intra_bytes + tr.flat[r].sent.inter_bytes);
       lr.inter_bytes += tr.flat[r].sent.inter_bytes;
-      lr.exposed_comm_us = std::max(lr.exposed_comm_us, analyze(s, t, r).exposed_comm_us);
+      lr.exposed_comm_us = std::max(lr.exposed_comm_us, plan::analyze(s, t, r).exposed_comm_us);
     }
-    const std::vector<overlap::op_id> dispatch_ops =
-        flat ? std::vector<overlap::op_id>{0} : std::vector<overlap::op_id>{0, 1};
-    const std::vector<overlap::op_id> combine_ops =
-        flat ? std::vector<overlap::op_id>{2} : std::vector<overlap::op_id>{3, 4};
+    const std::vector<plan::op_id> dispatch_ops =
+        flat ? std::vector<plan::op_id>{0} : std::vector<plan::op_id>{0, 1};
+    const std::vector<plan::op_id> combine_ops =
+        flat ? std::vector<plan::op_id>{2} : std::vector<plan::op_id>{3, 4};
     for (const auto* ops : {&dispatch_ops, &combine_ops})
-      for (const overlap::op_id op : *ops) {
+      for (const plan::op_id op : *ops) {
         double worst = 0;
         for (std::size_t r = 0; r < static_cast<std::size_t>(D); ++r)
           worst = std::max(worst, a2a_us(r, op, 1.0));
@@ -283,7 +284,7 @@ inline sim_result simulate_cluster(const cluster& c, const moe_model& m,
       }
     res.traced.emplace_back();
     for (const int r : res.trace_ranks) {
-      std::vector<interval> iv(s.size());
+      std::vector<plan::interval> iv(s.size());
       for (std::size_t i = 0; i < s.size(); ++i)
         iv[i] = t.at(static_cast<std::size_t>(r), i);
       res.traced.back().push_back(std::move(iv));

@@ -1,12 +1,12 @@
 //! \file
 //! Output of a cluster simulation: a JSON summary (step time, exposed communication, imbalance,
 //! per-layer figures) and a Chrome trace of one step (the kept ranks' two streams, layers one
-//! after another) through `overlap::trace_writer`.
+//! after another) through `trace_writer`.
 #pragma once
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/trace.hpp"
+#include "weave/core/trace_writer.hpp"
 #include "weave/sim/cluster.hpp"
 #include "weave/sim/cluster_sim.hpp"
 #include "weave/sim/moe_model.hpp"
@@ -83,8 +83,8 @@ inline void write_json(std::ostream& out, const sim_result& r, bool with_layers 
 
 //! A Chrome trace of one simulated step: one process lane per kept rank with a compute and a
 //! comm thread; layer l's tasks are shifted by the makespans of the layers before it.
-inline overlap::trace_writer chrome_trace(const sim_result& r) {
-  overlap::trace_writer w;
+inline trace_writer chrome_trace(const sim_result& r) {
+  trace_writer w;
   for (const int rank : r.trace_ranks) {
     w.name_process(rank, "rank " + std::to_string(rank));
     w.name_thread(rank, 0, "compute");
@@ -95,8 +95,8 @@ inline overlap::trace_writer chrome_trace(const sim_result& r) {
     for (std::size_t k = 0; k < r.trace_ranks.size(); ++k) {
       const auto& iv = r.traced[l][k];
       for (std::size_t i = 0; i < r.schedule.size(); ++i) {
-        const overlap::task& t = r.schedule[i];
-        const bool comm = t.stream == overlap::stream_kind::comm;
+        const plan::task& t = r.schedule[i];
+        const bool comm = t.stream == plan::stream_kind::comm;
         std::string name = "L" + std::to_string(l) + " " + r.schedule_names[t.op];
         if (t.chunks > 1)
           name += " #" + std::to_string(t.chunk);

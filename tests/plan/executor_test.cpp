@@ -1,8 +1,8 @@
 #include <doctest/doctest.h>
 
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/executor.hpp>
-#include <weave/overlap/partition_planner.hpp>
+#include <weave/plan/executor.hpp>
+#include <weave/plan/partition_planner.hpp>
 
 #include <atomic>
 #include <barrier>
@@ -14,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-using namespace weave::overlap;
+using namespace weave::plan;
 
 namespace {
 
@@ -50,7 +50,7 @@ struct ranked_streams {
 
 TEST_CASE("the executor runs every task once, in an order that respects the schedule") {
   const graph g = moe_layer();
-  const plan p = plan_partitions(g, {.max_parts = 3});
+  const partition_plan p = plan_partitions(g, {.max_parts = 3});
   const schedule s = make_schedule(g, p);
   constexpr std::size_t ranks = 2;
   ranked_streams streams(ranks);
@@ -76,7 +76,7 @@ TEST_CASE("the executor runs every task once, in an order that respects the sche
   };
   for (int repeat = 0; repeat < 2; ++repeat) {
     ran.clear();
-    const weave::sim::timeline& t = ex.run(compute, comm);
+    const weave::plan::timeline& t = ex.run(compute, comm);
     REQUIRE(t.ranks() == ranks);
     REQUIRE(t.tasks() == s.size());
     CHECK(ran.size() == ranks * s.size());
@@ -107,7 +107,7 @@ TEST_CASE("the executor runs every task once, in an order that respects the sche
 
 TEST_CASE("a failing op surfaces from run and leaves the executor usable") {
   const graph g = moe_layer();
-  const schedule s = make_schedule(g, plan::unpartitioned(g.topological_order()));
+  const schedule s = make_schedule(g, partition_plan::unpartitioned(g.topological_order()));
   ranked_streams streams(1);
   schedule_executor<weave::host_stream> ex(g, s, streams.view);
   std::mutex m;
@@ -138,7 +138,7 @@ TEST_CASE("a failing op surfaces from run and leaves the executor usable") {
 
 TEST_CASE("the executor rejects missing streams and a schedule of another graph") {
   const graph g = moe_layer();
-  const schedule s = make_schedule(g, plan::unpartitioned(g.topological_order()));
+  const schedule s = make_schedule(g, partition_plan::unpartitioned(g.topological_order()));
   graph other;
   other.add_compute("only", {1, 0});
   ranked_streams streams(1);
@@ -158,11 +158,11 @@ TEST_CASE("the executor rejects missing streams and a schedule of another graph"
   CHECK(code_of([&] { ex_t(other, s, streams.view); }) == weave::errc::size_mismatch);
 }
 
-#include <weave/overlap/timeline_trace.hpp>
+#include <weave/plan/timeline_trace.hpp>
 
 TEST_CASE("docs example: describe, plan, simulate, trace, execute") {
   //! [plan]
-  const auto link = weave::sim::a2a_cost::from_bandwidth(/*alpha_us=*/30, /*GB/s=*/12.5);
+  const auto link = weave::plan::a2a_cost::from_bandwidth(/*alpha_us=*/30, /*GB/s=*/12.5);
   graph g; // one MoE layer; costs in us at full batch: {per chunk, scaled by the fraction}
   const op_id attn = g.add_compute("attention", {20, 1200});
   const op_id gate = g.add_compute("gate", {15, 60}, {attn});
@@ -170,18 +170,18 @@ TEST_CASE("docs example: describe, plan, simulate, trace, execute") {
   const op_id experts = g.add_compute("experts", {30, 1500}, {disp});
   g.add_a2a("combine", 11e6, link, {experts});
 
-  const plan p = plan_partitions(g, {.max_parts = 8, .chunk_overhead_us = 5});
+  const partition_plan p = plan_partitions(g, {.max_parts = 8, .chunk_overhead_us = 5});
   const schedule s = make_schedule(g, p);
-  const weave::sim::timeline predicted = weave::sim::simulate(s, /*ranks=*/2);
-  const weave::sim::rank_stats st = weave::sim::analyze_worst(s, predicted);
+  const weave::plan::timeline predicted = weave::plan::simulate(s, /*ranks=*/2);
+  const weave::plan::rank_stats st = weave::plan::analyze_worst(s, predicted);
 
-  trace_writer trace; // open the JSON in chrome://tracing or ui.perfetto.dev
+  weave::trace_writer trace; // open the JSON in chrome://tracing or ui.perfetto.dev
   append_timeline(trace, g, s, predicted, "predicted");
 
   weave::host_stream compute0("compute0"), comm0("comm0"), compute1("compute1"), comm1("comm1");
   schedule_executor<weave::host_stream> run(g, s, {{&compute0, &comm0}, {&compute1, &comm1}});
   std::atomic<int> calls{0};
-  const weave::sim::timeline& measured = run.run(
+  const weave::plan::timeline& measured = run.run(
       [&](std::size_t /*rank*/, const op& /*o*/, const task& /*t*/) {
         ++calls; // run o on t.fraction of the rows
       },
@@ -193,7 +193,8 @@ TEST_CASE("docs example: describe, plan, simulate, trace, execute") {
 
   CHECK(st.makespan_us <= p.predicted_us);
   const double serial =
-      weave::sim::simulate(make_schedule(g, plan::unpartitioned({0, 1, 2, 3, 4}))).makespan_us();
+      weave::plan::simulate(make_schedule(g, partition_plan::unpartitioned({0, 1, 2, 3, 4})))
+          .makespan_us();
   CHECK(st.makespan_us < serial);
   CHECK(trace.size() == 4 * s.size());
   CHECK(calls == static_cast<int>(2 * s.size()));

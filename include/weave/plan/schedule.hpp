@@ -1,5 +1,5 @@
 //! \file
-//! `overlap::plan` (what the planners decide) and `overlap::schedule` (the executable result).
+//! `plan::partition_plan` (what the planners decide) and `plan::schedule` (the executable result).
 //!
 //! A plan is an op order (a topological order of the graph) cut into contiguous ranges, each
 //! run whole (`parts == 1`) or split along the batch into `parts` chunks and pipelined. The
@@ -15,7 +15,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/graph.hpp"
+#include "weave/plan/graph.hpp"
 
 #include <cmath>
 #include <cstddef>
@@ -25,7 +25,7 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
+namespace plan {
 
 //! The two streams every rank has.
 enum class stream_kind : std::uint8_t {
@@ -51,7 +51,7 @@ struct op_range {
 };
 
 //! What a planner decides: an op order and its cut into ranges with chunk counts.
-struct plan {
+struct partition_plan {
   std::vector<op_id> order;     //!< a topological order of every op of the graph
   std::vector<op_range> ranges; //!< contiguous, covering [0, order.size()) in order
   //! Extra time every chunk of a partitioned range pays on its stream (splitting the batch,
@@ -62,8 +62,8 @@ struct plan {
   double predicted_us = 0.0;
 
   //! The plan that runs `order` whole, without partitioning.
-  static plan unpartitioned(std::vector<op_id> order) {
-    plan p;
+  static partition_plan unpartitioned(std::vector<op_id> order) {
+    partition_plan p;
     p.ranges.push_back({0, order.size(), 1});
     p.order = std::move(order);
     return p;
@@ -156,7 +156,7 @@ class schedule {
 
 namespace detail {
 
-inline void check_plan(const graph& g, const plan& p) {
+inline void check_plan(const graph& g, const partition_plan& p) {
   const std::size_t n = g.size();
   WEAVE_EXPECT(p.order.size() == n, errc::size_mismatch, "plan orders ", p.order.size(),
                " ops, the graph has ", n);
@@ -195,7 +195,8 @@ inline void check_plan(const graph& g, const plan& p) {
 //! Expands `p` into tasks. Throws `errc::invalid_argument` if the order is not a topological
 //! order of `g` (which also rejects a cyclic graph), the ranges do not tile it, a range has
 //! parts < 1, or a non-partitionable op sits in a partitioned range.
-inline schedule make_schedule(const graph& g, const plan& p, const schedule_options& options = {}) {
+inline schedule make_schedule(const graph& g, const partition_plan& p,
+                              const schedule_options& options = {}) {
   detail::check_plan(g, p);
   const std::size_t n = g.size();
   std::vector<std::size_t> range_of(n), first(n);
@@ -247,5 +248,5 @@ inline schedule make_schedule(const graph& g, const plan& p, const schedule_opti
   return schedule::from_tasks(std::move(tasks), n);
 }
 
-} // namespace overlap
+} // namespace plan
 WEAVE_NAMESPACE_END

@@ -1,7 +1,7 @@
 #include <doctest/doctest.h>
 
-#include <weave/overlap/partition_planner.hpp>
-#include <weave/sim/timeline.hpp>
+#include <weave/plan/partition_planner.hpp>
+#include <weave/plan/timeline.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-using weave::overlap::graph;
-using weave::overlap::op_cost;
-using weave::overlap::op_id;
-using weave::overlap::op_range;
-using weave::overlap::plan;
+using weave::plan::graph;
+using weave::plan::op_cost;
+using weave::plan::op_id;
+using weave::plan::op_range;
+using weave::plan::partition_plan;
 
 namespace {
 
@@ -49,13 +49,13 @@ double brute_force(const graph& g, const std::vector<op_id>& order, std::int64_t
                    std::size_t max_len, double overhead) {
   const std::size_t n = order.size();
   double best = std::numeric_limits<double>::infinity();
-  plan p;
+  partition_plan p;
   p.order = order;
   p.chunk_overhead_us = overhead;
   std::function<void(std::size_t)> rec = [&](std::size_t start) {
     if (start == n) {
-      const auto s = weave::overlap::make_schedule(g, p, {.range_barriers = true});
-      best = std::min(best, weave::sim::simulate(s).makespan_us());
+      const auto s = weave::plan::make_schedule(g, p, {.range_barriers = true});
+      best = std::min(best, weave::plan::simulate(s).makespan_us());
       return;
     }
     for (std::size_t end = start + 1; end <= n && end - start <= max_len; ++end) {
@@ -85,18 +85,18 @@ TEST_CASE("the DP equals brute force over all partitionings on random small grap
     const std::size_t max_len = trial % 3 == 0 ? 0 : 1 + static_cast<std::size_t>(trial % 4);
     const double overhead = trial % 5 == 0 ? 0.0 : overhead_d(rng);
     CAPTURE(trial);
-    const plan p = weave::overlap::plan_partitions(
+    const partition_plan p = weave::plan::plan_partitions(
         g, {.max_parts = max_parts, .max_range_ops = max_len, .chunk_overhead_us = overhead});
     const double reference =
         brute_force(g, g.topological_order(), max_parts, max_len == 0 ? n : max_len, overhead);
     CHECK(p.predicted_us == doctest::Approx(reference).epsilon(1e-9));
     // The plan is what it claims: its barriered schedule takes exactly F(N), and without
     // barriers it is never slower.
-    const auto barriered = weave::overlap::make_schedule(g, p, {.range_barriers = true});
-    CHECK(weave::sim::simulate(barriered).makespan_us() ==
+    const auto barriered = weave::plan::make_schedule(g, p, {.range_barriers = true});
+    CHECK(weave::plan::simulate(barriered).makespan_us() ==
           doctest::Approx(p.predicted_us).epsilon(1e-9));
-    const auto free_running = weave::overlap::make_schedule(g, p);
-    CHECK(weave::sim::simulate(free_running).makespan_us() <= p.predicted_us + 1e-9);
+    const auto free_running = weave::plan::make_schedule(g, p);
+    CHECK(weave::plan::simulate(free_running).makespan_us() <= p.predicted_us + 1e-9);
     for (const op_range& r : p.ranges) {
       CHECK(r.parts <= max_parts);
       if (max_len != 0)
@@ -113,15 +113,16 @@ TEST_CASE("partitioning pays off for a2a-heavy chains and stops when chunks get 
   g.add_dependency(a, d);
   const auto e = g.add_compute("experts", {0, 8}, {d});
   g.add_a2a("combine", 1e6, op_cost{0.1, 6}, {e});
-  const plan whole = plan::unpartitioned(g.topological_order());
-  const double serial = weave::sim::simulate(weave::overlap::make_schedule(g, whole)).makespan_us();
+  const partition_plan whole = partition_plan::unpartitioned(g.topological_order());
+  const double serial = weave::plan::simulate(weave::plan::make_schedule(g, whole)).makespan_us();
   CHECK(serial == doctest::Approx(8 + 6.1 + 8 + 6.1));
-  const plan p = weave::overlap::plan_partitions(g, {.max_parts = 8});
+  const partition_plan p = weave::plan::plan_partitions(g, {.max_parts = 8});
   CHECK(p.predicted_us < serial * 0.75);
   REQUIRE(p.ranges.size() == 1);
   CHECK(p.ranges[0].parts > 1);
   // With a large per-chunk overhead, splitting costs more than it hides.
-  const plan q = weave::overlap::plan_partitions(g, {.max_parts = 8, .chunk_overhead_us = 50});
+  const partition_plan q =
+      weave::plan::plan_partitions(g, {.max_parts = 8, .chunk_overhead_us = 50});
   for (const op_range& r : q.ranges)
     CHECK(r.parts == 1);
   CHECK(q.predicted_us == doctest::Approx(serial));
@@ -129,17 +130,17 @@ TEST_CASE("partitioning pays off for a2a-heavy chains and stops when chunks get 
 
 TEST_CASE("plan_partitions handles an empty graph and a caller-given order") {
   graph empty;
-  const plan p = weave::overlap::plan_partitions(empty);
+  const partition_plan p = weave::plan::plan_partitions(empty);
   CHECK(p.ranges.empty());
   CHECK(p.predicted_us == 0.0);
-  CHECK(weave::overlap::make_schedule(empty, p).size() == 0);
+  CHECK(weave::plan::make_schedule(empty, p).size() == 0);
 
   graph g;
   g.add_compute("a", {1, 1});
   g.add_compute("b", {1, 1});
-  const plan q = weave::overlap::plan_partitions_in_order(g, {1, 0});
+  const partition_plan q = weave::plan::plan_partitions_in_order(g, {1, 0});
   CHECK(q.order == std::vector<op_id>{1, 0});
-  CHECK_THROWS_AS(weave::overlap::plan_partitions_in_order(g, {0}), weave::error);
+  CHECK_THROWS_AS(weave::plan::plan_partitions_in_order(g, {0}), weave::error);
 }
 
 TEST_CASE("the DP is never worse than expert-only pipelining, a plan it can choose") {
@@ -160,11 +161,11 @@ TEST_CASE("the DP is never worse than expert-only pipelining, a plan it can choo
       prev = g.add_compute("residual", {5, cost(rng) / 10}, {c, attn});
     }
     const double overhead = 5.0;
-    const plan ours = weave::overlap::plan_partitions(g, {.chunk_overhead_us = overhead});
+    const partition_plan ours = weave::plan::plan_partitions(g, {.chunk_overhead_us = overhead});
     // Ops were added in topological order, so positions equal ids.
     REQUIRE(g.topological_order() == ours.order);
     for (std::int64_t degree : {1, 2, 4, 8}) {
-      plan tutel;
+      partition_plan tutel;
       tutel.order = ours.order;
       tutel.chunk_overhead_us = overhead;
       std::size_t next = 0;
@@ -176,8 +177,8 @@ TEST_CASE("the DP is never worse than expert-only pipelining, a plan it can choo
       }
       for (; next < g.size(); ++next)
         tutel.ranges.push_back({next, next + 1, 1});
-      const auto s = weave::overlap::make_schedule(g, tutel, {.range_barriers = true});
-      CHECK(ours.predicted_us <= weave::sim::simulate(s).makespan_us() + 1e-9);
+      const auto s = weave::plan::make_schedule(g, tutel, {.range_barriers = true});
+      CHECK(ours.predicted_us <= weave::plan::simulate(s).makespan_us() + 1e-9);
     }
   }
 }

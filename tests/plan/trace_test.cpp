@@ -1,8 +1,8 @@
 #include <doctest/doctest.h>
 
-#include <weave/overlap/timeline_trace.hpp>
-#include <weave/overlap/trace.hpp>
-#include <weave/sim/timeline.hpp>
+#include <weave/core/trace_writer.hpp>
+#include <weave/plan/timeline.hpp>
+#include <weave/plan/timeline_trace.hpp>
 
 #include <cctype>
 #include <cstdlib>
@@ -196,7 +196,7 @@ json parse(const std::string& s) {
 } // namespace
 
 TEST_CASE("trace_writer writes valid Chrome-trace JSON with every field") {
-  weave::overlap::trace_writer w;
+  weave::trace_writer w;
   w.name_process(3, "rank \"three\"");
   w.name_thread(3, 1, "comm");
   const std::string tricky = "a\"b\\c\nd\te\x01";
@@ -231,17 +231,17 @@ TEST_CASE("trace_writer writes valid Chrome-trace JSON with every field") {
 }
 
 TEST_CASE("append_timeline exports every task of a simulated schedule") {
-  using namespace weave::overlap;
+  using namespace weave::plan;
   graph g;
   const auto a = g.add_compute("attn", {0, 4});
   const auto x = g.add_a2a("dispatch", 1e3, op_cost{1, 4}, {a});
   g.add_compute("experts", {0, 2}, {x});
-  plan p;
+  partition_plan p;
   p.order = g.topological_order();
   p.ranges = {{0, 3, 2}};
   const auto s = make_schedule(g, p);
-  const auto t = weave::sim::simulate(s, 2);
-  trace_writer w;
+  const auto t = weave::plan::simulate(s, 2);
+  weave::trace_writer w;
   append_timeline(w, g, s, t, "predicted", 10);
   const json doc = parse(w.str());
   const auto& ev = doc["traceEvents"].items;
@@ -270,7 +270,7 @@ TEST_CASE("append_timeline exports every task of a simulated schedule") {
 }
 
 TEST_CASE("trace_writer rejects times JSON cannot hold and unwritable files") {
-  weave::overlap::trace_writer w;
+  weave::trace_writer w;
   auto code_of = [](auto&& f) {
     try {
       f();

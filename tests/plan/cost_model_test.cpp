@@ -1,6 +1,6 @@
 #include <doctest/doctest.h>
 
-#include <weave/sim/cost_model.hpp>
+#include <weave/plan/cost_model.hpp>
 
 #include <cmath>
 #include <limits>
@@ -8,13 +8,13 @@
 #include <vector>
 
 TEST_CASE("fit_a2a recovers alpha and beta exactly from noiseless measurements") {
-  const weave::sim::a2a_cost truth = weave::sim::a2a_cost::from_bandwidth(8.0, 40.0);
+  const weave::plan::a2a_cost truth = weave::plan::a2a_cost::from_bandwidth(8.0, 40.0);
   std::vector<double> bytes, time;
   for (double b = 1024; b <= 64.0 * 1024 * 1024; b *= 2) {
     bytes.push_back(b);
     time.push_back(truth.alpha_us + b * truth.us_per_byte); // the model, written out
   }
-  const auto fit = weave::sim::fit_a2a(bytes, time);
+  const auto fit = weave::plan::fit_a2a(bytes, time);
   CHECK(fit.alpha_us == doctest::Approx(8.0).epsilon(1e-6));
   CHECK(fit.us_per_byte == doctest::Approx(1e-3 / 40.0).epsilon(1e-9));
 }
@@ -35,7 +35,7 @@ TEST_CASE("fit_a2a and fit_kernel recover their parameters from noisy measuremen
         bytes.push_back(b);
         time.push_back(t * (1.0 + rel(rng)) + abs_noise(rng));
       }
-    const auto fit = weave::sim::fit_a2a(bytes, time);
+    const auto fit = weave::plan::fit_a2a(bytes, time);
     CHECK(fit.alpha_us == doctest::Approx(alpha).epsilon(0.15));
     CHECK(fit.us_per_byte == doctest::Approx(beta).epsilon(0.05));
 
@@ -47,7 +47,7 @@ TEST_CASE("fit_a2a and fit_kernel recover their parameters from noisy measuremen
         rows.push_back(r);
         ktime.push_back((launch + per_row * r) * (1.0 + rel(rng)) + abs_noise(rng));
       }
-    const auto k = weave::sim::fit_kernel(rows, ktime);
+    const auto k = weave::plan::fit_kernel(rows, ktime);
     CHECK(k.fixed_us == doctest::Approx(launch).epsilon(0.25));
     CHECK(k.us_per_row == doctest::Approx(per_row).epsilon(0.05));
   }
@@ -56,7 +56,7 @@ TEST_CASE("fit_a2a and fit_kernel recover their parameters from noisy measuremen
 TEST_CASE("fit_line reports the residual of the fit") {
   // y = 1 + 2x with residuals +1, -1, +1, -1 at symmetric x: the fit stays exact, rms is 1.
   const std::vector<double> x = {-3, -1, 1, 3}, y = {1 - 6 + 1, 1 - 2 - 1, 1 + 2 + 1, 1 + 6 - 1};
-  const auto f = weave::sim::fit_line(x, y);
+  const auto f = weave::plan::fit_line(x, y);
   // Least squares of those residuals: slope shifts by sum(x*r)/sum(x^2) = (-3+1+1-3)/20 = -0.2.
   CHECK(f.slope == doctest::Approx(2.0 - 0.2));
   CHECK(f.intercept == doctest::Approx(1.0));
@@ -79,12 +79,13 @@ TEST_CASE("fitting rejects inputs that determine no line") {
   };
   const std::vector<double> two = {1, 2}, three = {1, 2, 3}, same = {4, 4, 4};
   const std::vector<double> nan = {1, std::numeric_limits<double>::quiet_NaN(), 3};
-  CHECK(code_of([&] { weave::sim::fit_a2a(two, three); }) == errc::size_mismatch);
-  CHECK(code_of([&] { weave::sim::fit_line(std::vector<double>{1}, std::vector<double>{1}); }) ==
+  CHECK(code_of([&] { weave::plan::fit_a2a(two, three); }) == errc::size_mismatch);
+  CHECK(code_of([&] { weave::plan::fit_line(std::vector<double>{1}, std::vector<double>{1}); }) ==
         errc::invalid_argument);
-  CHECK(code_of([&] { weave::sim::fit_kernel(same, three); }) == errc::invalid_argument);
-  CHECK(code_of([&] { weave::sim::fit_line(three, nan); }) == errc::invalid_argument);
-  CHECK(code_of([&] { weave::sim::a2a_cost::from_bandwidth(1.0, 0.0); }) == errc::invalid_argument);
-  CHECK(code_of([&] { weave::sim::a2a_cost::from_bandwidth(-1.0, 10.0); }) ==
+  CHECK(code_of([&] { weave::plan::fit_kernel(same, three); }) == errc::invalid_argument);
+  CHECK(code_of([&] { weave::plan::fit_line(three, nan); }) == errc::invalid_argument);
+  CHECK(code_of([&] { weave::plan::a2a_cost::from_bandwidth(1.0, 0.0); }) ==
+        errc::invalid_argument);
+  CHECK(code_of([&] { weave::plan::a2a_cost::from_bandwidth(-1.0, 10.0); }) ==
         errc::invalid_argument);
 }

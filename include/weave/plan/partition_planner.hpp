@@ -14,8 +14,8 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/graph.hpp"
-#include "weave/overlap/schedule.hpp"
+#include "weave/plan/graph.hpp"
+#include "weave/plan/schedule.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -25,7 +25,7 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
+namespace plan {
 
 //! Knobs of `plan_partitions`.
 struct partition_options {
@@ -39,13 +39,13 @@ struct partition_options {
 //! the makespan of `make_schedule(g, plan, {.range_barriers = true})` and an upper bound on the
 //! makespan without barriers. Ties go to the earliest start and then the fewest parts.
 //! Throws `errc::invalid_argument` for max_parts < 1, a negative overhead, or a bad order.
-inline plan plan_partitions_in_order(const graph& g, std::vector<op_id> order,
-                                     const partition_options& options = {}) {
+inline partition_plan plan_partitions_in_order(const graph& g, std::vector<op_id> order,
+                                               const partition_options& options = {}) {
   WEAVE_EXPECT(options.max_parts >= 1, errc::invalid_argument, "max_parts = ", options.max_parts);
   WEAVE_EXPECT(std::isfinite(options.chunk_overhead_us) && options.chunk_overhead_us >= 0.0,
                errc::invalid_argument, "chunk overhead ", options.chunk_overhead_us, " us");
   const std::size_t n = g.size();
-  plan unchecked;
+  partition_plan unchecked;
   unchecked.order = std::move(order);
   unchecked.ranges.push_back({0, n, 1});
   if (n == 0)
@@ -97,7 +97,7 @@ inline plan plan_partitions_in_order(const graph& g, std::vector<op_id> order,
     }
   }
 
-  plan out;
+  partition_plan out;
   out.order = std::move(ord);
   out.chunk_overhead_us = options.chunk_overhead_us;
   out.predicted_us = best[n];
@@ -109,9 +109,9 @@ inline plan plan_partitions_in_order(const graph& g, std::vector<op_id> order,
 
 //! `plan_partitions_in_order` over the graph's own topological order (`graph::topological_order`),
 //! which throws `errc::invalid_argument` for a cyclic graph.
-inline plan plan_partitions(const graph& g, const partition_options& options = {}) {
+inline partition_plan plan_partitions(const graph& g, const partition_options& options = {}) {
   return plan_partitions_in_order(g, g.topological_order(), options);
 }
 
-} // namespace overlap
+} // namespace plan
 WEAVE_NAMESPACE_END

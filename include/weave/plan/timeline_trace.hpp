@@ -6,23 +6,22 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/graph.hpp"
-#include "weave/overlap/schedule.hpp"
-#include "weave/overlap/trace.hpp"
-#include "weave/sim/timeline.hpp"
+#include "weave/core/trace_writer.hpp"
+#include "weave/plan/graph.hpp"
+#include "weave/plan/schedule.hpp"
+#include "weave/plan/timeline.hpp"
 
 #include <cstdint>
 #include <string>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
+namespace plan {
 
 //! Appends every task of `t` (a timeline of `s`, made from `g`) to `out`. Rank r goes to
 //! process lane `pid_base + r` named "<label> rank r", so a predicted and a measured timeline
 //! can sit side by side in one trace (give them different `pid_base`).
-inline void append_timeline(trace_writer& out, const graph& g, const schedule& s,
-                            const sim::timeline& t, const std::string& label = "predicted",
-                            std::int64_t pid_base = 0) {
+inline void append_timeline(trace_writer& out, const graph& g, const schedule& s, const timeline& t,
+                            const std::string& label = "predicted", std::int64_t pid_base = 0) {
   WEAVE_EXPECT(t.tasks() == s.size(), errc::size_mismatch, "timeline of ", t.tasks(),
                " tasks for a schedule of ", s.size());
   WEAVE_EXPECT(s.num_ops() == g.size(), errc::size_mismatch, "schedule of ", s.num_ops(),
@@ -35,7 +34,7 @@ inline void append_timeline(trace_writer& out, const graph& g, const schedule& s
     for (std::size_t i = 0; i < s.size(); ++i) {
       const task& k = s[i];
       const op& o = g.at(k.op);
-      const sim::interval& iv = t.at(r, i);
+      const interval& iv = t.at(r, i);
       trace_event e;
       e.name = o.name + " [" + std::to_string(k.chunk) + "/" + std::to_string(k.chunks) + "]";
       e.category = to_string(o.kind);
@@ -51,5 +50,5 @@ inline void append_timeline(trace_writer& out, const graph& g, const schedule& s
   }
 }
 
-} // namespace overlap
+} // namespace plan
 WEAVE_NAMESPACE_END

@@ -12,7 +12,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/schedule.hpp"
+#include "weave/plan/schedule.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -20,7 +20,7 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace sim {
+namespace plan {
 
 //! When one task ran, in microseconds.
 struct interval {
@@ -114,7 +114,7 @@ inline double overlap_length(const std::vector<interval>& a, const std::vector<i
 } // namespace detail
 
 //! Busy and exposed times of rank `rank` of `t`, a timeline of schedule `s`.
-inline rank_stats analyze(const overlap::schedule& s, const timeline& t, std::size_t rank) {
+inline rank_stats analyze(const plan::schedule& s, const timeline& t, std::size_t rank) {
   WEAVE_EXPECT(t.tasks() == s.size(), errc::size_mismatch, "timeline of ", t.tasks(),
                " tasks for a schedule of ", s.size());
   WEAVE_EXPECT(rank < t.ranks(), errc::out_of_range, "rank ", rank, " of ", t.ranks());
@@ -123,7 +123,7 @@ inline rank_stats analyze(const overlap::schedule& s, const timeline& t, std::si
   for (std::size_t i = 0; i < s.size(); ++i) {
     const interval& iv = t.at(rank, i);
     out.makespan_us = std::max(out.makespan_us, iv.end_us);
-    (s[i].stream == overlap::stream_kind::comm ? comm : compute).push_back(iv);
+    (s[i].stream == plan::stream_kind::comm ? comm : compute).push_back(iv);
   }
   compute = detail::merged(std::move(compute));
   comm = detail::merged(std::move(comm));
@@ -134,7 +134,7 @@ inline rank_stats analyze(const overlap::schedule& s, const timeline& t, std::si
 }
 
 //! The worst rank: each field is the maximum over ranks.
-inline rank_stats analyze_worst(const overlap::schedule& s, const timeline& t) {
+inline rank_stats analyze_worst(const plan::schedule& s, const timeline& t) {
   rank_stats w;
   for (std::size_t r = 0; r < t.ranks(); ++r) {
     const rank_stats x = analyze(s, t, r);
@@ -150,12 +150,12 @@ inline rank_stats analyze_worst(const overlap::schedule& s, const timeline& t) {
 //! be finite and non-negative: `errc::invalid_argument` otherwise). Per-rank durations model
 //! load imbalance; an all-to-all lasts as long as its slowest rank.
 template <class Duration>
-timeline simulate(const overlap::schedule& s, std::size_t ranks, Duration&& duration_us) {
+timeline simulate(const plan::schedule& s, std::size_t ranks, Duration&& duration_us) {
   WEAVE_EXPECT(ranks >= 1, errc::invalid_argument, "ranks = ", ranks);
   timeline t(ranks, s.size());
   std::vector<double> free(2 * ranks, 0.0); // [rank][stream]
   for (std::size_t i = 0; i < s.size(); ++i) {
-    const overlap::task& task = s[i];
+    const plan::task& task = s[i];
     const auto stream = static_cast<std::size_t>(task.stream);
     auto ready_on = [&](std::size_t r) {
       double ready = free[2 * r + stream];
@@ -169,7 +169,7 @@ timeline simulate(const overlap::schedule& s, std::size_t ranks, Duration&& dura
                    " lasts ", d, " us");
       return d;
     };
-    if (task.stream == overlap::stream_kind::comm) {
+    if (task.stream == plan::stream_kind::comm) {
       double start = 0.0, length = 0.0;
       for (std::size_t r = 0; r < ranks; ++r) {
         start = std::max(start, ready_on(r));
@@ -191,9 +191,9 @@ timeline simulate(const overlap::schedule& s, std::size_t ranks, Duration&& dura
 }
 
 //! Simulates `s` with every task lasting its `predicted_us` on every rank.
-inline timeline simulate(const overlap::schedule& s, std::size_t ranks = 1) {
+inline timeline simulate(const plan::schedule& s, std::size_t ranks = 1) {
   return simulate(s, ranks, [&s](std::size_t, std::size_t i) { return s[i].predicted_us; });
 }
 
-} // namespace sim
+} // namespace plan
 WEAVE_NAMESPACE_END

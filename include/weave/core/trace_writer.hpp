@@ -22,7 +22,6 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
 
 //! One complete event: something named that ran on lane (pid, tid) over [ts, ts + dur).
 struct trace_event {
@@ -169,5 +168,4 @@ class trace_writer {
   std::map<std::pair<std::int64_t, std::int64_t>, std::string> threads_;
 };
 
-} // namespace overlap
 WEAVE_NAMESPACE_END

@@ -15,9 +15,9 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/exec/stream.hpp"
-#include "weave/overlap/graph.hpp"
-#include "weave/overlap/schedule.hpp"
-#include "weave/sim/timeline.hpp"
+#include "weave/plan/graph.hpp"
+#include "weave/plan/schedule.hpp"
+#include "weave/plan/timeline.hpp"
 
 #include <chrono>
 #include <cstddef>
@@ -28,7 +28,7 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
+namespace plan {
 
 //! The two streams of one rank (borrowed).
 template <class S>
@@ -85,7 +85,7 @@ class schedule_executor {
   //! Runs the schedule once and blocks until every stream is drained. Returns the measured
   //! timeline (microseconds from the common start); rethrows the first failure of any stream.
   template <class Compute, class Comm>
-  const sim::timeline& run(Compute&& compute, Comm&& comm) {
+  const timeline& run(Compute&& compute, Comm&& comm) {
     context<std::remove_reference_t<Compute>, std::remove_reference_t<Comm>> ctx{
         this, &compute, &comm, {}, std::latch(1)};
     constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
@@ -141,7 +141,7 @@ class schedule_executor {
   }
 
   //! The timeline of the last `run`.
-  const sim::timeline& measured() const noexcept { return measured_; }
+  const timeline& measured() const noexcept { return measured_; }
 
  private:
   template <class Compute, class Comm>
@@ -176,12 +176,12 @@ class schedule_executor {
   const graph* graph_;
   const schedule* schedule_;
   std::vector<rank_streams<S>> streams_;
-  sim::timeline measured_;
+  timeline measured_;
   std::vector<std::size_t> waits_;    // per task: the other-stream dependency to wait for
   std::vector<std::size_t> event_of_; // per task: its event slot, if another stream waits for it
   std::vector<typename S::event_type> events_; // [rank][slot]
   std::size_t events_per_rank_ = 0;
 };
 
-} // namespace overlap
+} // namespace plan
 WEAVE_NAMESPACE_END

@@ -1,22 +1,22 @@
 #include <doctest/doctest.h>
 
-#include <weave/overlap/dw_scheduler.hpp>
-#include <weave/sim/timeline.hpp>
+#include <weave/plan/dw_scheduler.hpp>
+#include <weave/plan/timeline.hpp>
 
 #include <algorithm>
 #include <random>
 #include <vector>
 
-using weave::overlap::graph;
-using weave::overlap::op_cost;
-using weave::overlap::op_id;
-using weave::overlap::op_kind;
+using weave::plan::graph;
+using weave::plan::op_cost;
+using weave::plan::op_id;
+using weave::plan::op_kind;
 
 namespace {
 
 double makespan(const graph& g, const std::vector<op_id>& order) {
-  const auto s = weave::overlap::make_schedule(g, weave::overlap::plan::unpartitioned(order));
-  return weave::sim::simulate(s).makespan_us();
+  const auto s = weave::plan::make_schedule(g, weave::plan::partition_plan::unpartitioned(order));
+  return weave::plan::simulate(s).makespan_us();
 }
 
 // A backward-pass-like random DAG: a chain of dX ops and a2as, each dX followed (in added order)
@@ -66,7 +66,7 @@ TEST_CASE("a dW op placed after its a2a's consumer moves into the a2a's shadow")
   const auto w = g.add_weight_grad("W", {4, 0}, {g0});
   const auto w2 = g.add_weight_grad("W2", {2, 0}, {c}); // waits for X: cannot fill its shadow
   // Given order g0 X C W W2: grad0 [0,1], X [1,6], C [6,7], W [7,11], W2 [11,13] -> 13.
-  const auto r = weave::overlap::schedule_weight_grads(g, {g0, x, c, w, w2});
+  const auto r = weave::plan::schedule_weight_grads(g, {g0, x, c, w, w2});
   CHECK(r.baseline_us == 13);
   // W fills the shadow: grad0 [0,1], W [1,5], C [6,7], W2 [7,9] -> 9.
   CHECK(r.scheduled_us == 9);
@@ -85,7 +85,7 @@ TEST_CASE("closest fit fills a shadow with the largest dW ops that fit") {
   const auto w2 = g.add_weight_grad("W2", {2, 0}, {g0});
   // Shadow of X: [1,7] = 6 us. Closest fit takes W4 (4), then W2 (2): exactly full; W3 runs
   // after C: grad0 [0,1], W4 [1,5], W2 [5,7], C [7,8], W3 [8,11] -> 11 (vs 1 + 6 + 1 + 9 = 17).
-  const auto r = weave::overlap::schedule_weight_grads(g, {g0, x, c, w3, w4, w2});
+  const auto r = weave::plan::schedule_weight_grads(g, {g0, x, c, w3, w4, w2});
   CHECK(r.baseline_us == 17);
   CHECK(r.scheduled_us == 11);
   CHECK(r.plan.order == std::vector<op_id>{g0, x, w4, w2, c, w3});
@@ -99,7 +99,7 @@ TEST_CASE("a dW op that delays the a2a's producer moves into its shadow, however
   const auto x = g.add_a2a("X", 0.0, op_cost{5, 0}, {p});
   const auto c = g.add_compute("C", {1, 0}, {x});
   // Autograd order g0 W P X C: grad0 [0,1], W [1,8], P [8,9], X [9,14], C [14,15] -> 15.
-  const auto r = weave::overlap::schedule_weight_grads(g);
+  const auto r = weave::plan::schedule_weight_grads(g);
   CHECK(r.baseline_us == 15);
   // W is longer than the 5 us shadow, but moving it lets X start at 2: grad0 [0,1], P [1,2],
   // X [2,7], W [2,9], C [9,10] -> 10.
@@ -126,7 +126,7 @@ TEST_CASE("dW scheduling respects dependencies and never does worse (random DAGs
     if (!legal)
       order = g.topological_order();
     CAPTURE(trial);
-    const auto r = weave::overlap::schedule_weight_grads(g, order);
+    const auto r = weave::plan::schedule_weight_grads(g, order);
     // A permutation of every op ...
     std::vector<op_id> sorted = r.plan.order;
     std::sort(sorted.begin(), sorted.end());

@@ -11,11 +11,11 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/dw_scheduler.hpp>
-#include <weave/overlap/executor.hpp>
-#include <weave/overlap/partition_planner.hpp>
-#include <weave/overlap/timeline_trace.hpp>
-#include <weave/sim/timeline.hpp>
+#include <weave/plan/dw_scheduler.hpp>
+#include <weave/plan/executor.hpp>
+#include <weave/plan/partition_planner.hpp>
+#include <weave/plan/timeline.hpp>
+#include <weave/plan/timeline_trace.hpp>
 
 #include <algorithm>
 #include <barrier>
@@ -31,7 +31,7 @@
 
 namespace {
 
-using namespace weave::overlap;
+using namespace weave::plan;
 
 // ---------------------------------------------------------------------------------------------
 // Transformer-block graphs. Relative costs of one MoE layer at full batch (microseconds, scaled
@@ -47,9 +47,9 @@ struct moe_graph {
 };
 
 moe_graph transformer(std::size_t layers, double scale = 1.0,
-                      std::optional<weave::sim::a2a_cost> a2a = std::nullopt) {
-  const weave::sim::a2a_cost link =
-      a2a.value_or(weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5));
+                      std::optional<weave::plan::a2a_cost> a2a = std::nullopt) {
+  const weave::plan::a2a_cost link =
+      a2a.value_or(weave::plan::a2a_cost::from_bandwidth(30.0 * scale, 12.5));
   const double a2a_bytes = 11.0e6 * scale; // about 0.9 ms at 12.5 GB/s
   moe_graph m;
   graph& g = m.g;
@@ -70,12 +70,12 @@ moe_graph transformer(std::size_t layers, double scale = 1.0,
 
 // Tutel: pipeline only dispatch -> experts -> combine, at the best overlap degree (Tutel's
 // adaptive degree search, here by simulation).
-plan expert_only(const moe_graph& m, std::int64_t degree, double overhead) {
+partition_plan expert_only(const moe_graph& m, std::int64_t degree, double overhead) {
   const std::vector<op_id> order = m.g.topological_order();
   std::vector<std::size_t> pos(order.size());
   for (std::size_t i = 0; i < order.size(); ++i)
     pos[order[i]] = i;
-  plan p;
+  partition_plan p;
   p.order = order;
   p.chunk_overhead_us = overhead;
   std::size_t next = 0;
@@ -91,12 +91,12 @@ plan expert_only(const moe_graph& m, std::int64_t degree, double overhead) {
   return p;
 }
 
-plan best_expert_only(const moe_graph& m, double overhead) {
-  plan best;
+partition_plan best_expert_only(const moe_graph& m, double overhead) {
+  partition_plan best;
   double best_ms = std::numeric_limits<double>::infinity();
   for (std::int64_t d : {1, 2, 4, 8}) {
-    plan p = expert_only(m, d, overhead);
-    const double ms = weave::sim::simulate(make_schedule(m.g, p)).makespan_us();
+    partition_plan p = expert_only(m, d, overhead);
+    const double ms = weave::plan::simulate(make_schedule(m.g, p)).makespan_us();
     if (ms < best_ms) {
       best_ms = ms;
       best = std::move(p);
@@ -154,7 +154,8 @@ void plan_weave(benchmark::State& state) {
   const moe_graph m = transformer(std::max<std::size_t>(1, (target - 1) / 8));
   double predicted = 0;
   for (auto _ : state) {
-    const plan p = plan_partitions(m.g, {.max_parts = 8, .chunk_overhead_us = chunk_overhead_us});
+    const partition_plan p =
+        plan_partitions(m.g, {.max_parts = 8, .chunk_overhead_us = chunk_overhead_us});
     predicted = p.predicted_us;
     benchmark::DoNotOptimize(p.ranges.data());
   }
@@ -168,7 +169,7 @@ void plan_weave(benchmark::State& state) {
 void plan_naive_dp_baseline(benchmark::State& state) {
   const std::size_t target = static_cast<std::size_t>(state.range(0));
   const moe_graph m = transformer(std::max<std::size_t>(1, (target - 1) / 8));
-  const plan reference =
+  const partition_plan reference =
       plan_partitions(m.g, {.max_parts = 8, .chunk_overhead_us = chunk_overhead_us});
   double predicted = 0;
   for (auto _ : state) {
@@ -191,10 +192,10 @@ struct outcome {
   double makespan_us, exposed_us;
 };
 
-outcome simulated(const graph& g, const plan& p, std::size_t ranks = 1) {
+outcome simulated(const graph& g, const partition_plan& p, std::size_t ranks = 1) {
   const schedule s = make_schedule(g, p);
-  const auto t = weave::sim::simulate(s, ranks);
-  const auto st = weave::sim::analyze_worst(s, t);
+  const auto t = weave::plan::simulate(s, ranks);
+  const auto st = weave::plan::analyze_worst(s, t);
   return {st.makespan_us, st.exposed_comm_us};
 }
 
@@ -204,10 +205,11 @@ void exposed_comm_forward(benchmark::State& state) {
   double plan_us = 0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    const plan p = plan_partitions(m.g, {.max_parts = 8, .chunk_overhead_us = chunk_overhead_us});
+    const partition_plan p =
+        plan_partitions(m.g, {.max_parts = 8, .chunk_overhead_us = chunk_overhead_us});
     plan_us =
         std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-    none = simulated(m.g, plan::unpartitioned(m.g.topological_order()));
+    none = simulated(m.g, partition_plan::unpartitioned(m.g.topological_order()));
     tutel = simulated(m.g, best_expert_only(m, chunk_overhead_us));
     ours = simulated(m.g, p);
   }
@@ -231,7 +233,7 @@ void exposed_comm_forward(benchmark::State& state) {
 // dW. In this order the dW ops delay the dX that feeds the next a2a, and each a2a's consumer
 // waits for it with nothing else to run.
 graph backward(std::size_t layers) {
-  const weave::sim::a2a_cost link = weave::sim::a2a_cost::from_bandwidth(30.0, 12.5);
+  const weave::plan::a2a_cost link = weave::plan::a2a_cost::from_bandwidth(30.0, 12.5);
   const double a2a_bytes = 11.0e6;
   graph g;
   op_id prev = g.add_compute("loss_grad", {10, 100});
@@ -260,7 +262,7 @@ void exposed_comm_backward_dw(benchmark::State& state) {
   std::size_t moved = 0;
   for (auto _ : state) {
     const dw_result r = schedule_weight_grads(g);
-    base = simulated(g, plan::unpartitioned(g.topological_order()));
+    base = simulated(g, partition_plan::unpartitioned(g.topological_order()));
     ours = simulated(g, r.plan);
     moved = r.moved;
   }
@@ -307,9 +309,9 @@ void calibrated_sleep(double us) {
 // Emulated a2a link: every rank arrives (the collective's synchronisation), then the transfer
 // takes latency + bytes / bandwidth of this chunk.
 struct emulated_link {
-  weave::sim::a2a_cost model;
+  weave::plan::a2a_cost model;
   std::barrier<> peers;
-  emulated_link(weave::sim::a2a_cost m, std::ptrdiff_t ranks)
+  emulated_link(weave::plan::a2a_cost m, std::ptrdiff_t ranks)
       : model(m)
       , peers(ranks) {}
   void transfer(const op& o, const task& t, double extra_us) {
@@ -318,21 +320,21 @@ struct emulated_link {
   }
 };
 
-void write_traces(const graph& g, const schedule& s, const weave::sim::timeline& predicted,
-                  const weave::sim::timeline& measured, const std::string& name) {
+void write_traces(const graph& g, const schedule& s, const weave::plan::timeline& predicted,
+                  const weave::plan::timeline& measured, const std::string& name) {
   const char* dir = std::getenv("WEAVE_TRACE_DIR");
   if (!dir)
     return;
-  trace_writer w;
+  weave::trace_writer w;
   append_timeline(w, g, s, predicted, "predicted", 0);
   append_timeline(w, g, s, measured, "measured", 100);
   w.write_file(std::string(dir) + "/" + name + ".json");
 }
 
 // The three schedules compared: 0 no overlap, 1 Tutel-style expert-only pipelining, 2 weave.
-plan strategy_plan(const moe_graph& m, int strategy) {
+partition_plan strategy_plan(const moe_graph& m, int strategy) {
   if (strategy == 0)
-    return plan::unpartitioned(m.g.topological_order());
+    return partition_plan::unpartitioned(m.g.topological_order());
   if (strategy == 1)
     return best_expert_only(m, chunk_overhead_us);
   return plan_partitions(m.g, {.max_parts = 4, .chunk_overhead_us = chunk_overhead_us});
@@ -364,12 +366,12 @@ void predicted_vs_measured(benchmark::State& state) {
   const double scale = 3.0;
   const moe_graph m = transformer(3, scale);
   const schedule s = make_schedule(m.g, strategy_plan(m, strategy));
-  const auto predicted_t = weave::sim::simulate(s, ranks);
-  const auto predicted = weave::sim::analyze_worst(s, predicted_t);
+  const auto predicted_t = weave::plan::simulate(s, ranks);
+  const auto predicted = weave::plan::analyze_worst(s, predicted_t);
 
   rank_stream_set streams(ranks);
   schedule_executor<weave::host_stream> ex(m.g, s, streams.streams);
-  emulated_link link(weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5), ranks);
+  emulated_link link(weave::plan::a2a_cost::from_bandwidth(30.0 * scale, 12.5), ranks);
   // Compute sleeps the op's cost at this fraction; the a2a's time comes from the link alone.
   auto compute = [](std::size_t, const op& o, const task& t) {
     calibrated_sleep(o.cost.at(t.fraction) + (t.chunks > 1 ? chunk_overhead_us : 0.0));
@@ -381,7 +383,7 @@ void predicted_vs_measured(benchmark::State& state) {
   std::vector<double> makespans, exposed;
   for (auto _ : state) {
     const auto& t = ex.run(compute, comm);
-    const auto st = weave::sim::analyze_worst(s, t);
+    const auto st = weave::plan::analyze_worst(s, t);
     state.SetIterationTime(st.makespan_us / 1e6);
     makespans.push_back(st.makespan_us);
     exposed.push_back(st.exposed_comm_us);
@@ -406,7 +408,7 @@ void predicted_vs_measured(benchmark::State& state) {
 // Cost-model fitting from measurements: time the emulated link at a sweep of sizes, as a2a
 // microbenchmarks do, fit alpha-beta, and compare with the link's configured parameters.
 void fit_emulated_link(benchmark::State& state) {
-  const weave::sim::a2a_cost truth = weave::sim::a2a_cost::from_bandwidth(200.0, 5.0);
+  const weave::plan::a2a_cost truth = weave::plan::a2a_cost::from_bandwidth(200.0, 5.0);
   emulated_link link(truth, 1);
   graph g;
   g.add_a2a("probe", 1.0, truth);
@@ -428,7 +430,7 @@ void fit_emulated_link(benchmark::State& state) {
                 .count());
       }
   }
-  const auto fit = weave::sim::fit_line(bytes, time);
+  const auto fit = weave::plan::fit_line(bytes, time);
   state.counters["alpha_us_true"] = truth.alpha_us;
   state.counters["alpha_us_fit"] = fit.intercept;
   state.counters["gbps_true"] = 1e-3 / truth.us_per_byte;
@@ -448,7 +450,7 @@ struct world_link {
   std::vector<std::unique_ptr<weave::host_stream>> streams;
   std::vector<std::vector<std::byte>> send, recv;
 
-  world_link(weave::sim::a2a_cost model, std::size_t n, double max_bytes)
+  world_link(weave::plan::a2a_cost model, std::size_t n, double max_bytes)
       : ranks(n)
       , world(static_cast<int>(n), link_options(model, n)) {
     const auto bytes = static_cast<std::size_t>(max_bytes / shrink) + n;
@@ -459,7 +461,7 @@ struct world_link {
     }
   }
 
-  static weave::local_world_options link_options(weave::sim::a2a_cost model, std::size_t n) {
+  static weave::local_world_options link_options(weave::plan::a2a_cost model, std::size_t n) {
     weave::local_world_options o;
     o.link.latency = std::chrono::nanoseconds(static_cast<std::int64_t>(model.alpha_us * 1e3));
     // Model: alpha + bytes * us_per_byte. A rank sends bytes / (n * shrink) to each peer in
@@ -486,9 +488,9 @@ struct world_link {
 
 // Times local_world all-to-alls of `sizes` bytes over `link` (2 ranks, one thread each) and fits
 // alpha-beta: the cost model as weave's own microbenchmark measures it, overheads included.
-weave::sim::line_fit fit_world_link(world_link& link, const std::vector<double>& sizes) {
+weave::plan::line_fit fit_world_link(world_link& link, const std::vector<double>& sizes) {
   graph g;
-  g.add_a2a("probe", 1.0, weave::sim::a2a_cost{});
+  g.add_a2a("probe", 1.0, weave::plan::a2a_cost{});
   const op& probe = g.at(0);
   std::vector<double> bytes, time;
   std::barrier<> start(2);
@@ -512,7 +514,7 @@ weave::sim::line_fit fit_world_link(world_link& link, const std::vector<double>&
     bytes.push_back(b);
     time.push_back(reps[reps.size() / 2]);
   }
-  return weave::sim::fit_line(bytes, time);
+  return weave::plan::fit_line(bytes, time);
 }
 
 // The whole loop on weave's own communicator: fit the a2a cost of local_world over an emulated
@@ -522,16 +524,17 @@ void predicted_vs_measured_local_world(benchmark::State& state) {
   constexpr std::size_t ranks = 2;
   const int strategy = static_cast<int>(state.range(0)); // 0 none, 1 expert-only, 2 weave
   const double scale = 3.0;
-  const weave::sim::a2a_cost configured = weave::sim::a2a_cost::from_bandwidth(30.0 * scale, 12.5);
+  const weave::plan::a2a_cost configured =
+      weave::plan::a2a_cost::from_bandwidth(30.0 * scale, 12.5);
   const double full_bytes = 11.0e6 * scale;
   world_link link(configured, ranks, full_bytes);
   const auto fit =
       fit_world_link(link, {full_bytes / 8, full_bytes / 4, full_bytes / 2, full_bytes});
   // A machine busy enough to swamp the sweep can fit a negative term; costs cannot be negative.
-  const weave::sim::a2a_cost fitted{std::max(0.0, fit.intercept), std::max(0.0, fit.slope)};
+  const weave::plan::a2a_cost fitted{std::max(0.0, fit.intercept), std::max(0.0, fit.slope)};
   const moe_graph m = transformer(3, scale, fitted);
   const schedule s = make_schedule(m.g, strategy_plan(m, strategy));
-  const auto predicted = weave::sim::analyze_worst(s, weave::sim::simulate(s, ranks));
+  const auto predicted = weave::plan::analyze_worst(s, weave::plan::simulate(s, ranks));
   rank_stream_set streams(ranks);
   schedule_executor<weave::host_stream> ex(m.g, s, streams.streams);
   auto compute = [](std::size_t, const op& o, const task& t) {
@@ -542,7 +545,7 @@ void predicted_vs_measured_local_world(benchmark::State& state) {
   };
   std::vector<double> makespans;
   for (auto _ : state) {
-    const auto st = weave::sim::analyze_worst(s, ex.run(compute, comm));
+    const auto st = weave::plan::analyze_worst(s, ex.run(compute, comm));
     state.SetIterationTime(st.makespan_us / 1e6);
     makespans.push_back(st.makespan_us);
   }

@@ -16,9 +16,9 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/graph.hpp"
-#include "weave/overlap/schedule.hpp"
-#include "weave/sim/timeline.hpp"
+#include "weave/plan/graph.hpp"
+#include "weave/plan/schedule.hpp"
+#include "weave/plan/timeline.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -26,11 +26,11 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
+namespace plan {
 
 //! What `schedule_weight_grads` did.
 struct dw_result {
-  overlap::plan plan;        //!< unpartitioned plan over the new order
+  partition_plan plan;       //!< unpartitioned plan over the new order
   double baseline_us = 0.0;  //!< simulated makespan of the input order
   double scheduled_us = 0.0; //!< simulated makespan of the new order (<= baseline_us)
   std::size_t moved = 0;     //!< dW ops placed into an a2a shadow
@@ -39,7 +39,7 @@ struct dw_result {
 namespace detail {
 
 inline double makespan_of(const graph& g, const std::vector<op_id>& order) {
-  return sim::simulate(make_schedule(g, plan::unpartitioned(order))).makespan_us();
+  return simulate(make_schedule(g, partition_plan::unpartitioned(order))).makespan_us();
 }
 
 // Marks every op reachable from `start` along `next` (start itself excluded).
@@ -63,7 +63,7 @@ inline void mark_reachable(op_id start, const std::vector<std::vector<op_id>>& n
 inline dw_result schedule_weight_grads(const graph& g, std::vector<op_id> order) {
   const std::size_t n = g.size();
   dw_result out;
-  out.plan = plan::unpartitioned(std::move(order));
+  out.plan = partition_plan::unpartitioned(std::move(order));
   (void)make_schedule(g, out.plan); // validates the order
   std::vector<op_id> cur = out.plan.order;
   out.baseline_us = detail::makespan_of(g, cur);
@@ -98,8 +98,8 @@ inline dw_result schedule_weight_grads(const graph& g, std::vector<op_id> order)
           q_pos = i;
       if (q_pos == n)
         break;
-      const schedule s = make_schedule(g, plan::unpartitioned(cur));
-      const sim::timeline t = sim::simulate(s);
+      const schedule s = make_schedule(g, partition_plan::unpartitioned(cur));
+      const timeline t = simulate(s);
       double gap_open = 0.0;
       for (std::size_t i = q_pos; i-- > 0;)
         if (stream_of(g.ops()[cur[i]].kind) == stream_kind::compute) {
@@ -161,7 +161,7 @@ inline dw_result schedule_weight_grads(const graph& g, std::vector<op_id> order)
       }
     }
   }
-  out.plan = plan::unpartitioned(std::move(cur));
+  out.plan = partition_plan::unpartitioned(std::move(cur));
   out.scheduled_us = current;
   return out;
 }
@@ -171,5 +171,5 @@ inline dw_result schedule_weight_grads(const graph& g) {
   return schedule_weight_grads(g, g.topological_order());
 }
 
-} // namespace overlap
+} // namespace plan
 WEAVE_NAMESPACE_END

@@ -1,5 +1,5 @@
 //! \file
-//! `overlap::graph`: the operator graph a trainer describes to the overlap planner.
+//! `plan::graph`: the operator graph a trainer describes to the overlap planner.
 //!
 //! Each op has a cost that is an affine function of the batch fraction it processes
 //! (`fixed_us + scaled_us * fraction`: the fixed part is paid once per chunk, which is what makes
@@ -12,7 +12,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/sim/cost_model.hpp"
+#include "weave/plan/cost_model.hpp"
 
 #include <cmath>
 #include <cstddef>
@@ -24,7 +24,7 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-namespace overlap {
+namespace plan {
 
 //! Index of an op in its graph (the order ops were added).
 using op_id = std::size_t;
@@ -58,11 +58,11 @@ struct op_cost {
   constexpr double at(double fraction) const noexcept { return fixed_us + scaled_us * fraction; }
 
   //! A kernel over `rows` rows at full batch, priced by a (fitted) per-row model.
-  static op_cost from_kernel(const sim::kernel_cost& model, double rows) noexcept {
+  static op_cost from_kernel(const kernel_cost& model, double rows) noexcept {
     return {model.fixed_us, model.us_per_row * rows};
   }
   //! An all-to-all moving `bytes` per rank at full batch, priced by an alpha-beta model.
-  static op_cost from_a2a(const sim::a2a_cost& model, double bytes) noexcept {
+  static op_cost from_a2a(const a2a_cost& model, double bytes) noexcept {
     return {model.alpha_us, model.us_per_byte * bytes};
   }
 };
@@ -97,8 +97,8 @@ class graph {
   }
 
   //! Adds an all-to-all moving `bytes` per rank at full batch, priced by `model`.
-  op_id add_a2a(std::string name, double bytes, const sim::a2a_cost& model,
-                std::vector<op_id> deps = {}, bool partitionable = true) {
+  op_id add_a2a(std::string name, double bytes, const a2a_cost& model, std::vector<op_id> deps = {},
+                bool partitionable = true) {
     WEAVE_EXPECT(std::isfinite(bytes) && bytes >= 0.0, errc::invalid_argument, "a2a '", name,
                  "': bytes = ", bytes);
     return add(std::move(name), op_kind::a2a, op_cost::from_a2a(model, bytes), bytes, partitionable,
@@ -194,5 +194,5 @@ class graph {
   std::vector<op> ops_;
 };
 
-} // namespace overlap
+} // namespace plan
 WEAVE_NAMESPACE_END

@@ -13,7 +13,7 @@
 #include <span>
 
 WEAVE_NAMESPACE_BEGIN
-namespace sim {
+namespace plan {
 
 //! All-to-all time as `alpha_us + us_per_byte * bytes`, bytes counted per rank (max of sent
 //! and received, as the field reports a2a).
@@ -100,5 +100,5 @@ inline kernel_cost fit_kernel(std::span<const double> rows, std::span<const doub
   return {f.intercept, f.slope};
 }
 
-} // namespace sim
+} // namespace plan
 WEAVE_NAMESPACE_END
