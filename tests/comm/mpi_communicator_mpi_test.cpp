@@ -212,13 +212,16 @@ TEST_CASE("a peer that arrives after the timeout makes the waiting rank fail wit
   } else {
     std::this_thread::sleep_for(600ms); // "never" arrives within rank 0's timeout
     comm.barrier(s);
-    try { // completes once rank 0 progresses MPI again below, or times out: both are fine here
+    try { // rank 0's timeout aborted the communicator: the late rank learns it at once
       s.synchronize();
-    } catch (const weave::error& e) {
-      CHECK(e.code() == weave::errc::timeout);
+      FAIL("a late rank did not learn of rank 0's timeout");
+    } catch (const weave::peer_error& e) {
+      CHECK(e.origin().rank == 0);
+      CHECK(e.origin().code == weave::errc::timeout);
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD); // rank 0's orphaned request completes here; the comm is dropped
+  CHECK(comm.aborted());
+  MPI_Barrier(MPI_COMM_WORLD); // the caller's communicator is unaffected
 }
 
 TEST_CASE("a real exchange of more than 2^31 bytes per peer (opt-in: WEAVE_COMM_LARGE_TEST=1)") {

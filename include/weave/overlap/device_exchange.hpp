@@ -16,9 +16,17 @@
 //! allocate `workspace_size()` bytes of memory of the space (256-byte aligned), `initialize`
 //! once; calls then allocate nothing. Bad ids, weights and slot overflows are flagged in
 //! memory of the space and reported by `check_errors`.
+//!
+//! Fail-stop (docs/faults.md): the ranks agree on the configuration at construction; each
+//! chunk's count exchange carries every rank's status (its flags, or a rejected call), so with
+//! dynamic shapes every rank fails at that exchange, and with static shapes `check_errors`
+//! reports the peers' failures; host waits go through the communicator (NCCL: its timeout and
+//! abort). `synchronize` is the one wait that reports the root cause.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/device_status_exchange.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -26,6 +34,7 @@
 #include "weave/core/workspace.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/overlap/device_exchange_steps.hpp"
+#include "weave/overlap/layer_agreement.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/overlap/pipeline.hpp"
 #include "weave/placement/placement.hpp"
@@ -60,19 +69,16 @@ class basic_device_exchange {
   using experts_fn = std::function<void(const device_expert_batch<Space>&)>;
   using experts_grad_fn = std::function<void(const device_expert_grad_batch<Space>&)>;
 
-  //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Throws
-  //! `errc::invalid_argument` for bad options or a placement of another size. With
-  //! `cuda_space` it needs a current device (it sizes CUB's scratch).
+  //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Collective:
+  //! checks that every rank builds the layer alike (`agree_on_layer`: `errc::config_mismatch`
+  //! on every rank otherwise). Throws `errc::invalid_argument` for bad options or a placement
+  //! of another size (and its peers a `peer_error` naming this rank). With `cuda_space` it
+  //! needs a current device (it sizes CUB's scratch).
   basic_device_exchange(Comm& comm, placement where, moe_options options)
-      : comm_(&comm)
+      : comm_(&agree_on_layer(comm, "device_exchange", where, options, [] {}))
       , placement_(std::move(where))
       , options_(options)
       , pipeline_(options.chunks) {
-    detail::check_moe_options(options_);
-    WEAVE_EXPECT(placement_.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
-                 placement_.num_devices(), " devices for a world of ", comm.size());
-    WEAVE_EXPECT(options_.k <= placement_.num_experts(), errc::invalid_argument, "k = ", options_.k,
-                 " exceeds the ", placement_.num_experts(), " experts");
     rank_ = comm.rank();
     D_ = comm.size();
     k_ = options_.k;
@@ -95,6 +101,11 @@ class basic_device_exchange {
     chunks_.reserve(chunks);
     for (std::size_t c = 0; c < chunks; ++c)
       chunks_.emplace_back(placement_, k_, rank_, chunk_tokens_, spd, D_, recv_cap_);
+    status_ = device_counts_with_status<Space>(
+        D_, rank_, chunks, !options_.static_shape, "device exchange",
+        [this](int rank, std::uint32_t flags) {
+          return record_of_call(rank, [&] { throw_sender_errors(flags & 0xFFFF, flags >> 16); });
+        });
   }
 
   basic_device_exchange(const basic_device_exchange&) = delete;
@@ -130,7 +141,7 @@ class basic_device_exchange {
     Space::fill(stream, counters_, 0, counter_count * sizeof(std::int64_t));
     Space::copy_from_host(stream, static_displs_, uniform_displs_.data(),
                           uniform_displs_.size() * sizeof(std::int64_t));
-    stream.synchronize(); // the uploads read host vectors of this object
+    wait_watched(*comm_, stream); // the uploads read host vectors of this object
     initialized_ = true;
   }
 
@@ -142,8 +153,21 @@ class basic_device_exchange {
   void forward(const_token_view x, std::span<const std::int32_t> ids,
                std::span<const float> weights, token_view y, experts_fn experts, stream_arg compute,
                stream_arg comm, const device_chunk_hooks<Space>* hooks = nullptr) {
-    check_call(x, y, ids.size(), weights.size());
-    detail::check_hooks(hooks, options_);
+    abort_peers_on_failure(*comm_, [&] { check_initialized(); }); // nothing can be enqueued
+    try {
+      check_call(x, y, ids.size(), weights.size());
+      detail::check_hooks(hooks, options_);
+    } catch (
+        ...) { // fail-stop: the rejected call takes its turn with no tokens, carrying the error
+      status_.fail_call(compute, comm, std::current_exception(), [&] {
+        begin_call(0);
+        calls_[0] = {rows_view(nullptr, 0), rows_view(nullptr, 0), {}, {}, {}, {}, {}, 0, nullptr};
+        direction_ = false;
+        pipeline_.run(compute, comm, *this);
+        end_call(0, compute);
+      });
+      throw;
+    }
     begin_call(0);
     calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, x.rows(), hooks};
     direction_ = false;
@@ -155,12 +179,14 @@ class basic_device_exchange {
   //! `dx` and the gate gradients `dw` (k per token; 0 for dropped or absent choices).
   void backward(const_token_view dy, token_view dx, std::span<float> dw,
                 experts_grad_fn experts_grad, stream_arg compute, stream_arg comm) {
-    WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                 "backward needs moe_options.save_for_backward");
     const std::size_t T = calls_[0].tokens;
-    check_call(dy, dx, T * static_cast<std::size_t>(k_), dw.size());
-    WEAVE_EXPECT(dy.rows() == T, errc::size_mismatch, "backward: ", dy.rows(),
-                 " rows for a forward of ", T, " tokens");
+    abort_peers_on_failure(*comm_, [&] { // no count exchange to carry it
+      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                   "backward needs moe_options.save_for_backward");
+      check_call(dy, dx, T * static_cast<std::size_t>(k_), dw.size());
+      WEAVE_EXPECT(dy.rows() == T, errc::size_mismatch, "backward: ", dy.rows(),
+                   " rows for a forward of ", T, " tokens");
+    });
     begin_call(1);
     calls_[1] = {dy, dx, calls_[0].ids, calls_[0].weights, dw, {}, std::move(experts_grad), T};
     direction_ = true;
@@ -172,7 +198,7 @@ class basic_device_exchange {
   moe_stats read_stats(stream_arg stream) const {
     std::int64_t c[counter_count] = {};
     Space::copy_to_host(stream, c, counters_, sizeof(c));
-    stream.synchronize();
+    wait_watched(*comm_, stream);
     return {calls_[0].tokens,       c[counter_routed],
             c[counter_dropped],     c[counter_sent],
             c[counter_received],    c[counter_local],
@@ -181,26 +207,56 @@ class basic_device_exchange {
 
   //! Waits for `stream`, then throws for what the device flagged since the last check: bad ids
   //! (`errc::out_of_range`), duplicate choices or non-finite weights (`errc::invalid_argument`),
-  //! an overflowing static slot (`errc::size_overflow`). Clears the flags.
-  void check_errors(stream_arg stream) const {
+  //! an overflowing static slot (`errc::size_overflow`), else a peer's failure its count
+  //! exchanges reported (`peer_error`), else bad received rows. Clears the flags.
+  void check_errors(stream_arg stream) {
     std::vector<std::uint32_t> words(1 + 2 * chunks_.size(), 0);
     take_error_word<Space>(stream, &words[0], error_);
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
       take_error_word<Space>(stream, &words[1 + 2 * c], chunks_[c].plan.error_word());
       take_error_word<Space>(stream, &words[2 + 2 * c], chunks_[c].experts.error_word());
     }
-    stream.synchronize();
+    std::exception_ptr peers; // waits for the stream (through the communicator) too
+    try {
+      status_.check_peers(*comm_, stream);
+    } catch (...) {
+      peers = std::current_exception();
+    }
     std::uint32_t plan = 0, experts = 0;
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
       plan |= words[1 + 2 * c];
       experts |= words[2 + 2 * c];
     }
-    device_dispatch_plan<Space>::throw_plan_errors(plan, placement_.num_experts());
+    throw_sender_errors(plan, words[0]);
+    if (peers) // a peer's failure explains what this rank received
+      std::rethrow_exception(peers);
     device_expert_plan<Space>::throw_expert_errors(experts, placement_.slots_per_device());
-    WEAVE_EXPECT((words[0] & device_exchange_slot_overflow) == 0, errc::size_overflow,
-                 "a chunk sent more rows to a peer than its static slot of ", slot_rows_,
-                 " rows (moe_options.static_rows_per_peer)");
   }
+
+  //! The one wait: waits for both streams (through the communicator), then checks the flags
+  //! (`check_errors`, unless the communicator was aborted) and rethrows the root cause: this
+  //! rank's own error, else a peer's failure naming its rank, code and message.
+  void synchronize(stream_arg compute, stream_arg comm) {
+    std::exception_ptr waited, flagged;
+    try {
+      synchronize_streams(*comm_, compute, comm);
+    } catch (...) {
+      waited = std::current_exception();
+    }
+    if (!communicator_aborted(*comm_)) {
+      try {
+        check_errors(compute);
+      } catch (...) {
+        flagged = std::current_exception();
+      }
+    }
+    if (std::exception_ptr root = root_cause({waited, flagged}))
+      std::rethrow_exception(root);
+  }
+
+  //! False once the communicator was aborted (a failure after a dispatch, a timeout): every
+  //! later call fails; rebuild the communicator and the layer.
+  bool usable() const { return !communicator_aborted(*comm_); }
 
   //! The stage hook `chunk_pipeline` calls (not for direct use).
   void enqueue(pipeline_stage stage, int c, stream_type& s) {
@@ -259,6 +315,28 @@ class basic_device_exchange {
   using call_arguments =
       detail::moe_call_arguments<experts_fn, experts_grad_fn, device_chunk_hooks<Space>>;
 
+  // Space::launch for the caller's code. A failure before the dispatch on host streams travels
+  // with the count exchange; any other one aborts the communicator, as the peers would
+  // otherwise wait for this rank in a collective that carries no status.
+  template <class F>
+  void launch_fail_stop(stream_type& s, bool before_dispatch, F f) {
+    if (before_dispatch && Space::runs_later)
+      Space::launch(s, std::move(f));
+    else
+      Space::launch(s, [this, f = std::move(f)](stream_arg ls) mutable {
+        abort_peers_on_failure(*comm_, [&] { f(ls); });
+      });
+  }
+
+  // Throws for a sender's flags: the chunk plans' (`device_plan_error`) and this exchange's own
+  // (`device_exchange_error`); used for this rank's and, through the status, for the peers'.
+  void throw_sender_errors(std::uint32_t plan, std::uint32_t exchange) const {
+    device_dispatch_plan<Space>::throw_plan_errors(plan, placement_.num_experts());
+    WEAVE_EXPECT((exchange & device_exchange_slot_overflow) == 0, errc::size_overflow,
+                 "a chunk sent more rows to a peer than its static slot of ", slot_rows_,
+                 " rows (moe_options.static_rows_per_peer)");
+  }
+
   // The worst case of a peer's rows per chunk: every token of the chunk, or fewer when a
   // capacity factor bounds what the experts of one device take from a batch.
   std::size_t static_slot_rows() const {
@@ -288,6 +366,7 @@ class basic_device_exchange {
     set(self.error_, 1);
     set(self.counters_, counter_count);
     set(self.static_displs_, D);
+    self.status_.carve(set);
     if (self.filter_) {
       set(self.filter_ws_, self.filter_->workspace_size());
       set(self.keep_, std::max<std::size_t>(self.options_.max_tokens * k, 1));
@@ -330,9 +409,13 @@ class basic_device_exchange {
     return token_view(p, n, options_.hidden, options_.element, Space::memory);
   }
 
+  void check_initialized() const {
+    WEAVE_EXPECT(initialized_, errc::invalid_state, "device exchange is not initialised");
+  }
+
   void check_call(const const_token_view& x, const const_token_view& y, std::size_t ids,
                   std::size_t weights) const {
-    WEAVE_EXPECT(initialized_, errc::invalid_state, "device exchange is not initialised");
+    check_initialized();
     for (const const_token_view* v : {&x, &y}) {
       WEAVE_EXPECT(v->cols() == options_.hidden && v->element_type() == options_.element,
                    errc::size_mismatch, "device exchange rows of ", v->cols(), " ",
@@ -379,9 +462,10 @@ class basic_device_exchange {
     std::tie(ch.first, ch.count) = chunk_range(c);
     const bool produced = call.hooks != nullptr && static_cast<bool>(call.hooks->produce);
     if (produced)
-      Space::launch(s, [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
-        hooks->produce(first, count, ls);
-      });
+      launch_fail_stop(s, true,
+                       [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+                         hooks->produce(first, count, ls);
+                       });
     const std::span<std::uint8_t> keep =
         filter_ ? std::span<std::uint8_t>(keep_ + ch.first * k, ch.count * k)
                 : std::span<std::uint8_t>{};
@@ -434,10 +518,10 @@ class basic_device_exchange {
     chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
     const std::size_t row = options_.hidden * size_of(options_.element);
     const auto D = static_cast<std::size_t>(D_);
-    const std::span<std::int64_t> recv_counts(ch.recv_counts, D);
     if (options_.static_shape) {
       if (!backward) {
-        comm_->exchange_counts(s, std::span<const std::int64_t>(ch.slot_counts, D), recv_counts);
+        status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.slot_counts, ch.recv_counts,
+                         ch.plan.error_word(), error_);
         all_to_all_v(*comm_, s, ch.send_routes, uniform_counts_, uniform_displs_, ch.recv_routes,
                      uniform_counts_, uniform_displs_, static_cast<std::size_t>(k_) * 8);
       }
@@ -446,12 +530,15 @@ class basic_device_exchange {
       return;
     }
     if (!backward) {
-      comm_->exchange_counts(s, ch.plan.send_counts(), recv_counts);
+      status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.plan.send_counts().data(),
+                       ch.recv_counts, ch.plan.error_word(), error_);
       Space::copy_to_host(s, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
       Space::copy_to_host(s, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
       Space::copy_to_host(s, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
-      Space::on_host(
-          s, [this, &ch] { detail::abort_peers_on_failure(*comm_, [&] { plan_receive(ch); }); });
+      on_host_watched<Space>(*comm_, s, [this, &ch, c] {
+        status_.raise(static_cast<std::size_t>(c)); // every rank fails here alike
+        detail::abort_peers_on_failure(*comm_, [&] { plan_receive(ch); });
+      });
       Space::copy_from_host(s, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
       all_to_all_v(*comm_, s, ch.plan.row_routes().data(), ch.send_counts_h, ch.send_displs_h,
                    ch.recv_routes, ch.recv_counts_h, ch.recv_displs_h,
@@ -511,7 +598,7 @@ class basic_device_exchange {
     build_experts(ch, s);
     moves::gather(s, rows_view(ch.recv, recv_cap_), rows_view(ch.epd_in, epd_capacity(ch)),
                   ch.experts.epd_row_source().data(), nullptr, ch.experts.epd_rows_count());
-    Space::launch(s, [this, c](stream_arg ls) {
+    launch_fail_stop(s, false, [this, c](stream_arg ls) {
       chunk_state& x = chunks_[static_cast<std::size_t>(c)];
       calls_[0].experts(device_expert_batch<Space>{
           c, rank_, x.experts.expert_offsets(), local_experts_,
@@ -533,7 +620,7 @@ class basic_device_exchange {
     moves::dot(s, rows_view(grad_dy_, epd), rows_view(ch.epd_out, epd), grad_dot_, count);
     Space::for_each(s, static_cast<std::int64_t>(recv_cap_ * static_cast<std::size_t>(k_)),
                     detail::entry_dw_step{ch.experts.row_epd().data(), grad_dot_, ch.send_dw});
-    Space::launch(s, [this, c, epd](stream_arg ls) {
+    launch_fail_stop(s, false, [this, c, epd](stream_arg ls) {
       chunk_state& x = chunks_[static_cast<std::size_t>(c)];
       calls_[1].experts_grad(device_expert_grad_batch<Space>{
           c, rank_, x.experts.expert_offsets(), local_experts_, rows_view(x.epd_in, epd),
@@ -550,9 +637,10 @@ class basic_device_exchange {
     moves::merge(s, rows_view(ch.returned, send_cap_), call.y.subrows(ch.first, ch.count),
                  token_rows, k_, nullptr, nullptr, false);
     if (!backward && call.hooks != nullptr && call.hooks->consume)
-      Space::launch(s, [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
-        hooks->consume(first, count, ls);
-      });
+      launch_fail_stop(s, false,
+                       [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+                         hooks->consume(first, count, ls);
+                       });
     if (backward)
       Space::for_each(
           s, static_cast<std::int64_t>(ch.count),
@@ -583,6 +671,7 @@ class basic_device_exchange {
   call_arguments calls_[2];                       // [0] forward, [1] backward
   typename stream_type::event_type call_done_[2]; // host spaces: end of each direction's call
   bool direction_ = false;                        // of the call being enqueued
+  device_counts_with_status<Space> status_;       // the count exchange, carrying each rank's status
 };
 
 WEAVE_NAMESPACE_END

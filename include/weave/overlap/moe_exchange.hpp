@@ -26,13 +26,21 @@
 //! issued while the previous forward's work is still queued first waits for it (likewise for
 //! backward), since each direction keeps one set of call arguments. One exchange serves one
 //! layer: its buffers hold the last forward's state for the backward.
+//!
+//! Fail-stop (docs/faults.md): the ranks agree on the layer's configuration at construction; a
+//! rank's failure before a chunk's dispatch travels in-band with that chunk's count exchange
+//! (every rank fails there, the layer stays usable); later failures abort the communicator.
+//! `synchronize` is the one wait that reports the root cause.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
+#include "weave/comm/status_exchange.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
+#include "weave/overlap/layer_agreement.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/overlap/pipeline.hpp"
 #include "weave/overlap/row_buffer.hpp"
@@ -65,21 +73,20 @@ class moe_exchange {
 
   //! An exchange for rank `comm.rank()` of a world of `comm.size()` devices placed by `where`.
   //! Allocates every communication buffer for `options.max_tokens` tokens now; expert-layout
-  //! buffers grow to the largest chunk seen and are then reused. Throws `errc::invalid_argument`
-  //! for a placement of another device count or bad options.
+  //! buffers grow to the largest chunk seen and are then reused. Collective: checks that every
+  //! rank builds the layer alike (`agree_on_layer`: `errc::config_mismatch` on every rank
+  //! otherwise); throws `errc::invalid_argument` for a placement of another device count or
+  //! bad options (and its peers a `peer_error` naming this rank).
   moe_exchange(Comm& comm, placement where, moe_options options)
-      : comm_(&comm)
+      : comm_(&agree_on_layer(comm, "moe_exchange", where, options,
+                              [&] {
+                                WEAVE_EXPECT(!options.static_shape, errc::not_supported,
+                                             "moe_options.static_shape is a mode of the device "
+                                             "exchange (basic_device_exchange, cuda_moe_exchange)");
+                              }))
       , placement_(std::move(where))
       , options_(options)
       , pipeline_(options.chunks) {
-    detail::check_moe_options(options_);
-    WEAVE_EXPECT(!options_.static_shape, errc::not_supported,
-                 "moe_options.static_shape is a mode of the device exchange "
-                 "(basic_device_exchange, cuda_moe_exchange)");
-    WEAVE_EXPECT(placement_.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
-                 placement_.num_devices(), " devices for a world of ", comm.size());
-    WEAVE_EXPECT(options_.k <= placement_.num_experts(), errc::invalid_argument, "k = ", options_.k,
-                 " exceeds the ", placement_.num_experts(), " experts");
     rank_ = comm.rank();
     const auto D = static_cast<std::size_t>(comm.size());
     const auto k = static_cast<std::size_t>(options_.k);
@@ -112,6 +119,7 @@ class moe_exchange {
       c.send_dw.resize(recv_bound_ * k);
       c.returned_dw.resize(send_bound_ * k);
     }
+    status_ = counts_with_status<Comm>(comm.size(), rank_, 1, chunks, "moe_exchange");
   }
 
   moe_exchange(const moe_exchange&) = delete;
@@ -138,22 +146,32 @@ class moe_exchange {
   //! into `y` (T rows): y[t] = sum over kept choices j of weights[t, j] * expert(ids[t, j])(x[t]).
   //! `experts` runs on `compute`'s thread once per chunk. Throws `errc::size_mismatch` for
   //! shapes that disagree with the options, `errc::invalid_argument` for T > max_tokens or
-  //! equal streams; bad ids or weights fail the streams (surfacing at synchronize) with
-  //! `out_of_range`/`invalid_argument`. `hooks` (optional, borrowed) partitions the operators
-  //! around the layer into the same chunks (see `moe_chunk_hooks`).
+  //! equal streams (and its peers fail at the call's first count exchange with a `peer_error`
+  //! naming it); bad ids or weights fail the streams of every rank (surfacing at synchronize)
+  //! with `out_of_range`/`invalid_argument` here and `peer_failure` on the peers. `hooks`
+  //! (optional, borrowed) partitions the operators around the layer into the same chunks (see
+  //! `moe_chunk_hooks`).
   void forward(const_token_view x, std::span<const std::int32_t> ids,
                std::span<const float> weights, token_view y, experts_fn experts,
                stream_type& compute, stream_type& comm, const moe_chunk_hooks* hooks = nullptr) {
-    detail::check_hooks(hooks, options_);
-    check_rows(x, "input");
-    check_rows(y, "output");
-    WEAVE_EXPECT(x.rows() == y.rows(), errc::size_mismatch, "forward: ", x.rows(),
-                 " input rows but ", y.rows(), " output rows");
     const std::size_t T = x.rows();
-    const auto k = static_cast<std::size_t>(options_.k);
-    WEAVE_EXPECT(ids.size() == T * k && weights.size() == T * k, errc::size_mismatch,
-                 "forward: ", ids.size(), " ids and ", weights.size(), " weights for ", T,
-                 " tokens with k = ", k);
+    try {
+      detail::check_hooks(hooks, options_);
+      check_rows(x, "input");
+      check_rows(y, "output");
+      WEAVE_EXPECT(x.rows() == y.rows(), errc::size_mismatch, "forward: ", x.rows(),
+                   " input rows but ", y.rows(), " output rows");
+      const auto k = static_cast<std::size_t>(options_.k);
+      WEAVE_EXPECT(ids.size() == T * k && weights.size() == T * k, errc::size_mismatch,
+                   "forward: ", ids.size(), " ids and ", weights.size(), " weights for ", T,
+                   " tokens with k = ", k);
+    } catch (...) { // fail-stop: the rejected call still takes its turn, carrying the error
+      enqueue_failed_call(compute, comm, std::current_exception(), [&] {
+        begin_call(false, compute);
+        pipeline_.run(compute, comm, *this);
+      });
+      throw;
+    }
     begin_call(false, compute);
     calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, T, hooks};
     pipeline_.run(compute, comm, *this);
@@ -163,22 +181,37 @@ class moe_exchange {
   //! Enqueues the backward of the last forward (which needs `save_for_backward`): from the
   //! output gradient `dy` (T rows) it writes the input gradient `dx` (T rows) and the gate
   //! gradients `dw` (k per token; 0 for dropped or absent choices). `experts_grad` runs the
-  //! experts' backward on `compute`'s thread once per chunk.
+  //! experts' backward on `compute`'s thread once per chunk. Bad arguments throw here and abort
+  //! the communicator (the backward has no count exchange to carry them).
   void backward(const_token_view dy, token_view dx, std::span<float> dw,
                 experts_grad_fn experts_grad, stream_type& compute, stream_type& comm) {
-    WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                 "backward needs moe_options.save_for_backward");
-    check_rows(dy, "output gradient");
-    check_rows(dx, "input gradient");
     const std::size_t T = calls_[0].tokens;
-    WEAVE_EXPECT(dy.rows() == T && dx.rows() == T && dw.size() == T * options_.k,
-                 errc::size_mismatch, "backward: ", dy.rows(), " dy rows, ", dx.rows(),
-                 " dx rows and ", dw.size(), " gate gradients for a forward of ", T, " tokens");
+    abort_peers_on_failure(*comm_, [&] {
+      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                   "backward needs moe_options.save_for_backward");
+      check_rows(dy, "output gradient");
+      check_rows(dx, "input gradient");
+      WEAVE_EXPECT(dy.rows() == T && dx.rows() == T && dw.size() == T * options_.k,
+                   errc::size_mismatch, "backward: ", dy.rows(), " dy rows, ", dx.rows(),
+                   " dx rows and ", dw.size(), " gate gradients for a forward of ", T, " tokens");
+    });
     begin_call(true, compute);
     calls_[1] = {dy, dx, calls_[0].ids, calls_[0].weights, dw, {}, std::move(experts_grad), T};
     pipeline_.run(compute, comm, *this);
     compute.record(call_done_[1]);
   }
+
+  //! The one wait: waits for both streams of the layer's calls and rethrows the root cause (this
+  //! rank's own error, else a peer's failure naming its rank, code and message), observing the
+  //! failures of both streams. Afterwards the layer is usable again unless `usable()` is false.
+  void synchronize(stream_type& compute, stream_type& comm) {
+    synchronize_streams(*comm_, compute, comm);
+  }
+
+  //! False once the communicator was aborted (a failure after a dispatch, a timeout): every
+  //! later call fails; rebuild the communicator and the layer. In-band failures (bad input found
+  //! before a dispatch) leave it true.
+  bool usable() const { return !communicator_aborted(*comm_); }
 
   //! The stage hook `chunk_pipeline` calls (not for direct use).
   void enqueue(pipeline_stage stage, int c, stream_type& s) {
@@ -186,13 +219,13 @@ class moe_exchange {
     const bool bwd = direction_;
     switch (stage) {
     case pipeline_stage::prepare:
-      s.submit([this, c, bwd] {
-        detail::abort_peers_on_failure(*comm_, [&] { bwd ? prepare_backward(c) : prepare(c); });
+      s.submit([this, c, bwd] { // a forward's failure travels with the count exchange
+        bwd ? detail::abort_peers_on_failure(*comm_, [&] { prepare_backward(c); }) : prepare(c);
       });
       break;
     case pipeline_stage::dispatch:
       if (!bwd) {
-        comm_->exchange_counts(s, ch.send_counts, ch.recv_counts);
+        status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.send_counts, ch.recv_counts);
         s.submit([this, c] { detail::abort_peers_on_failure(*comm_, [&] { plan_receive(c); }); });
         all_to_all_v(*comm_, s, ch.send_routes.data(), ch.send_counts, ch.send_displs,
                      ch.recv_routes.data(), ch.recv_counts, ch.recv_displs,
@@ -456,6 +489,7 @@ class moe_exchange {
   bool direction_ = false;                        // of the call being enqueued
   row_buffer grad_scratch_, grad_scaled_;         // backward EPD scratch, shared by the chunks
   moe_stats pending_, stats_;
+  counts_with_status<Comm> status_; // the count exchange, carrying each rank's failure
 };
 
 WEAVE_NAMESPACE_END

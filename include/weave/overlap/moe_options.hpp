@@ -2,6 +2,7 @@
 //! Options, per-call statistics and the expert-callback vocabulary of `moe_exchange`.
 #pragma once
 
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
@@ -129,17 +130,8 @@ void check_hooks(const Hooks* hooks, const moe_options& o) {
 }
 
 // A step that fails on one rank would leave its peers waiting in the next collective: runs
-// `f`, and on failure tells the communicator (where it can be told) before rethrowing.
-template <class Comm, class F>
-void abort_peers_on_failure(Comm& comm, F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    if constexpr (requires { comm.abort(std::string()); })
-      comm.abort(e.what());
-    throw;
-  }
-}
+// the step and, on failure, aborts the communicator (where it can be) before rethrowing.
+using ::weave::abort_peers_on_failure;
 
 } // namespace detail
 

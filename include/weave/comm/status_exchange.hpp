@@ -1,0 +1,198 @@
+//! \file
+//! `counts_with_status`: a count exchange that also carries every rank's health, so a rank
+//! that failed before the exchange tells its peers there, in the message they wait for anyway.
+//!
+//! Beside its k counts per peer, every rank sends its status (`encode_failure`: a status word
+//! and the start of the message) to every peer. Every rank then holds every rank's status,
+//! so all take the same decision at the same step: all carry on, or all fail together
+//! (the failing rank with its own error, its peers with a `peer_error` naming it, its code and
+//! its message), and the communicator stays consistent (no collective is left half-joined).
+//!
+//! Host streams: the status is the stream's pending failure (the work before the exchange
+//! failed, e.g. planning a chunk with a bad expert id); the exchange runs even on a failed
+//! stream. After a failure the peers already learnt, later exchanges of the same call move
+//! nothing. A call rejected before it enqueued anything (bad arguments) still takes its turn,
+//! with `enqueue_failed_call`, so the peers learn it at the same exchange.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
+#include "weave/exec/stream.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+// The protocol around a status-carrying exchange on a host stream, shared by the host and the
+// device (host space) forms. Per slot it stashes this rank's failure while the exchange runs;
+// across slots it remembers the last failure every rank learnt, so that later exchanges of the
+// same call, which every rank skips alike, move nothing.
+class status_protocol {
+ public:
+  status_protocol() = default;
+  explicit status_protocol(std::size_t slots)
+      : stashed_(std::make_shared<std::vector<std::exception_ptr>>(slots))
+      , agreed_(std::make_shared<agreed_failure>()) {}
+
+  // Enqueues on `s`: `pack(pending)` (writes this rank's status for the failure `pending`, null
+  // when healthy), the exchange `exchange()` enqueues, and `decide(own)`, which reads what
+  // arrived and returns the stream's failure from then on (`own`: this rank's failure, else a
+  // peer's, else null). The exchange runs on a cleared stream; a failure of the exchange itself
+  // keeps the earlier cause.
+  template <class Stream, class Pack, class Exchange, class Decide>
+  void enqueue(Stream& s, std::size_t slot, Pack pack, Exchange&& exchange, Decide decide) {
+    WEAVE_EXPECT(stashed_ && slot < stashed_->size(), errc::out_of_range, "status exchange slot ",
+                 slot, " of ", stashed_ ? stashed_->size() : 0);
+    s.submit_always([stashed = stashed_, agreed = agreed_, slot,
+                     pack = std::move(pack)](std::exception_ptr pending) mutable {
+      if (pending && pending == agreed->get())
+        return pending; // every rank knows it and skips this exchange too
+      (*stashed)[slot] = pending;
+      pack(pending);
+      return std::exception_ptr{};
+    });
+    std::forward<Exchange>(exchange)();
+    s.submit_always([stashed = stashed_, agreed = agreed_, slot,
+                     decide = std::move(decide)](std::exception_ptr failed) mutable {
+      std::exception_ptr own = std::exchange((*stashed)[slot], nullptr);
+      std::exception_ptr result = failed ? (own ? own : failed) : decide(own);
+      if (result)
+        agreed->set(result);
+      return result;
+    });
+  }
+
+ private:
+  struct agreed_failure {
+    std::mutex mutex;
+    std::exception_ptr failure;
+    std::exception_ptr get() {
+      std::lock_guard lock(mutex);
+      return failure;
+    }
+    void set(std::exception_ptr f) {
+      std::lock_guard lock(mutex);
+      failure = std::move(f);
+    }
+  };
+
+  std::shared_ptr<std::vector<std::exception_ptr>> stashed_;
+  std::shared_ptr<agreed_failure> agreed_;
+};
+
+} // namespace detail
+
+//! A count exchange carrying every rank's status, on host streams (see the file comment).
+//! Holds one send and one receive block per slot (an exchange in flight); `exchange`
+//! allocates nothing.
+template <communicator Comm>
+requires host_executor<typename Comm::stream_type> && has_exchange_counts<Comm>
+class counts_with_status {
+ public:
+  using stream_type = typename Comm::stream_type;
+
+  counts_with_status() = default;
+
+  //! For rank `rank` of `ranks`, `k` counts per peer, `slots` exchanges that may be in flight
+  //! at once; `what` names the owner in peers' errors ("moe_exchange").
+  counts_with_status(int ranks, int rank, std::size_t k, std::size_t slots, std::string what)
+      : ranks_(ranks)
+      , rank_(rank)
+      , k_(k)
+      , what_(std::move(what))
+      , protocol_(slots)
+      , blocks_(slots) {
+    for (block& b : blocks_) {
+      b.send.assign(static_cast<std::size_t>(ranks) * (k + failure_words), 0);
+      b.recv.assign(b.send.size(), 0);
+    }
+  }
+
+  //! Enqueues on `s` the exchange of `send` (`k` counts per peer, peer-major) into `recv` and
+  //! of every rank's status. Afterwards `s` holds this rank's own failure if it had one (its
+  //! peers now know it), else a `peer_error` if a peer had one, else nothing, on every rank
+  //! alike. `send` and `recv` are read and written when the stream gets there.
+  void exchange(Comm& comm, stream_type& s, std::size_t slot, std::span<const std::int64_t> send,
+                std::span<std::int64_t> recv) {
+    WEAVE_EXPECT(slot < blocks_.size(), errc::out_of_range, what_, ": status exchange slot ", slot,
+                 " of ", blocks_.size());
+    WEAVE_EXPECT(send.size() == k_ * std::size_t(ranks_) && recv.size() == send.size(),
+                 errc::size_mismatch, what_, ": ", send.size(), " counts to send and ", recv.size(),
+                 " to receive for ", ranks_, " ranks with ", k_, " per peer");
+    block* b = &blocks_[slot];
+    const std::size_t stride = k_ + failure_words;
+    const auto pack = [this, b, send, stride](const std::exception_ptr& pending) {
+      const failure_record record = pending ? record_of(pending, rank_) : failure_record{};
+      for (std::size_t j = 0; j < static_cast<std::size_t>(ranks_); ++j) {
+        const std::span<std::int64_t> to = std::span(b->send).subspan(j * stride, stride);
+        std::copy_n(send.begin() + static_cast<std::ptrdiff_t>(j * k_), k_, to.begin());
+        encode_failure(pending ? &record : nullptr, to.subspan(k_));
+      }
+    };
+    const auto decide = [this, b, recv, stride](std::exception_ptr own) {
+      for (std::size_t j = 0; j < static_cast<std::size_t>(ranks_); ++j)
+        std::copy_n(b->recv.begin() + static_cast<std::ptrdiff_t>(j * stride), k_,
+                    recv.begin() + static_cast<std::ptrdiff_t>(j * k_));
+      return own ? own
+                 : detail::peer_failure_in(std::span<const std::int64_t>(b->recv), k_, ranks_,
+                                           rank_, what_ + " count exchange", detail::decode_status);
+    };
+    protocol_.enqueue(
+        s, slot, pack,
+        [&] {
+          comm.exchange_counts(s, std::span<const std::int64_t>(b->send),
+                               std::span<std::int64_t>(b->recv));
+        },
+        decide);
+  }
+
+ private:
+  struct block {
+    std::vector<std::int64_t> send, recv; // per peer: k counts, then the status words
+  };
+
+  int ranks_ = 0, rank_ = 0;
+  std::size_t k_ = 0;
+  std::string what_;
+  detail::status_protocol protocol_;
+  std::vector<block> blocks_;
+};
+
+//! Enqueues a call that was rejected on the host (bad arguments) in its place in the collective
+//! schedule: runs `enqueue_call()` with both streams failed by `failure`, so the call's status
+//! exchanges carry it to the peers (who fail at the same step) and every other collective of the
+//! call is skipped alike on every rank. Both streams are healthy again after the call (the
+//! caller throws `failure` itself); a failure they held before stays.
+template <host_executor Stream, class EnqueueCall>
+void enqueue_failed_call(Stream& compute, Stream& comm, const std::exception_ptr& failure,
+                         EnqueueCall&& enqueue_call) {
+  for (Stream* s : {&compute, &comm})
+    s->submit_always([failure](std::exception_ptr pending) { return pending ? pending : failure; });
+  std::exception_ptr thrown;
+  try {
+    std::forward<EnqueueCall>(enqueue_call)();
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  for (Stream* s : {&compute, &comm})
+    s->submit_always([failure](std::exception_ptr pending) {
+      return pending == failure ? std::exception_ptr{} : pending;
+    });
+  if (thrown)
+    std::rethrow_exception(thrown);
+}
+
+WEAVE_NAMESPACE_END
