@@ -257,6 +257,17 @@ std::vector<std::int64_t> all_gather_now(C& comm, std::span<const std::int64_t> 
   }
 }
 
+//! The first field on which the ranks of `comm` disagree, or nothing: every rank gathers every
+//! rank's fingerprint (one collective) and reaches the same answer. For objects that combine
+//! the verdicts of several communicators before failing (see `hierarchical_all_to_all`).
+template <communicator C>
+std::optional<config_disagreement> find_config_disagreement(C& comm,
+                                                            const config_fingerprint& mine) {
+  std::vector<std::int64_t> words = mine.words();
+  words.resize(agreement_words, 0);
+  return mine.find_disagreement(all_gather_now(comm, std::span<const std::int64_t>(words)));
+}
+
 //! Checks that every rank of `comm` built the object alike. Runs `validate()` (this rank's own
 //! checks of its configuration) first; then, with one all-gather: a rank whose `validate` threw
 //! rethrows its error and every other rank throws a `peer_error` naming it; else, if the

@@ -23,6 +23,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -61,6 +62,13 @@ class cuda_local_communicator {
 
   //! Fails every pending and later collective of the world with `errc::peer_failure`.
   void abort(const std::string& reason);
+
+  //! True once the world failed (a rank aborted or threw, or a collective failed).
+  bool aborted() const;
+
+  //! A blocking all-gather of a few 64-bit words per rank, for setup-time agreement (not for the
+  //! hot path): through a temporary device buffer and stream.
+  std::vector<std::int64_t> all_gather_now(std::span<const std::int64_t> mine);
 
  private:
   friend class cuda_local_world;
@@ -250,6 +258,39 @@ inline void cuda_local_communicator::exchange_counts(cuda_stream_ref s,
 
 inline void cuda_local_communicator::abort(const std::string& reason) {
   world_->fail("rank " + std::to_string(rank_) + " aborted: " + reason);
+}
+
+inline bool cuda_local_communicator::aborted() const {
+  std::lock_guard lock(world_->mutex_);
+  return !world_->failure_.empty();
+}
+
+inline std::vector<std::int64_t>
+cuda_local_communicator::all_gather_now(std::span<const std::int64_t> mine) {
+  const std::size_t n = static_cast<std::size_t>(size()) * mine.size();
+  std::vector<std::int64_t> send(n), recv(n);
+  for (std::size_t j = 0; j < static_cast<std::size_t>(size()); ++j)
+    std::copy(mine.begin(), mine.end(), send.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
+  struct scratch { // freed on every path
+    std::int64_t* words = nullptr;
+    cudaStream_t stream = nullptr;
+    ~scratch() {
+      if (stream)
+        (void)cudaStreamDestroy(stream);
+      if (words)
+        (void)cudaFree(words);
+    }
+  } tmp;
+  WEAVE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&tmp.words), 2 * n * sizeof(std::int64_t)));
+  WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&tmp.stream, cudaStreamNonBlocking));
+  WEAVE_CUDA_CHECK(cudaMemcpyAsync(tmp.words, send.data(), n * sizeof(std::int64_t),
+                                   cudaMemcpyHostToDevice, tmp.stream));
+  exchange_counts(cuda_stream_ref(tmp.stream), std::span<const std::int64_t>(tmp.words, n),
+                  std::span<std::int64_t>(tmp.words + n, n));
+  WEAVE_CUDA_CHECK(cudaMemcpyAsync(recv.data(), tmp.words + n, n * sizeof(std::int64_t),
+                                   cudaMemcpyDeviceToHost, tmp.stream));
+  WEAVE_CUDA_CHECK(cudaStreamSynchronize(tmp.stream));
+  return recv;
 }
 
 WEAVE_NAMESPACE_END

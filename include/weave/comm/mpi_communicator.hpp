@@ -243,9 +243,15 @@ class mpi_communicator {
           return failure;
         throw_failed(what);
       }
-      if (!failure) {
+      if (failure)
+        return failure;
+      try {
         check_notice(what); // a peer already failed: do not start what it will never join
         body();
+      } catch (...) { // the peers may wait for this rank in the operation: tell them
+        abort(record_of(std::current_exception(), rank_));
+        send_notices();
+        throw;
       }
       return failure;
     });
@@ -301,11 +307,17 @@ class mpi_communicator {
     throw_failed(what);
   }
 
-  // Throws `errc::mpi` naming the call, the operation and MPI's text, unless `status` is success.
-  void check(int status, const char* call, const char* what) const {
-    if (WEAVE_UNLIKELY(status != MPI_SUCCESS))
-      WEAVE_THROW(errc::mpi, "mpi_communicator rank ", rank_, ": ", what, ": ", call, " failed (",
-                  status, "): ", mpi_error_string(status));
+  // Unless `status` is success: aborts the communicator (a peer may wait for this rank in the
+  // failed operation) and throws `errc::mpi` naming the call, the operation and MPI's text.
+  void check(int status, const char* call, const char* what) {
+    if (WEAVE_LIKELY(status == MPI_SUCCESS))
+      return;
+    const std::string message =
+        detail::concat("mpi_communicator rank ", rank_, ": ", what, ": ", call, " failed (", status,
+                       "): ", mpi_error_string(status));
+    abort({rank_, errc::mpi, true, message});
+    send_notices();
+    WEAVE_THROW(errc::mpi, message);
   }
 
   // Progresses `requests` until all complete, a peer's failure notice arrives, or the timeout

@@ -12,7 +12,11 @@
 //! Failures: `synchronize(s)` waits for the stream while polling `ncclCommGetAsyncError`; an
 //! asynchronous NCCL error or the timeout aborts the communicator (`ncclCommAbort`, which also
 //! frees it: its owner must then not call `ncclCommDestroy`) and throws `errc::nccl` or
-//! `errc::timeout`.
+//! `errc::timeout`. `abort(why)` does the same on request (weave's layers call it when a step
+//! fails after a dispatch). NCCL has no channel to tell the peers: they learn a failure from the
+//! status weave's layers send with their count exchanges, or else from their own timeout (and,
+//! over a network transport, from NCCL's remote error once the aborted rank's connections
+//! close). Set `nccl_options.timeout` to what a step may take at most.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -20,17 +24,21 @@
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/core/nccl_error.hpp"
 #include "weave/exec/cuda_stream.hpp"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <thread>
+#include <vector>
 
 WEAVE_NAMESPACE_BEGIN
 
@@ -82,6 +90,51 @@ class nccl_communicator {
   int size() const noexcept { return size_; }
   //! The wrapped communicator (null after an abort).
   ncclComm_t get() const noexcept { return comm_; }
+
+  //! True once the communicator was aborted (here, after an error, a timeout or `abort`).
+  bool aborted() const noexcept { return comm_ == nullptr; }
+
+  //! Aborts the communicator (`ncclCommAbort`; its owner must then not destroy it) because of
+  //! `why`; later operations fail with `errc::invalid_state` naming it. Idempotent.
+  void abort(const failure_record& why) {
+    if (comm_ == nullptr)
+      return;
+    why_ = why.describe();
+    abort();
+  }
+  //! As above, for a failure described by text only.
+  void abort(const std::string& reason) { abort(failure_record{rank_, errc::internal, false, reason}); }
+
+  //! A blocking all-gather of a few 64-bit words per rank, for setup-time agreement (not for the
+  //! hot path): through a temporary device buffer and stream, waited for by `synchronize`.
+  std::vector<std::int64_t> all_gather_now(std::span<const std::int64_t> mine) {
+    usable();
+    const std::size_t n = static_cast<std::size_t>(size_) * mine.size();
+    std::vector<std::int64_t> send(n), recv(n);
+    for (std::size_t j = 0; j < static_cast<std::size_t>(size_); ++j)
+      std::copy(mine.begin(), mine.end(), send.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
+    struct scratch { // freed on every path
+      std::int64_t* words = nullptr;
+      cudaStream_t stream = nullptr;
+      ~scratch() {
+        if (stream)
+          (void)cudaStreamDestroy(stream);
+        if (words)
+          (void)cudaFree(words);
+      }
+    } tmp;
+    WEAVE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&tmp.words), 2 * n * sizeof(std::int64_t)));
+    WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&tmp.stream, cudaStreamNonBlocking));
+    const cuda_stream_ref s(tmp.stream);
+    WEAVE_CUDA_CHECK(cudaMemcpyAsync(tmp.words, send.data(), n * sizeof(std::int64_t),
+                                     cudaMemcpyHostToDevice, tmp.stream));
+    exchange_counts(s, std::span<const std::int64_t>(tmp.words, n),
+                    std::span<std::int64_t>(tmp.words + n, n));
+    WEAVE_CUDA_CHECK(cudaMemcpyAsync(recv.data(), tmp.words + n, n * sizeof(std::int64_t),
+                                     cudaMemcpyDeviceToHost, tmp.stream));
+    synchronize(s);
+    return recv;
+  }
 
   //! One NCCL group of ncclSend/ncclRecv; the transfer list is read during the call.
   void send_recv(cuda_stream_ref s, std::span<const peer_transfer> transfers) {
@@ -196,7 +249,8 @@ class nccl_communicator {
  private:
   void usable() const {
     WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state,
-                 "nccl_communicator: used after it was aborted");
+                 "nccl_communicator rank ", rank_, ": used after it was aborted", why_.empty() ? "" : " (", why_,
+                 why_.empty() ? "" : ")");
   }
   void abort() noexcept {
     (void)ncclCommAbort(comm_);
@@ -205,6 +259,7 @@ class nccl_communicator {
 
   ncclComm_t comm_;
   nccl_options options_;
+  std::string why_; // what `abort(why)` was given
   int rank_ = 0;
   int size_ = 0;
   int* scratch_ = nullptr;
