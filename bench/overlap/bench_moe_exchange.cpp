@@ -11,6 +11,10 @@
 // iteration is one forward on every rank; the reported time is rank 0's makespan (manual
 // time), with counters: exposed_comm_ms (makespan - compute-stream busy time), compute_ms,
 // comm_ms. Compare a ratio's C = 1 row with its C > 1 rows.
+//
+// `moe_call_overhead`: the same 4 ranks with no link and no expert time, 64 or 1024 tokens per
+// rank, C = 1 or 4: the time of one forward is then the layer's own cost (planning, count
+// exchange, copies, stream hand-offs), which is where a change of the success path shows.
 #include <benchmark/benchmark.h>
 
 #include <weave/comm/local_world.hpp>
@@ -35,6 +39,16 @@ constexpr int ranks = 4, experts = 32, k = 4;
 constexpr std::size_t tokens = 2048, hidden = 256;
 constexpr double link_bytes_per_second = 0.05e9;
 using row_t = weave::bfloat16;
+
+weave::moe_options layer_options(int chunks, std::size_t max_tokens) {
+  weave::moe_options o;
+  o.k = k;
+  o.hidden = hidden;
+  o.element = weave::dtype::bf16;
+  o.max_tokens = max_tokens;
+  o.chunks = chunks;
+  return o;
+}
 
 // What runs around the layer: nothing (the layer alone), a producer and a consumer outside the
 // layer's pipeline, or the same two inside it as chunk hooks.
@@ -106,14 +120,8 @@ class layer_ranks {
 
   void serve(int r, int chunks) {
     auto& comm = world_.comm(r);
-    weave::moe_options o;
-    o.k = k;
-    o.hidden = hidden;
-    o.element = weave::dtype::bf16;
-    o.max_tokens = tokens;
-    o.chunks = chunks;
     weave::moe_exchange<weave::local_communicator> ex(
-        comm, weave::placement::contiguous(experts, ranks), o);
+        comm, weave::placement::contiguous(experts, ranks), layer_options(chunks, tokens));
     weave::host_stream compute("compute"), stream("comm");
     auto& d = data_[static_cast<std::size_t>(r)];
     bool calibrated = false;
@@ -196,6 +204,83 @@ class layer_ranks {
 
 void run_steps(benchmark::State& state, layer_ranks& layer, int chunks, double ratio);
 
+// The layer's own cost per call, with no link and no expert time (the experts copy their rows):
+// planning, the count exchange, gathers, merges and stream hand-offs. Persistent ranks as in
+// `layer_ranks`; each step is one forward on every rank, timed on rank 0 from its start to both
+// of its streams drained.
+class overhead_ranks {
+ public:
+  overhead_ranks(int chunks, std::size_t tokens_per_rank)
+      : world_(ranks)
+      , start_(ranks + 1)
+      , done_(ranks + 1) {
+    for (int r = 0; r < ranks; ++r)
+      threads_.emplace_back(
+          [this, r, chunks, tokens_per_rank] { serve(r, chunks, tokens_per_rank); });
+  }
+  ~overhead_ranks() {
+    stop_ = true;
+    start_.arrive_and_wait();
+    for (auto& t : threads_)
+      t.join();
+  }
+  double step_seconds() {
+    start_.arrive_and_wait();
+    done_.arrive_and_wait();
+    return seconds_;
+  }
+
+ private:
+  void serve(int r, int chunks, std::size_t n) {
+    weave::moe_exchange<weave::local_communicator> ex(
+        world_.comm(r), weave::placement::contiguous(experts, ranks), layer_options(chunks, n));
+    weave::host_stream compute("compute"), stream("comm");
+    weave::host_matrix<row_t> x(n, hidden), y(n, hidden);
+    std::mt19937 rng(11 + static_cast<unsigned>(r));
+    std::vector<std::int32_t> ids;
+    std::vector<float> weights(n * k, 1.0f / k);
+    std::vector<int> all(experts);
+    for (int e = 0; e < experts; ++e)
+      all[static_cast<std::size_t>(e)] = e;
+    for (std::size_t t = 0; t < n; ++t) {
+      std::shuffle(all.begin(), all.end(), rng);
+      ids.insert(ids.end(), all.begin(), all.begin() + k);
+    }
+    const auto copy = [](const weave::expert_batch& b) {
+      if (b.input.rows() > 0) // the EPD rows are contiguous
+        std::memcpy(b.output.row(0), b.input.row(0), b.input.rows() * b.input.row_bytes());
+    };
+    for (;;) {
+      start_.arrive_and_wait();
+      if (stop_)
+        return;
+      const auto begin = std::chrono::steady_clock::now();
+      ex.forward(x.view(), ids, weights, y.view(), copy, compute, stream);
+      compute.synchronize();
+      stream.synchronize();
+      if (r == 0)
+        seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+      done_.arrive_and_wait();
+    }
+  }
+
+  weave::local_world world_;
+  std::barrier<> start_, done_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+  double seconds_ = 0;
+};
+
+void moe_call_overhead(benchmark::State& state) {
+  overhead_ranks layer(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)));
+  for (int warm = 0; warm < 3; ++warm)
+    layer.step_seconds();
+  for (auto _ : state)
+    state.SetIterationTime(layer.step_seconds());
+  state.counters["chunks"] = static_cast<double>(state.range(0));
+  state.counters["tokens"] = static_cast<double>(state.range(1));
+}
+
 void moe_layer(benchmark::State& state) {
   const int chunks = static_cast<int>(state.range(0));
   const double ratio = static_cast<double>(state.range(1)) / 100.0;
@@ -259,5 +344,12 @@ BENCHMARK(moe_block)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(5);
+
+BENCHMARK(moe_call_overhead)
+    ->ArgNames({"chunks", "tokens"})
+    ->ArgsProduct({{1, 4}, {64, 1024}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(1.0);
 
 BENCHMARK_MAIN();

@@ -102,14 +102,14 @@ TEST_CASE("agreement formats labels, hashes and real numbers, and passes when al
                 static_cast<unsigned long long>(fnv({0, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0})));
   for (const ending& e : hash)
     CHECK(e.message.find(expected) != std::string::npos);
-  const auto same = endings(3, [](weave::local_communicator& comm) {
-    weave::agree_on_config(comm, fingerprint(0));
-  });
+  const auto same = endings(
+      3, [](weave::local_communicator& comm) { weave::agree_on_config(comm, fingerprint(0)); });
   for (const ending& e : same)
     CHECK(e.message.empty());
 }
 
-TEST_CASE("a rank whose configuration is invalid fails with its error, its peers with a peer_error") {
+TEST_CASE(
+    "a rank whose configuration is invalid fails with its error, its peers with a peer_error") {
   const auto got = endings(3, [](weave::local_communicator& comm) {
     weave::agree_on_config(comm, fingerprint(0), [&] {
       WEAVE_EXPECT(comm.rank() != 1, weave::errc::invalid_argument, "k = 9 exceeds 8 experts");
@@ -232,7 +232,8 @@ TEST_CASE("the 2DH all-to-all refuses an inconsistent grid on every rank") {
   const auto same_staging = [](int) { return std::size_t{1024}; };
   for (const ending& e : build(node_major, by_local, same_staging))
     CHECK(e.message.empty());
-  const auto staging = build(node_major, by_local, [](int g) { return std::size_t(g == 3 ? 2048 : 1024); });
+  const auto staging =
+      build(node_major, by_local, [](int g) { return std::size_t(g == 3 ? 2048 : 1024); });
   for (const ending& e : staging) {
     CHECK(e.code == weave::errc::config_mismatch);
     CHECK(e.message.find("staging bytes") != std::string::npos);

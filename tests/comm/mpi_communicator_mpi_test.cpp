@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "a2a_cases.hpp"
+#include "mpi_session.hpp"
 
 #include <weave/comm.hpp>
 #include <weave/comm/mpi_communicator.hpp>
@@ -15,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <span>
 #include <string>
 #include <thread>
@@ -22,14 +24,9 @@
 
 namespace {
 
-// MPI lives for the whole test executable (doctest's main runs inside it).
-struct mpi_lifetime {
-  mpi_lifetime() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  ~mpi_lifetime() { MPI_Finalize(); }
-} mpi_for_the_whole_run;
+// Buffers of collectives abandoned after an abort (MPI may write into them until MPI_Finalize).
+weave_test::kept_until_finalize abandoned;
+const weave_test::mpi_session mpi_for_the_whole_run;
 
 int world_rank() {
   int r = 0;
@@ -235,8 +232,8 @@ TEST_CASE("an abort reaches every peer at once, naming the rank, its code and it
   const auto start = std::chrono::steady_clock::now();
   if (comm.rank() == world_size() - 1) {
     std::this_thread::sleep_for(50ms); // the others are waiting in the barrier
-    comm.abort(weave::failure_record{comm.rank(), weave::errc::invalid_argument, true,
-                                     "NaN gate weight"});
+    comm.abort(
+        weave::failure_record{comm.rank(), weave::errc::invalid_argument, true, "NaN gate weight"});
     comm.barrier(s);
     try {
       s.synchronize();
@@ -278,8 +275,11 @@ TEST_CASE("MPI errors become errc::mpi naming the operation and MPI's text") {
       displs[std::size_t(j)] = 8 * j;
     if (r == 0)
       send_counts[1] = 8;
-    std::vector<std::byte> send(std::size_t(8 * n)), recv(send.size());
-    comm.all_to_all_v(s, send.data(), send_counts, displs, recv.data(), recv_counts, displs);
+    auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));
+    auto recv = std::make_shared<std::vector<std::byte>>(send->size());
+    abandoned.keep(send);
+    abandoned.keep(recv);
+    comm.all_to_all_v(s, send->data(), send_counts, displs, recv->data(), recv_counts, displs);
     if (r == 1) {
       try {
         s.synchronize();

@@ -221,6 +221,11 @@ struct device_layer {
   weave::moe_stats stats(weave::host_stream& s) { return ex.read_stats(s); }
 };
 
+template <class C>
+using device_dynamic = device_layer<C, false>;
+template <class C>
+using device_static = device_layer<C, true>;
+
 // One rank's input: random distinct top-k ids over E experts (with -1 holes), the fault's
 // poison on the culprit.
 inline moe_test::rank_input<float> input_of(int rank, int ranks, fault f, bool culprit) {

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "fault_matrix.hpp"
+#include "mpi_session.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
 
@@ -13,25 +14,10 @@
 namespace {
 
 // After an abort, MPI may still write into the buffers of the abandoned collective until
-// MPI_Finalize (see mpi_communicator): aborted layers and their communicators are kept here,
-// and this object is constructed before the MPI session, so it is destroyed after
-// MPI_Finalize.
-struct kept_until_exit {
-  std::vector<std::shared_ptr<void>> things;
-} graveyard;
+// MPI_Finalize (see mpi_communicator): aborted layers and their communicators are kept here.
+weave_test::kept_until_finalize graveyard;
 
-struct mpi_session {
-  mpi_session() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  ~mpi_session() { MPI_Finalize(); }
-} session;
-
-template <class C>
-using device_dynamic = fault_matrix::device_layer<C, false>;
-template <class C>
-using device_static = fault_matrix::device_layer<C, true>;
+const weave_test::mpi_session session;
 
 template <template <class> class Layer>
 void run_matrix() {
@@ -45,8 +31,8 @@ void run_matrix() {
     options.timeout = fault_matrix::timeout;
     auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD, options);
     fault_matrix::run_case<Layer>(*comm, f, ranks - 1, [&](auto&& layer) {
-      graveyard.things.push_back(std::shared_ptr<void>(std::move(layer)));
-      graveyard.things.push_back(comm);
+      graveyard.keep(std::shared_ptr<void>(std::move(layer)));
+      graveyard.keep(comm);
     });
     MPI_Barrier(MPI_COMM_WORLD); // every rank finished the case
   }
@@ -59,9 +45,9 @@ TEST_CASE("fault matrix: moe_exchange over MPI") {
 }
 
 TEST_CASE("fault matrix: device exchange (host streams, dynamic shapes) over MPI") {
-  run_matrix<device_dynamic>();
+  run_matrix<fault_matrix::device_dynamic>();
 }
 
 TEST_CASE("fault matrix: device exchange (host streams, static shapes) over MPI") {
-  run_matrix<device_static>();
+  run_matrix<fault_matrix::device_static>();
 }

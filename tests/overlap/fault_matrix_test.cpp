@@ -8,11 +8,6 @@
 
 namespace {
 
-template <class C>
-using device_dynamic = fault_matrix::device_layer<C, false>;
-template <class C>
-using device_static = fault_matrix::device_layer<C, true>;
-
 template <template <class> class Layer>
 void run_matrix() {
   for (const int ranks : {2, 4})
@@ -37,9 +32,9 @@ TEST_CASE("fault matrix: moe_exchange on local_world") {
 }
 
 TEST_CASE("fault matrix: device exchange (host streams, dynamic shapes) on local_world") {
-  run_matrix<device_dynamic>();
+  run_matrix<fault_matrix::device_dynamic>();
 }
 
 TEST_CASE("fault matrix: device exchange (host streams, static shapes) on local_world") {
-  run_matrix<device_static>();
+  run_matrix<fault_matrix::device_static>();
 }

@@ -89,7 +89,9 @@ class config_fingerprint {
     return push(name, static_cast<std::int64_t>(fnv1a(std::as_bytes(table))), field_format::hash);
   }
 
+  //! The object's name in messages.
   const std::string& what() const noexcept { return what_; }
+  //! Number of fields.
   std::size_t size() const noexcept { return fields_.size(); }
   //! Name of field `i`.
   const std::string& name(std::size_t i) const { return fields_.at(i).name; }

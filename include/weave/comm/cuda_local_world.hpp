@@ -16,6 +16,7 @@
 //! `errc::peer_failure`, a rank that never arrives fails them with `errc::timeout`.
 #pragma once
 
+#include "weave/comm/cuda_all_gather.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
 #include "weave/core/error.hpp"
@@ -267,30 +268,12 @@ inline bool cuda_local_communicator::aborted() const {
 
 inline std::vector<std::int64_t>
 cuda_local_communicator::all_gather_now(std::span<const std::int64_t> mine) {
-  const std::size_t n = static_cast<std::size_t>(size()) * mine.size();
-  std::vector<std::int64_t> send(n), recv(n);
-  for (std::size_t j = 0; j < static_cast<std::size_t>(size()); ++j)
-    std::copy(mine.begin(), mine.end(), send.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
-  struct scratch { // freed on every path
-    std::int64_t* words = nullptr;
-    cudaStream_t stream = nullptr;
-    ~scratch() {
-      if (stream)
-        (void)cudaStreamDestroy(stream);
-      if (words)
-        (void)cudaFree(words);
-    }
-  } tmp;
-  WEAVE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&tmp.words), 2 * n * sizeof(std::int64_t)));
-  WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&tmp.stream, cudaStreamNonBlocking));
-  WEAVE_CUDA_CHECK(cudaMemcpyAsync(tmp.words, send.data(), n * sizeof(std::int64_t),
-                                   cudaMemcpyHostToDevice, tmp.stream));
-  exchange_counts(cuda_stream_ref(tmp.stream), std::span<const std::int64_t>(tmp.words, n),
-                  std::span<std::int64_t>(tmp.words + n, n));
-  WEAVE_CUDA_CHECK(cudaMemcpyAsync(recv.data(), tmp.words + n, n * sizeof(std::int64_t),
-                                   cudaMemcpyDeviceToHost, tmp.stream));
-  WEAVE_CUDA_CHECK(cudaStreamSynchronize(tmp.stream));
-  return recv;
+  return detail::all_gather_through_device(
+      size(), mine,
+      [this](cuda_stream_ref s, std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+        exchange_counts(s, send, recv);
+      },
+      [](cuda_stream_ref s) { WEAVE_CUDA_CHECK(cudaStreamSynchronize(s.get())); });
 }
 
 WEAVE_NAMESPACE_END

@@ -185,12 +185,12 @@ class device_counts_with_status {
   //! with no tokens; its exchanges carry `failure` to the peers, who fail as at any other
   //! failure (host streams: see `enqueue_failed_call`). Whatever `run` throws is dropped: the
   //! caller rethrows `failure`.
-  template <class Run>
-  void fail_call(stream_arg compute, stream_arg comm, const std::exception_ptr& failure,
-                 Run&& run) {
+  template <communicator Comm, class Run>
+  void fail_call(Comm& comm, stream_arg compute, stream_arg comm_stream,
+                 const std::exception_ptr& failure, Run&& run) {
     try {
       if constexpr (Space::runs_later) {
-        enqueue_failed_call(compute, comm, failure, std::forward<Run>(run));
+        enqueue_failed_call(comm, compute, comm_stream, failure, std::forward<Run>(run));
       } else {
         const failure_record record = record_of(failure, rank_);
         encode_failure(&record, reported_host_);
@@ -215,8 +215,8 @@ class device_counts_with_status {
     return (static_cast<std::int64_t>(rank_) + 1) << 32 | detail::device_flags_status;
   }
 
-  // The failure a received block reports: this rank's own flags (when `own`), else the lowest
-  // failing peer's. Flags count only with raise_flags_ or outside an exchange (`!own`).
+  // The failure a received block reports: this rank's own (when `own`), else the lowest failing
+  // peer's. Flags count only with raise_flags_ or outside an exchange (`!own`).
   std::exception_ptr failure_in(std::span<const std::int64_t> received, bool own) const {
     const auto status = [&](int r) {
       return received.subspan(static_cast<std::size_t>(r) * detail::status_stride + 1,
@@ -229,8 +229,10 @@ class device_counts_with_status {
       return flagged(w) ? describe_(r, static_cast<std::uint32_t>(w[1]))
                         : detail::decode_status(r, w);
     };
+    // This rank's own status: its flags where they count, or a call it rejected (which must stop
+    // it at this exchange as it stops its peers).
     const std::span<const std::int64_t> mine = status(rank_);
-    if (own && raise_flags_ && mine[0] != 0 && flagged(mine)) {
+    if (own && mine[0] != 0 && (raise_flags_ || !flagged(mine))) {
       const failure_record r = describe(rank_, mine);
       return std::make_exception_ptr(error(r.code, r.message));
     }

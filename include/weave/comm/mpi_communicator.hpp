@@ -15,11 +15,12 @@
 //! timeout aborts the same way. MPI cannot cancel a collective, so after an abort the
 //! communicator is unusable (every later operation fails at once): the collective the
 //! survivors were in stays incomplete, and MPI may still write into the receive buffers it
-//! named until `MPI_Finalize`, so keep them alive until then (or end the job). Open MPI 4.1
-//! reports errors found inside its non-blocking collectives through `MPI_COMM_WORLD`'s handler
-//! (fatal by default): weave's layers rule out the size disagreements that cause them by
-//! agreeing on their configuration first; for direct use, set `MPI_ERRORS_RETURN` on
-//! `MPI_COMM_WORLD` to have them reported as `errc::mpi`.
+//! named until `MPI_Finalize`, so keep them alive until then (or end the job); for the same
+//! reason the destructor leaves that duplicate to `MPI_Finalize`. Open MPI 4.1 reports errors
+//! found inside its non-blocking collectives through `MPI_COMM_WORLD`'s handler (fatal by
+//! default): weave's layers rule out the size disagreements that cause them by agreeing on
+//! their configuration first; for direct use, set `MPI_ERRORS_RETURN` on `MPI_COMM_WORLD` to
+//! have them reported as `errc::mpi`.
 //!
 //! 64-bit sizes: MPI 3.1 (Open MPI 4.1) counts are `int`. A peer block of more than
 //! `max_chunk_units` units (at most INT_MAX / size) is sent point to point in pieces of at most
@@ -126,7 +127,9 @@ class mpi_communicator {
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
 
-  //! Frees the duplicate communicators (and cached datatype); never throws.
+  //! Frees the duplicate communicators (and cached datatype); never throws. A duplicate on which
+  //! a collective was abandoned (after an abort) is not freed: MPI may still progress that
+  //! collective, which must find its communicator (MPI_Finalize releases it).
   ~mpi_communicator() {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -142,7 +145,8 @@ class mpi_communicator {
     if (unit_type_ != MPI_DATATYPE_NULL)
       MPI_Type_free(&unit_type_);
     MPI_Comm_free(&notices_);
-    MPI_Comm_free(&comm_);
+    if (!abandoned_)
+      MPI_Comm_free(&comm_);
   }
 
   int rank() const noexcept { return rank_; }
@@ -326,6 +330,14 @@ class mpi_communicator {
   void wait_all(std::span<MPI_Request> requests, const char* what) {
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     statuses_.resize(requests.size());
+    struct abandon_guard { // leaving without completing abandons the requests (see ~)
+      bool& abandoned;
+      bool completed = false;
+      ~abandon_guard() {
+        if (!completed)
+          abandoned = true;
+      }
+    } guard{abandoned_};
     for (unsigned spins = 0;; ++spins) {
       int done = 0;
       if (requests.size() == 1) {
@@ -339,8 +351,10 @@ class mpi_communicator {
               check(st.MPI_ERROR, "a request of MPI_Testall", what);
         check(status, "MPI_Testall", what);
       }
-      if (done)
+      if (done) {
+        guard.completed = true;
         return;
+      }
       check_notice(what);
       if (failed_flag_.load(std::memory_order_acquire)) { // aborted by another thread
         send_notices();
@@ -486,7 +500,8 @@ class mpi_communicator {
   std::mutex mutex_; // guards failed_ (abort may come from any thread)
   std::optional<failure_record> failed_;
   std::atomic<bool> failed_flag_{false}, notices_sent_{false};
-  std::vector<int> ints_; // MPI's int counts and displacements, reused by every call
+  bool abandoned_ = false; // a wait gave up on incomplete requests (stream thread only)
+  std::vector<int> ints_;  // MPI's int counts and displacements, reused by every call
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;
 };

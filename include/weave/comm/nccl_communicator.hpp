@@ -20,6 +20,7 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/cuda_all_gather.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
@@ -103,37 +104,19 @@ class nccl_communicator {
     abort();
   }
   //! As above, for a failure described by text only.
-  void abort(const std::string& reason) { abort(failure_record{rank_, errc::internal, false, reason}); }
+  void abort(const std::string& reason) {
+    abort(failure_record{rank_, errc::internal, false, reason});
+  }
 
   //! A blocking all-gather of a few 64-bit words per rank, for setup-time agreement (not for the
   //! hot path): through a temporary device buffer and stream, waited for by `synchronize`.
   std::vector<std::int64_t> all_gather_now(std::span<const std::int64_t> mine) {
     usable();
-    const std::size_t n = static_cast<std::size_t>(size_) * mine.size();
-    std::vector<std::int64_t> send(n), recv(n);
-    for (std::size_t j = 0; j < static_cast<std::size_t>(size_); ++j)
-      std::copy(mine.begin(), mine.end(), send.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
-    struct scratch { // freed on every path
-      std::int64_t* words = nullptr;
-      cudaStream_t stream = nullptr;
-      ~scratch() {
-        if (stream)
-          (void)cudaStreamDestroy(stream);
-        if (words)
-          (void)cudaFree(words);
-      }
-    } tmp;
-    WEAVE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&tmp.words), 2 * n * sizeof(std::int64_t)));
-    WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&tmp.stream, cudaStreamNonBlocking));
-    const cuda_stream_ref s(tmp.stream);
-    WEAVE_CUDA_CHECK(cudaMemcpyAsync(tmp.words, send.data(), n * sizeof(std::int64_t),
-                                     cudaMemcpyHostToDevice, tmp.stream));
-    exchange_counts(s, std::span<const std::int64_t>(tmp.words, n),
-                    std::span<std::int64_t>(tmp.words + n, n));
-    WEAVE_CUDA_CHECK(cudaMemcpyAsync(recv.data(), tmp.words + n, n * sizeof(std::int64_t),
-                                     cudaMemcpyDeviceToHost, tmp.stream));
-    synchronize(s);
-    return recv;
+    return detail::all_gather_through_device(
+        size_, mine,
+        [this](cuda_stream_ref s, std::span<const std::int64_t> send,
+               std::span<std::int64_t> recv) { exchange_counts(s, send, recv); },
+        [this](cuda_stream_ref s) { synchronize(s); });
   }
 
   //! One NCCL group of ncclSend/ncclRecv; the transfer list is read during the call.
@@ -248,8 +231,8 @@ class nccl_communicator {
 
  private:
   void usable() const {
-    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state,
-                 "nccl_communicator rank ", rank_, ": used after it was aborted", why_.empty() ? "" : " (", why_,
+    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state, "nccl_communicator rank ", rank_,
+                 ": used after it was aborted", why_.empty() ? "" : " (", why_,
                  why_.empty() ? "" : ")");
   }
   void abort() noexcept {

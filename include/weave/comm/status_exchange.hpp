@@ -16,6 +16,7 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
@@ -175,11 +176,16 @@ class counts_with_status {
 //! schedule: runs `enqueue_call()` with both streams failed by `failure`, so the call's status
 //! exchanges carry it to the peers (who fail at the same step) and every other collective of the
 //! call is skipped alike on every rank. Both streams are healthy again after the call (the
-//! caller throws `failure` itself); a failure they held before stays.
-template <host_executor Stream, class EnqueueCall>
-void enqueue_failed_call(Stream& compute, Stream& comm, const std::exception_ptr& failure,
-                         EnqueueCall&& enqueue_call) {
-  for (Stream* s : {&compute, &comm})
+//! caller throws `failure` itself); a failure they held before stays. A call that cannot run at
+//! all (one stream given twice) aborts `comm` instead.
+template <communicator Comm, host_executor Stream, class EnqueueCall>
+void enqueue_failed_call(Comm& comm, Stream& compute, Stream& comm_stream,
+                         const std::exception_ptr& failure, EnqueueCall&& enqueue_call) {
+  if (&compute == &comm_stream) {
+    abort_peers(comm, failure);
+    return;
+  }
+  for (Stream* s : {&compute, &comm_stream})
     s->submit_always([failure](std::exception_ptr pending) { return pending ? pending : failure; });
   std::exception_ptr thrown;
   try {
@@ -187,7 +193,7 @@ void enqueue_failed_call(Stream& compute, Stream& comm, const std::exception_ptr
   } catch (...) {
     thrown = std::current_exception();
   }
-  for (Stream* s : {&compute, &comm})
+  for (Stream* s : {&compute, &comm_stream})
     s->submit_always([failure](std::exception_ptr pending) {
       return pending == failure ? std::exception_ptr{} : pending;
     });

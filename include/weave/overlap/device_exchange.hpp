@@ -159,7 +159,7 @@ class basic_device_exchange {
       detail::check_hooks(hooks, options_);
     } catch (
         ...) { // fail-stop: the rejected call takes its turn with no tokens, carrying the error
-      status_.fail_call(compute, comm, std::current_exception(), [&] {
+      status_.fail_call(*comm_, compute, comm, std::current_exception(), [&] {
         begin_call(0);
         calls_[0] = {rows_view(nullptr, 0), rows_view(nullptr, 0), {}, {}, {}, {}, {}, 0, nullptr};
         direction_ = false;

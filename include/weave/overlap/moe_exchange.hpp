@@ -156,6 +156,8 @@ class moe_exchange {
                stream_type& compute, stream_type& comm, const moe_chunk_hooks* hooks = nullptr) {
     const std::size_t T = x.rows();
     try {
+      WEAVE_EXPECT(&compute != &comm, errc::invalid_argument,
+                   "the compute and comm streams must differ");
       detail::check_hooks(hooks, options_);
       check_rows(x, "input");
       check_rows(y, "output");
@@ -166,7 +168,7 @@ class moe_exchange {
                    "forward: ", ids.size(), " ids and ", weights.size(), " weights for ", T,
                    " tokens with k = ", k);
     } catch (...) { // fail-stop: the rejected call still takes its turn, carrying the error
-      enqueue_failed_call(compute, comm, std::current_exception(), [&] {
+      enqueue_failed_call(*comm_, compute, comm, std::current_exception(), [&] {
         begin_call(false, compute);
         pipeline_.run(compute, comm, *this);
       });
