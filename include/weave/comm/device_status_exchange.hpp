@@ -139,8 +139,11 @@ class device_counts_with_status {
           detail::unpack_counts_step{sl->recv, recv_counts}(j);
         return own ? own : failure_in(std::span<const std::int64_t>(sl->recv, words()), true);
       };
-      protocol_.enqueue(
-          s, slot_index, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
+      if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
+        protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(send, recv), decide);
+      else
+        protocol_.enqueue(
+            s, slot_index, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
     } else {
       if (reporting_)
         Space::copy_from_host(s, reported_, reported_host_.data(),

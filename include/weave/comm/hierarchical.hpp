@@ -135,8 +135,8 @@ class hierarchical_all_to_all {
     const config_fingerprint& where = within ? node : column;
     WEAVE_THROW(errc::config_mismatch, "hierarchical_all_to_all: ranks disagree on ",
                 field < where.size() ? where.name(field) : std::string("their kind"),
-                within ? " among the ranks of node " : " among local rank ",
-                (v3 >> 20) & 0xFFFFF, within ? "" : " of every node",
+                within ? " among the ranks of node " : " among local rank ", (v3 >> 20) & 0xFFFFF,
+                within ? "" : " of every node",
                 " (found there; every rank must see a consistent nodes x local grid)");
   }
 

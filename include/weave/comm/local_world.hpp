@@ -413,6 +413,26 @@ class local_world_state {
   failure_record failure_; // why the world failed (its rank is the origin)
 };
 
+// The stream task of one operation: runs it, or on a failed stream only takes its turn (see
+// the file comment).
+struct local_task {
+  std::shared_ptr<local_world_state> state;
+  int rank = 0;
+  local_post post;
+
+  std::exception_ptr operator()(std::exception_ptr failure) const {
+    if (!failure) {
+      state->execute(rank, post);
+      return failure;
+    }
+    try {
+      state->skip(rank, post);
+    } catch (...) {
+    } // the stream keeps its own, earlier failure
+    return failure;
+  }
+};
+
 } // namespace detail
 
 //! One rank's handle to a `local_world`. Operations run on a `host_stream` the caller owns; a
@@ -459,12 +479,19 @@ class local_communicator {
   //! with `errc::size_mismatch`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv) {
+    s.submit_always(deferred_exchange_counts(send, recv));
+  }
+
+  //! `exchange_counts` taken now and run when the returned task is called on the stream thread
+  //! (see `has_deferred_exchange_counts`).
+  detail::local_task deferred_exchange_counts(std::span<const std::int64_t> send,
+                                              std::span<std::int64_t> recv) {
     detail::local_post p = make(detail::local_op::exchange_counts);
     p.send_counts = send;
     p.recv_counts = recv;
     p.recv = reinterpret_cast<std::byte*>(recv.data());
     p.unit = send.size() / static_cast<std::size_t>(size());
-    enqueue(s, p);
+    return {state_, rank_, p};
   }
 
   //! Element-wise reduction into `out` on every rank; `in` and `out` are the same array or do
@@ -508,19 +535,8 @@ class local_communicator {
     return p;
   }
 
-  // A failed stream's operation still takes its turn (see the file comment).
   void enqueue(host_stream& s, const detail::local_post& p) {
-    s.submit_always([state = state_, rank = rank_, p](std::exception_ptr failure) {
-      if (!failure) {
-        state->execute(rank, p);
-        return failure;
-      }
-      try {
-        state->skip(rank, p);
-      } catch (...) {
-      } // the stream keeps its own, earlier failure
-      return failure;
-    });
+    s.submit_always(detail::local_task{state_, rank_, p});
   }
 
   std::shared_ptr<detail::local_world_state> state_;
@@ -529,7 +545,8 @@ class local_communicator {
 };
 
 static_assert(has_all_to_all_v<local_communicator> && has_send_recv<local_communicator> &&
-              has_exchange_counts<local_communicator> && has_barrier<local_communicator> &&
+              has_exchange_counts<local_communicator> &&
+              has_deferred_exchange_counts<local_communicator> && has_barrier<local_communicator> &&
               has_all_reduce<local_communicator, double>);
 
 //! N in-process ranks. Owns the shared state and one `local_communicator` per rank; the state

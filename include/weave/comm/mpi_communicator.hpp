@@ -192,19 +192,36 @@ class mpi_communicator {
   //! Sends `send[j*k .. j*k+k)` to rank j, receives rank j's k counts at `recv[j*k ..)`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv) {
+    s.submit_always(deferred_exchange_counts(send, recv));
+  }
+
+  //! The task of a deferred `exchange_counts` (see `has_deferred_exchange_counts`).
+  struct counts_task {
+    mpi_communicator* self;
+    std::span<const std::int64_t> send;
+    std::span<std::int64_t> recv;
+    int k;
+    std::exception_ptr operator()(std::exception_ptr failure) const {
+      return self->step("exchange_counts", std::move(failure), [this] {
+        MPI_Request request = MPI_REQUEST_NULL;
+        self->check(MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T,
+                                  self->comm_, &request),
+                    "MPI_Ialltoall", "exchange_counts");
+        self->wait_all(std::span<MPI_Request>(&request, 1), "exchange_counts");
+      });
+    }
+  };
+
+  //! `exchange_counts` run when the returned task is called on the stream thread (see
+  //! `has_deferred_exchange_counts`).
+  counts_task deferred_exchange_counts(std::span<const std::int64_t> send,
+                                       std::span<std::int64_t> recv) {
     const auto n = static_cast<std::size_t>(size_);
     WEAVE_EXPECT(!send.empty() && send.size() % n == 0 && recv.size() == send.size(),
                  errc::size_mismatch, "exchange_counts: ", send.size(), " send and ", recv.size(),
                  " receive counts for ", size_,
                  " ranks (need the same non-zero multiple of the group size)");
-    const int k = checked_cast<int>(send.size() / n, "counts per peer");
-    run(s, "exchange_counts", [=, this] {
-      MPI_Request request = MPI_REQUEST_NULL;
-      check(
-          MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T, comm_, &request),
-          "MPI_Ialltoall", "exchange_counts");
-      wait_all(std::span<MPI_Request>(&request, 1), "exchange_counts");
-    });
+    return {this, send, recv, checked_cast<int>(send.size() / n, "counts per peer")};
   }
 
   //! Element-wise reduction into `out` on every rank (`in` may equal `out`).
@@ -241,24 +258,30 @@ class mpi_communicator {
   template <class F>
   void run(host_stream& s, const char* what, F body) {
     s.submit_always([this, what, body = std::move(body)](std::exception_ptr failure) mutable {
-      if (failed_flag_.load(std::memory_order_acquire)) {
-        send_notices();
-        if (failure)
-          return failure;
-        throw_failed(what);
-      }
+      return step(what, std::move(failure), body);
+    });
+  }
+
+  // The stream task of an operation (see `run`), given the stream's failure.
+  template <class F>
+  std::exception_ptr step(const char* what, std::exception_ptr failure, F&& body) {
+    if (failed_flag_.load(std::memory_order_acquire)) {
+      send_notices();
       if (failure)
         return failure;
-      try {
-        check_notice(what); // a peer already failed: do not start what it will never join
-        body();
-      } catch (...) { // the peers may wait for this rank in the operation: tell them
-        abort(record_of(std::current_exception(), rank_));
-        send_notices();
-        throw;
-      }
+      throw_failed(what);
+    }
+    if (failure)
       return failure;
-    });
+    try {
+      check_notice(what); // a peer already failed: do not start what it will never join
+      body();
+    } catch (...) { // the peers may wait for this rank in the operation: tell them
+      abort(record_of(std::current_exception(), rank_));
+      send_notices();
+      throw;
+    }
+    return failure;
   }
 
   // Throws the error every operation of a failed communicator raises: a peer's failure, or
@@ -507,6 +530,7 @@ class mpi_communicator {
 };
 
 static_assert(has_all_to_all_v<mpi_communicator> && has_exchange_counts<mpi_communicator> &&
-              has_barrier<mpi_communicator> && has_all_reduce<mpi_communicator, double>);
+              has_deferred_exchange_counts<mpi_communicator> && has_barrier<mpi_communicator> &&
+              has_all_reduce<mpi_communicator, double>);
 
 WEAVE_NAMESPACE_END

@@ -48,11 +48,33 @@ class status_protocol {
       : stashed_(std::make_shared<std::vector<std::exception_ptr>>(slots))
       , agreed_(std::make_shared<agreed_failure>()) {}
 
-  // Enqueues on `s`: `pack(pending)` (writes this rank's status for the failure `pending`, null
-  // when healthy), the exchange `exchange()` enqueues, and `decide(own)`, which reads what
-  // arrived and returns the stream's failure from then on (`own`: this rank's failure, else a
-  // peer's, else null). The exchange runs on a cleared stream; a failure of the exchange itself
-  // keeps the earlier cause.
+  // Enqueues on `s`, as one task: `pack(pending)` (writes this rank's status for the failure
+  // `pending`, null when healthy), the exchange (`exchange(failure)`, a deferred count exchange:
+  // see `has_deferred_exchange_counts`), and `decide(own)`, which reads what arrived and returns
+  // the stream's failure from then on (`own`: this rank's failure, else a peer's, else null). A
+  // failure of the exchange itself keeps the earlier cause.
+  template <class Stream, class Pack, class Exchange, class Decide>
+  void enqueue_deferred(Stream& s, Pack pack, Exchange exchange, Decide decide) {
+    s.submit_always([agreed = agreed_, pack = std::move(pack), exchange = std::move(exchange),
+                     decide = std::move(decide)](std::exception_ptr pending) mutable {
+      if (pending && pending == agreed->get())
+        return exchange(pending); // every rank knows it and skips this exchange too
+      pack(pending);
+      std::exception_ptr failed;
+      try {
+        exchange(nullptr);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      std::exception_ptr result = failed ? (pending ? pending : failed) : decide(pending);
+      if (result)
+        agreed->set(result);
+      return result;
+    });
+  }
+
+  // As above, for communicators that only enqueue: `exchange()` enqueues the exchange, which
+  // then runs between a packing task and a deciding task, on a cleared stream.
   template <class Stream, class Pack, class Exchange, class Decide>
   void enqueue(Stream& s, std::size_t slot, Pack pack, Exchange&& exchange, Decide decide) {
     WEAVE_EXPECT(stashed_ && slot < stashed_->size(), errc::out_of_range, "status exchange slot ",
@@ -151,13 +173,14 @@ class counts_with_status {
                  : detail::peer_failure_in(std::span<const std::int64_t>(b->recv), k_, ranks_,
                                            rank_, what_ + " count exchange", detail::decode_status);
     };
-    protocol_.enqueue(
-        s, slot, pack,
-        [&] {
-          comm.exchange_counts(s, std::span<const std::int64_t>(b->send),
-                               std::span<std::int64_t>(b->recv));
-        },
-        decide);
+    const std::span<const std::int64_t> wire_send(b->send);
+    const std::span<std::int64_t> wire_recv(b->recv);
+    if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
+      protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(wire_send, wire_recv),
+                                 decide);
+    else
+      protocol_.enqueue(
+          s, slot, pack, [&] { comm.exchange_counts(s, wire_send, wire_recv); }, decide);
   }
 
  private:
