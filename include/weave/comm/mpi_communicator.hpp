@@ -10,9 +10,9 @@
 //! `host_stream`, so they compose with compute on other streams.
 //!
 //! Failures (fail-stop): `abort(why)` sends a failure notice to every peer over a second
-//! duplicate, where each rank keeps a receive posted; an operation waiting for a peer that
-//! aborted fails at once with a `peer_error` naming that rank, its code and its message. A
-//! timeout aborts the same way. MPI cannot cancel a collective, so after an abort the
+//! duplicate (`mpi_failure_notices`), where each rank keeps a receive posted; an operation waiting
+//! for a peer that aborted fails at once with a `peer_error` naming that rank, its code and its
+//! message. A timeout aborts the same way. MPI cannot cancel a collective, so after an abort the
 //! communicator is unusable (every later operation fails at once): the collective the
 //! survivors were in stays incomplete, and MPI may still write into the receive buffers it
 //! named until `MPI_Finalize`, so keep them alive until then (or end the job); for the same
@@ -31,6 +31,7 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/mpi_failure_notices.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -40,7 +41,6 @@
 
 #include <mpi.h>
 
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -110,12 +110,9 @@ class mpi_communicator {
     threads_ = provided;
     WEAVE_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
     WEAVE_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-    WEAVE_MPI_CHECK(MPI_Comm_dup(comm, &notices_));
-    WEAVE_MPI_CHECK(MPI_Comm_set_errhandler(notices_, MPI_ERRORS_RETURN));
     WEAVE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     WEAVE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
-    WEAVE_MPI_CHECK(MPI_Irecv(inbox_.data(), static_cast<int>(inbox_.size()), MPI_INT64_T,
-                              MPI_ANY_SOURCE, notice_tag, notices_, &inbox_request_));
+    notices_.open(comm);
     const auto n = static_cast<std::size_t>(size_);
     ints_.resize(4 * n);
     options_.max_chunk_units =
@@ -135,16 +132,8 @@ class mpi_communicator {
     MPI_Finalized(&finalized);
     if (finalized)
       return;
-    if (inbox_request_ != MPI_REQUEST_NULL) {
-      MPI_Cancel(&inbox_request_);
-      MPI_Wait(&inbox_request_, MPI_STATUS_IGNORE);
-    }
-    for (MPI_Request& r : outbox_requests_)
-      if (r != MPI_REQUEST_NULL)
-        MPI_Request_free(&r); // a notice still in flight completes on its own
     if (unit_type_ != MPI_DATATYPE_NULL)
       MPI_Type_free(&unit_type_);
-    MPI_Comm_free(&notices_);
     if (!abandoned_)
       MPI_Comm_free(&comm_);
   }
@@ -166,7 +155,7 @@ class mpi_communicator {
       if (failed_)
         return;
       failed_ = why;
-      encode_failure(&why, outbox_);
+      notices_.prepare(why);
     }
     failed_flag_.store(true, std::memory_order_release);
     if (threads_ == MPI_THREAD_MULTIPLE)
@@ -251,7 +240,6 @@ class mpi_communicator {
 
  private:
   static constexpr int piece_tag = 0x5EA7;
-  static constexpr int notice_tag = 0xFA11;
 
   // Runs an operation's task on `s`. On a failed stream it moves nothing but still sends the
   // notices of an abort that waited for this thread. A failed communicator fails at once.
@@ -301,35 +289,19 @@ class mpi_communicator {
   }
 
   // Sends the pending failure notice to every peer once (on the thread allowed to call MPI).
-  void send_notices() {
-    if (notices_sent_.exchange(true))
-      return;
-    outbox_requests_.assign(static_cast<std::size_t>(size_), MPI_REQUEST_NULL);
-    for (int peer = 0; peer < size_; ++peer)
-      if (peer != rank_)
-        MPI_Isend(outbox_.data(), static_cast<int>(outbox_.size()), MPI_INT64_T, peer, notice_tag,
-                  notices_, &outbox_requests_[static_cast<std::size_t>(peer)]);
-    // Small messages leave at once; give them a moment before the caller moves on.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    int done = 0;
-    while (!done && std::chrono::steady_clock::now() < deadline &&
-           MPI_Testall(size_, outbox_requests_.data(), &done, MPI_STATUSES_IGNORE) == MPI_SUCCESS)
-      std::this_thread::yield();
-  }
+  void send_notices() { notices_.send(); }
 
   // A peer's failure notice, if one arrived: the communicator fails and the caller throws.
   void check_notice(const char* what) {
-    int arrived = 0;
-    if (inbox_request_ == MPI_REQUEST_NULL ||
-        MPI_Test(&inbox_request_, &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS || !arrived)
+    std::optional<failure_record> why = notices_.poll();
+    if (!why)
       return;
-    failure_record why = decode_failure(inbox_).value_or(failure_record{});
     {
       std::lock_guard lock(mutex_);
       if (!failed_)
-        failed_ = why;
+        failed_ = *why;
     }
-    notices_sent_ = true; // the peers were told by the origin
+    notices_.silence(); // the peers were told by the origin
     failed_flag_.store(true, std::memory_order_release);
     throw_failed(what);
   }
@@ -512,17 +484,14 @@ class mpi_communicator {
 
   mpi_options options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
-  MPI_Comm notices_ = MPI_COMM_NULL; // failure notices only, so they never match weave's data
   int rank_ = 0;
   int size_ = 0;
   int threads_ = MPI_THREAD_SERIALIZED; // the thread level MPI provides
-  std::array<std::int64_t, failure_words> inbox_{}, outbox_{};
-  MPI_Request inbox_request_ = MPI_REQUEST_NULL; // always posted until a notice arrives
-  std::vector<MPI_Request> outbox_requests_;
+  mpi_failure_notices notices_;         // the failure-notice channel (its own duplicate)
   std::vector<MPI_Status> statuses_;
   std::mutex mutex_; // guards failed_ (abort may come from any thread)
   std::optional<failure_record> failed_;
-  std::atomic<bool> failed_flag_{false}, notices_sent_{false};
+  std::atomic<bool> failed_flag_{false};
   bool abandoned_ = false; // a wait gave up on incomplete requests (stream thread only)
   std::vector<int> ints_;  // MPI's int counts and displacements, reused by every call
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;

@@ -137,7 +137,7 @@ class basic_device_exchange {
     }
     if (filter_)
       filter_->initialize(filter_ws_, filter_->workspace_size(), stream);
-    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+    Space::fill(stream, error_, 0, chunks_.size() * sizeof(std::uint32_t));
     Space::fill(stream, counters_, 0, counter_count * sizeof(std::int64_t));
     Space::copy_from_host(stream, static_displs_, uniform_displs_.data(),
                           uniform_displs_.size() * sizeof(std::int64_t));
@@ -210,11 +210,11 @@ class basic_device_exchange {
   //! an overflowing static slot (`errc::size_overflow`), else a peer's failure its count
   //! exchanges reported (`peer_error`), else bad received rows. Clears the flags.
   void check_errors(stream_arg stream) {
-    std::vector<std::uint32_t> words(1 + 2 * chunks_.size(), 0);
-    take_error_word<Space>(stream, &words[0], error_);
+    std::vector<std::uint32_t> words(3 * chunks_.size(), 0);
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      take_error_word<Space>(stream, &words[1 + 2 * c], chunks_[c].plan.error_word());
-      take_error_word<Space>(stream, &words[2 + 2 * c], chunks_[c].experts.error_word());
+      take_error_word<Space>(stream, &words[3 * c], error_ + c);
+      take_error_word<Space>(stream, &words[1 + 3 * c], chunks_[c].plan.error_word());
+      take_error_word<Space>(stream, &words[2 + 3 * c], chunks_[c].experts.error_word());
     }
     std::exception_ptr peers; // waits for the stream (through the communicator) too
     try {
@@ -222,12 +222,13 @@ class basic_device_exchange {
     } catch (...) {
       peers = std::current_exception();
     }
-    std::uint32_t plan = 0, experts = 0;
+    std::uint32_t own = 0, plan = 0, experts = 0;
     for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      plan |= words[1 + 2 * c];
-      experts |= words[2 + 2 * c];
+      own |= words[3 * c];
+      plan |= words[1 + 3 * c];
+      experts |= words[2 + 3 * c];
     }
-    throw_sender_errors(plan, words[0]);
+    throw_sender_errors(plan, own);
     if (peers) // a peer's failure explains what this rank received
       std::rethrow_exception(peers);
     device_expert_plan<Space>::throw_expert_errors(experts, placement_.slots_per_device());
@@ -363,7 +364,7 @@ class basic_device_exchange {
     };
     const auto D = static_cast<std::size_t>(self.D_), k = static_cast<std::size_t>(self.k_);
     const bool fixed = self.options_.static_shape, grads = self.options_.save_for_backward;
-    set(self.error_, 1);
+    set(self.error_, self.chunks_.size()); // one word per chunk: read while the next is planned
     set(self.counters_, counter_count);
     set(self.static_displs_, D);
     self.status_.carve(set);
@@ -496,7 +497,8 @@ class basic_device_exchange {
                                    ch.plan.row_token().data(), ch.plan.row_routes().data(), S, k_,
                                    ch.slot_row_token, ch.send_routes});
       Space::for_each(
-          s, D_, detail::slot_counts_step{ch.plan.send_counts().data(), S, ch.slot_counts, error_});
+          s, D_,
+          detail::slot_counts_step{ch.plan.send_counts().data(), S, ch.slot_counts, error_ + c});
       Space::for_each(s, static_cast<std::int64_t>(ch.count * k),
                       detail::layout_token_rows_step{ch.plan.token_rows().data(),
                                                      ch.plan.send_offsets().data(), D_, S,
@@ -521,7 +523,7 @@ class basic_device_exchange {
     if (options_.static_shape) {
       if (!backward) {
         status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.slot_counts, ch.recv_counts,
-                         ch.plan.error_word(), error_);
+                         ch.plan.error_word(), error_ + c);
         all_to_all_v(*comm_, s, ch.send_routes, uniform_counts_, uniform_displs_, ch.recv_routes,
                      uniform_counts_, uniform_displs_, static_cast<std::size_t>(k_) * 8);
       }
@@ -531,7 +533,7 @@ class basic_device_exchange {
     }
     if (!backward) {
       status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.plan.send_counts().data(),
-                       ch.recv_counts, ch.plan.error_word(), error_);
+                       ch.recv_counts, ch.plan.error_word(), error_ + c);
       Space::copy_to_host(s, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
       Space::copy_to_host(s, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
       Space::copy_to_host(s, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
@@ -661,7 +663,7 @@ class basic_device_exchange {
   std::optional<device_capacity_filter<Space>> filter_;
   std::vector<chunk_state> chunks_;
   bool initialized_ = false;
-  std::uint32_t* error_ = nullptr;
+  std::uint32_t* error_ = nullptr; // per chunk: this exchange's flags (device_exchange_error)
   std::int64_t* counters_ = nullptr;
   std::int64_t* static_displs_ = nullptr;
   std::byte* filter_ws_ = nullptr;
