@@ -404,8 +404,11 @@ void register_moves() {
           bf16 ? benchmark::RegisterBenchmark(full.c_str(), move_vs_memcpy<weave::bfloat16>, move)
                : benchmark::RegisterBenchmark(full.c_str(), move_vs_memcpy<float>, move);
       b->ArgNames({"T", "E", "k", "H"});
-      for (const std::int64_t k : {2, 8})
-        b->Args({16384, 64, k, 1024});
+      // T = 16384: from DRAM (the goal's shapes); T = 256: every buffer in the caches, which
+      // leaves the kernel's own cost (the conversions) and shows what bounds it.
+      for (const std::int64_t T : {16384, 256})
+        for (const std::int64_t k : {2, 8})
+          b->Args({T, 64, k, 1024});
       b->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseManualTime();
     }
   benchmark::RegisterBenchmark("copy/stream", stream_vs_memcpy)
