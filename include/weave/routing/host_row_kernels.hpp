@@ -8,7 +8,8 @@
 //! - the layout moves that have the inverse map scatter instead of gather: each source row is
 //!   read once, in order, and written where it goes (writes do not stall; scattered reads do);
 //! - merges accumulate up to four input rows per pass in registers, fp32, in index order, and
-//!   convert bf16 and f16 without branches, so GCC and Clang vectorise the loops;
+//!   round bf16 without branches, two columns per 32-bit word, so GCC and Clang vectorise the
+//!   loops (`weave/routing/host_merge_row.hpp`);
 //! - on x86-64 with GCC or Clang the converting loops are compiled a second time for AVX2
 //!   (without FMA, so every product and sum rounds as in the baseline build) and that copy runs
 //!   where the CPU has AVX2.
@@ -21,17 +22,13 @@
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
+#include "weave/routing/host_merge_row.hpp"
+#include "weave/routing/host_row_copy.hpp"
 
 #include <algorithm>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define WEAVE_HOST_AVX2_CLONE 1
@@ -39,12 +36,6 @@
 #else
 #define WEAVE_HOST_AVX2_CLONE 0
 #define WEAVE_TARGET_AVX2
-#endif
-
-#if defined(__GNUC__) || defined(__clang__)
-#define WEAVE_ALWAYS_INLINE [[gnu::always_inline]] inline
-#else
-#define WEAVE_ALWAYS_INLINE inline
 #endif
 
 WEAVE_NAMESPACE_BEGIN
@@ -79,313 +70,6 @@ inline host_isa detected_host_isa() noexcept {
 #else
   return host_isa::baseline;
 #endif
-}
-
-// Source rows are prefetched in two stages: `prefetch_far` rows ahead, their first
-// `prefetch_far_bytes` into L2 (the TLB miss and the DRAM latency overlap the rows in between),
-// then `prefetch_near` rows ahead their first two lines into L1.
-inline constexpr std::size_t prefetch_far = 16;
-inline constexpr std::size_t prefetch_near = 2;
-inline constexpr std::size_t prefetch_far_bytes = 4096;
-
-// Bytes a call writes from which row copies use non-temporal stores: beyond the caches, the
-// destination's lines would be read before being overwritten and evict everything else.
-inline constexpr std::size_t streaming_store_bytes = std::size_t{16} << 20;
-
-WEAVE_ALWAYS_INLINE void prefetch_far_row(const std::byte* row, std::size_t bytes) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  bytes = bytes < prefetch_far_bytes ? bytes : prefetch_far_bytes;
-  for (std::size_t o = 0; o < bytes; o += 64)
-    __builtin_prefetch(row + o, 0, 2);
-#else
-  (void)row;
-  (void)bytes;
-#endif
-}
-
-WEAVE_ALWAYS_INLINE void prefetch_near_row(const std::byte* row) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(row, 0, 3);
-  __builtin_prefetch(row + 64, 0, 3);
-#else
-  (void)row;
-#endif
-}
-
-// Both stages for row i of a loop over `rows` rows; `sources(r, f)` calls f on each source row
-// of row r.
-template <class Sources>
-WEAVE_ALWAYS_INLINE void prefetch_sources(std::size_t i, std::size_t rows, std::size_t bytes,
-                                          Sources&& sources) {
-  if (i + prefetch_far < rows)
-    sources(i + prefetch_far, [&](const std::byte* row) { prefetch_far_row(row, bytes); });
-  if (i + prefetch_near < rows)
-    sources(i + prefetch_near, [](const std::byte* row) { prefetch_near_row(row); });
-}
-
-// Copies one row with 16-byte loads and stores (non-temporal ones when `streaming`). A vector
-// loop rather than memcpy: glibc's memcpy picks `rep movsb` for row-sized copies, which some
-// CPUs run at a fraction of their bandwidth.
-inline void copy_row(std::byte* dst, const std::byte* src, std::size_t bytes, bool streaming) {
-#if defined(__SSE2__)
-  std::size_t i = 0;
-  if (streaming) { // stores must be 16-byte aligned: copy the head plainly
-    i = (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16;
-    i = i < bytes ? i : bytes;
-    std::memcpy(dst, src, i);
-  }
-  for (; i + 64 <= bytes; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    auto* out = reinterpret_cast<__m128i*>(dst + i);
-    if (streaming) {
-      _mm_stream_si128(out, a);
-      _mm_stream_si128(out + 1, b);
-      _mm_stream_si128(out + 2, c);
-      _mm_stream_si128(out + 3, d);
-    } else {
-      _mm_storeu_si128(out, a);
-      _mm_storeu_si128(out + 1, b);
-      _mm_storeu_si128(out + 2, c);
-      _mm_storeu_si128(out + 3, d);
-    }
-  }
-  std::memcpy(dst + i, src + i, bytes - i);
-#else
-  (void)streaming;
-  std::memcpy(dst, src, bytes);
-#endif
-}
-
-// Orders the non-temporal stores before whatever the caller does next (another thread may read
-// the rows once the call returns).
-inline void end_streaming(bool streaming) noexcept {
-#if defined(__SSE2__)
-  if (streaming)
-    _mm_sfence();
-#else
-  (void)streaming;
-#endif
-}
-
-// Element loads and stores in fp32. bf16 rounds as bfloat16(float) (nearest even, NaN quieted)
-// and f16 as half(float), without branches in the bf16 case so the loops vectorise.
-WEAVE_ALWAYS_INLINE float load_f32(const float* p) noexcept {
-  return *p;
-}
-WEAVE_ALWAYS_INLINE float load_f32(const bfloat16* p) noexcept {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(p->bits) << 16);
-}
-WEAVE_ALWAYS_INLINE float load_f32(const half* p) noexcept {
-  return static_cast<float>(*p);
-}
-WEAVE_ALWAYS_INLINE void store_f32(float* p, float v) noexcept {
-  *p = v;
-}
-WEAVE_ALWAYS_INLINE void store_f32(bfloat16* p, float v) noexcept {
-  const auto x = std::bit_cast<std::uint32_t>(v);
-  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const std::uint32_t quiet = (x >> 16) | 0x40u;
-  p->bits = static_cast<std::uint16_t>(v != v ? quiet : rounded); // NaN: keep it a NaN
-}
-WEAVE_ALWAYS_INLINE void store_f32(half* p, float v) noexcept {
-  *p = half(v);
-}
-
-// Elements per slice of a row the converting loops work on (on the stack, in L1).
-inline constexpr std::size_t row_slice = 1024;
-
-// out[c] = in[c] * s for c < n, converted to T; non-temporal stores through a stack slice when
-// `streaming`.
-template <class T>
-WEAVE_ALWAYS_INLINE void scale_row(const T* in, T* out, std::size_t cols, float s, bool streaming) {
-  if (!streaming) {
-    for (std::size_t c = 0; c < cols; ++c)
-      store_f32(out + c, s * load_f32(in + c));
-    return;
-  }
-  T slice[row_slice];
-  for (std::size_t c0 = 0; c0 < cols; c0 += row_slice) {
-    const std::size_t n = cols - c0 < row_slice ? cols - c0 : row_slice;
-    for (std::size_t c = 0; c < n; ++c)
-      store_f32(slice + c, s * load_f32(in + c0 + c));
-    copy_row(reinterpret_cast<std::byte*>(out + c0), reinterpret_cast<const std::byte*>(slice),
-             n * sizeof(T), true);
-  }
-}
-
-// How a merge loop step reads and writes its columns as fp32 lanes: one column per step, or
-// for bf16 two, as one 32-bit word split into two floats (a shift and a mask) and joined back
-// from two roundings (a shift and a mask again), so every vector operation stays on 32-bit lanes
-// with no widening or narrowing (about 1.5x faster than a column at a time).
-template <class T>
-struct merge_lanes {
-  static constexpr std::size_t width = 1;
-  WEAVE_ALWAYS_INLINE static void load(const T* in, std::size_t u, float* x) noexcept {
-    x[0] = load_f32(in + u);
-  }
-  WEAVE_ALWAYS_INLINE static void store(T* out, std::size_t u, const float* a) noexcept {
-    store_f32(out + u, a[0]);
-  }
-};
-
-template <>
-struct merge_lanes<bfloat16> {
-  static constexpr std::size_t width = std::endian::native == std::endian::little ? 2 : 1;
-  WEAVE_ALWAYS_INLINE static void load(const bfloat16* in, std::size_t u, float* x) noexcept {
-    if constexpr (width == 1) {
-      x[0] = load_f32(in + u);
-    } else {
-      std::uint32_t word = 0;
-      std::memcpy(&word, in + 2 * u, sizeof(word));
-      x[0] = std::bit_cast<float>(word << 16);
-      x[1] = std::bit_cast<float>(word & 0xffff0000u);
-    }
-  }
-  // The rounding of store_f32(bfloat16*), into the low or the high half of a word.
-  WEAVE_ALWAYS_INLINE static std::uint32_t rounded_high(float v) noexcept {
-    const auto x = std::bit_cast<std::uint32_t>(v);
-    const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
-    const std::uint32_t quiet = (x & 0xffff0000u) | 0x400000u;
-    return v != v ? quiet : rounded;
-  }
-  WEAVE_ALWAYS_INLINE static void store(bfloat16* out, std::size_t u, const float* a) noexcept {
-    if constexpr (width == 1) {
-      store_f32(out + u, a[0]);
-    } else {
-      const std::uint32_t word = rounded_high(a[0]) >> 16 | rounded_high(a[1]);
-      std::memcpy(static_cast<void*>(out + 2 * u), &word, sizeof(word));
-    }
-  }
-};
-
-// One pass of a merge over `steps` loop steps (merge_lanes<T>::width columns each): per
-// column, a = (First ? 0 : its accumulator), then a = a + w[j] * in[j][column] for j < N in
-// order, into the accumulators (lane l of step u at acc[l * steps + u]), or rounded into out
-// when Last. A pass keeps its accumulators in registers across its inputs: the operations and
-// their order are those of one input at a time, and so are the bits.
-template <class T, int N, bool First, bool Last>
-WEAVE_ALWAYS_INLINE void merge_pass(const T* const* rows, const float* w, float* acc, T* out,
-                                    std::size_t steps) {
-  using lanes = merge_lanes<T>;
-  constexpr std::size_t L = lanes::width;
-  const T* in[N];
-  float wj[N];
-  for (int j = 0; j < N; ++j) {
-    in[j] = rows[j];
-    wj[j] = w[j];
-  }
-  for (std::size_t u = 0; u < steps; ++u) {
-    float a[L];
-    for (std::size_t l = 0; l < L; ++l)
-      a[l] = First ? 0.0f : acc[l * steps + u];
-    for (int j = 0; j < N; ++j) {
-      float x[L];
-      lanes::load(in[j], u, x);
-      for (std::size_t l = 0; l < L; ++l) {
-        const float product = wj[j] * x[l];
-        a[l] = a[l] + product;
-      }
-    }
-    if constexpr (Last) {
-      lanes::store(out, u, a);
-    } else {
-      for (std::size_t l = 0; l < L; ++l)
-        acc[l * steps + u] = a[l];
-    }
-  }
-}
-
-// A pass over `group` inputs (1..4); one that rounds into the output takes at most two (with
-// more, the fused loop runs slower than a pass and a separate rounding).
-template <class T, bool First, bool Last>
-WEAVE_ALWAYS_INLINE void merge_pass(int group, const T* const* rows, const float* w, float* acc,
-                                    T* out, std::size_t steps) {
-  switch (group) {
-  case 1:
-    return merge_pass<T, 1, First, Last>(rows, w, acc, out, steps);
-  case 2:
-    return merge_pass<T, 2, First, Last>(rows, w, acc, out, steps);
-  case 3:
-    if constexpr (!Last)
-      return merge_pass<T, 3, First, false>(rows, w, acc, out, steps);
-    break;
-  default:
-    if constexpr (!Last)
-      return merge_pass<T, 4, First, false>(rows, w, acc, out, steps);
-    break;
-  }
-}
-
-// out = sum over j < k with index[j] >= 0 of weight[j] * src[index[j]] (the plain sum when
-// `weight` is null: weights of 1, and 1 * x is x for every x but a NaN's payload), in j order,
-// fp32 accumulation, rounded once; zeros without any index. Passes take up to four inputs; the
-// last one rounds straight into the output.
-template <class T>
-WEAVE_ALWAYS_INLINE void merge_row(const const_token_view& src, T* out, const std::int64_t* index,
-                                   const float* weight, std::size_t k, bool streaming) {
-  using lanes = merge_lanes<T>;
-  constexpr std::size_t L = lanes::width;
-  constexpr int max_group = 4; // inputs per pass
-  const std::size_t cols = src.cols();
-  const auto input = [&](std::size_t j, std::size_t c0) {
-    return reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[j]))) + c0;
-  };
-  for (std::size_t c0 = 0; c0 < cols; c0 += row_slice) {
-    const std::size_t n = cols - c0 < row_slice ? cols - c0 : row_slice;
-    const std::size_t steps = n / L; // and n % L columns left for one at a time
-    float acc[row_slice];
-    T slice[row_slice];
-    T* to = streaming ? slice : out + c0;
-    bool first = true, done = false;
-    for (std::size_t j = 0; j < k && !done;) {
-      const T* rows[max_group];
-      float w[max_group];
-      int group = 0;
-      for (; j < k && group < max_group; ++j)
-        if (index[j] >= 0) {
-          rows[group] = input(j, c0);
-          w[group++] = weight != nullptr ? weight[j] : 1.0f;
-        }
-      if (group == 0)
-        break;
-      bool last = true;
-      for (std::size_t rest = j; rest < k && last; ++rest)
-        last = index[rest] < 0;
-      last = last && group <= 2;
-      if (first && last)
-        merge_pass<T, true, true>(group, rows, w, acc, to, steps);
-      else if (first)
-        merge_pass<T, true, false>(group, rows, w, acc, to, steps);
-      else if (last)
-        merge_pass<T, false, true>(group, rows, w, acc, to, steps);
-      else
-        merge_pass<T, false, false>(group, rows, w, acc, to, steps);
-      first = false;
-      done = last;
-    }
-    if (!done)
-      for (std::size_t u = 0; u < steps; ++u) { // zeros without any index
-        float a[L];
-        for (std::size_t l = 0; l < L; ++l)
-          a[l] = first ? 0.0f : acc[l * steps + u];
-        lanes::store(to, u, a);
-      }
-    for (std::size_t c = steps * L; c < n; ++c) { // the odd column of a paired row
-      float a = 0.0f;
-      for (std::size_t j = 0; j < k; ++j)
-        if (index[j] >= 0) {
-          const float product = (weight != nullptr ? weight[j] : 1.0f) * load_f32(input(j, c0) + c);
-          a = a + product;
-        }
-      store_f32(to + c, a);
-    }
-    if (streaming)
-      copy_row(reinterpret_cast<std::byte*>(out + c0), reinterpret_cast<const std::byte*>(slice),
-               n * sizeof(T), true);
-  }
 }
 
 template <class T>
