@@ -74,25 +74,28 @@ void gate_trials(std::mt19937& rng, const stream_holder& stream) {
     for (auto& v : logits.elements())
       v = L(quantized ? std::clamp(std::round(normal(rng) * 2) / 2, -6.0f, 6.0f) : normal(rng));
     std::vector<std::int32_t> ids(T * k);
-    std::vector<float> w(T * k);
+    std::vector<float> w(T * k), top(T);
     dev<float> d_bias(bias);
     options.bias = bias;
-    weave::top_k_gate(logits.view(), options, ids, w);
+    weave::top_k_gate(logits.view(), options, ids, w, top);
 
     dev<L> d_logits(std::vector<L>(logits.elements().begin(), logits.elements().end()));
     dev<std::int32_t> d_ids(T * k);
-    dev<float> d_w(T * k);
+    dev<float> d_w(T * k), d_top(T);
     dev<std::uint32_t> d_err(std::vector<std::uint32_t>{0});
     weave::gate_options dopt = options;
     dopt.bias = bias.empty() ? std::span<const float>{} : d_bias.cspan();
     const weave::const_token_view dview(reinterpret_cast<const std::byte*>(d_logits.ptr), T,
                                         static_cast<std::size_t>(E), weave::dtype_of_v<L>,
                                         weave::memory_space::device, 0);
-    weave::top_k_gate(stream.ref(), dview, dopt, d_ids.span(), d_w.span(), d_err.ptr);
+    weave::top_k_gate(stream.ref(), dview, dopt, d_ids.span(), d_w.span(), d_err.ptr, d_top.span());
     stream.ref().synchronize();
     CHECK(to_host(d_err.cspan())[0] == 0u);
     const auto got_ids = to_host(d_ids.cspan());
     const auto got_w = to_host(d_w.cspan());
+    const auto got_top = to_host(d_top.cspan());
+    for (std::size_t t = 0; t < T; ++t)
+      CHECK(std::abs(got_top[t] - top[t]) <= 1e-5f * std::max(1.0f, std::abs(top[t])));
     std::size_t near_ties = 0;
     std::vector<float> row(static_cast<std::size_t>(E));
     for (std::size_t t = 0; t < T; ++t) {

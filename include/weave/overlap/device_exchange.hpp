@@ -266,8 +266,8 @@ class basic_device_exchange {
       return options_.static_rows_per_peer;
     std::size_t rows = chunk_tokens_;
     if (options_.capacity.factor > 0.0) {
-      const std::int64_t cap = expert_capacity(options_.capacity.factor, options_.max_tokens, k_,
-                                               placement_.num_experts());
+      const std::int64_t cap =
+          expert_capacity(options_.capacity, options_.max_tokens, k_, placement_.num_experts());
       rows = std::min(rows, checked_mul(static_cast<std::size_t>(cap),
                                         static_cast<std::size_t>(placement_.slots_per_device()),
                                         "slot rows"));

@@ -24,7 +24,7 @@ struct moe_options {
   dtype element = dtype::f32;     //!< element type of token rows (f32, f16, bf16)
   std::size_t max_tokens = 0;     //!< the most tokens any rank passes to one call
   int chunks = 1;                 //!< pipeline degree: token chunks in flight (1 = unpipelined)
-  capacity_policy capacity{};     //!< capacity factor and drop order (default: dropless)
+  capacity_policy capacity{};     //!< capacity factor, drop order, rounding (default: dropless)
   bool save_for_backward = false; //!< keep plans and expert rows of the last forward
   //! Device exchange only: every peer gets a fixed-size slot per chunk and counts stay in
   //! device memory, so a call never waits for the GPU and can be captured in a CUDA graph.

@@ -5,7 +5,9 @@
 //! by selection score = score + bias[e] (the additive per-expert bias of aux-loss-free
 //! balancing, DeepSeek-V3 style; empty bias = none), highest first, ties to the lower expert id,
 //! optionally restricted to M devices (`device_limit`, by score). The weight of a choice is its
-//! unbiased score, optionally renormalized over the token's k choices. The GShard/Tutel
+//! unbiased score, optionally renormalized over the token's k choices. Optionally the gate also
+//! writes each token's top score: its largest unbiased score over all E experts (Tutel's
+//! `scores.max(dim=1)`, the priority of its batch-prioritized routing). The GShard/Tutel
 //! load-balancing loss is returned beside: l_aux = E * sum_e mean_t(p[t, e]) * f[e], where
 //! p are the softmax probabilities (sigmoid scores divided by their token's sum) and f[e] the
 //! fraction of tokens whose first choice is e.
@@ -81,13 +83,16 @@ inline void top_k_insert(std::int32_t* ids, float* keys, int& filled, int k, std
 } // namespace detail
 
 //! Gates `logits` ([T, E], one row per token): writes k expert ids per token to `ids` and their
-//! weights to `weights` (token-major, rank order = descending selection score).
+//! weights to `weights` (token-major, rank order = descending selection score) and, when
+//! `top_score` is not empty, each token's largest unbiased score over all E experts (before bias,
+//! device limit and renormalization: the priority of Tutel's batch-prioritized routing).
 //! Throws `errc::invalid_argument` for k outside 1..E, NaN or +inf logits, a row of -inf
 //! logits (softmax), non-finite bias or a non-floating logit type; `errc::size_mismatch` for
-//! output spans that are not T * k long or a bias that is not E long.
+//! output spans that are not T * k long, a `top_score` that is neither empty nor T long, or a
+//! bias that is not E long.
 inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
                                std::span<std::int32_t> ids, std::span<float> weights,
-                               gate_scratch& scratch) {
+                               gate_scratch& scratch, std::span<float> top_score = {}) {
   const std::size_t T = logits.rows();
   const std::size_t E = logits.cols();
   const int k = options.k;
@@ -103,6 +108,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
   const std::size_t out = checked_mul(T, kk, "gate outputs");
   WEAVE_EXPECT(ids.size() == out && weights.size() == out, errc::size_mismatch, "gate outputs of ",
                ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);
+  WEAVE_EXPECT(top_score.empty() || top_score.size() == T, errc::size_mismatch,
+               "gate top_score of ", top_score.size(), " values for ", T, " tokens");
   WEAVE_EXPECT(options.bias.empty() || options.bias.size() == E, errc::size_mismatch, "bias of ",
                options.bias.size(), " values for ", E, " experts");
   for (std::size_t e = 0; e < options.bias.size(); ++e)
@@ -150,11 +157,15 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
         prob_sum += score[e];
       }
     }
+    float best_score = score[0];
     for (std::size_t e = 0; e < E; ++e) {
       selection[e] = options.bias.empty() ? score[e] : score[e] + options.bias[e];
       if (prob_sum > 0.0f)
         scratch.mean_prob[e] += static_cast<double>(score[e] / prob_sum);
+      best_score = score[e] > best_score ? score[e] : best_score;
     }
+    if (!top_score.empty())
+      top_score[t] = best_score;
 
     std::int32_t* tid = ids.data() + t * kk;
     float* tw = weights.data() + t * kk;
@@ -199,12 +210,15 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
 
 //! `top_k_gate` with its own scratch (allocates; keep a `gate_scratch` to avoid that).
 inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
-                               std::span<std::int32_t> ids, std::span<float> weights) {
+                               std::span<std::int32_t> ids, std::span<float> weights,
+                               std::span<float> top_score = {}) {
   gate_scratch scratch;
-  return top_k_gate(logits, options, ids, weights, scratch);
+  return top_k_gate(logits, options, ids, weights, scratch, top_score);
 }
 
-//! Per-token priority for batch-prioritized dropping: the largest of its k weights.
+//! Per-token priority from the weights alone: the largest of its k weights. Equals the gate's
+//! `top_score` (Tutel's priority) only for unrenormalized weights without bias or device limit;
+//! prefer `top_score`.
 inline void max_weight_priority(std::span<const float> weights, int k, std::span<float> priority) {
   WEAVE_EXPECT(k >= 1 && weights.size() == priority.size() * static_cast<std::size_t>(k),
                errc::size_mismatch, weights.size(), " weights for ", priority.size(),
