@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <numeric>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -26,6 +28,17 @@ weave::errc read_error(const std::string& text) {
     return e.code();
   }
   FAIL("malformed trace accepted: ", text);
+  return weave::errc::internal;
+}
+
+// The error reading every layer of `text` gives; `internal` when it reads fine.
+weave::errc layers_error(const std::string& text) {
+  std::istringstream in(text);
+  try {
+    (void)weave::read_trace_layers(in);
+  } catch (const weave::error& e) {
+    return e.code();
+  }
   return weave::errc::internal;
 }
 
@@ -210,7 +223,7 @@ TEST_CASE("malformed trace files get typed errors") {
   const std::string head = "weave-trace 1\nexperts 4\nk 2\ntokens 2\n";
   CHECK(read_error("") == errc::invalid_argument);
   CHECK(read_error("weave-trac 1\n") == errc::invalid_argument);
-  CHECK(read_error("weave-trace 2\nexperts 4\nk 2\ntokens 0\n") == errc::invalid_argument);
+  CHECK(read_error("weave-trace 3\nexperts 4\nk 2\ntokens 0\n") == errc::invalid_argument);
   CHECK(read_error("weave-trace 1\nexperts 0\nk 2\ntokens 0\n") == errc::invalid_argument);
   CHECK(read_error("weave-trace 1\nexperts 4\nk 5\ntokens 0\n") == errc::invalid_argument);
   CHECK(read_error("weave-trace 1\nexperts 4\ntokens 2\n") == errc::invalid_argument);
@@ -233,6 +246,87 @@ TEST_CASE("malformed trace files get typed errors") {
     CHECK(e.message().find("expert id 7") != std::string::npos);
   }
   std::ostringstream out;
-  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 1, 2}}), weave::error);
-  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 4}}), weave::error);
+  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 1, 2}, {}}), weave::error);
+  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 4}, {}}), weave::error);
+}
+
+TEST_CASE("layered traces with scores round-trip exactly; version 1 files read as one layer") {
+  std::mt19937 rng(3);
+  std::vector<weave::routing_trace> layers(3);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (auto& t : layers) {
+    t.num_experts = 16;
+    t.k = 3;
+    for (int i = 0; i < 3 * 40; ++i) {
+      t.ids.push_back(static_cast<std::int32_t>(rng() % 16));
+      t.scores.push_back(i % 7 == 0 ? 0.0f : u(rng)); // any float comes back bit for bit
+    }
+  }
+  layers[1].ids[5] = -1;
+  std::stringstream buf;
+  weave::write_trace_layers(buf, layers);
+  CHECK(buf.str().rfind("weave-trace 2\nexperts 16\nk 3\nlayers 3\ntokens 40\nscores 1\nlayer 0\n",
+                        0) == 0);
+  CHECK(weave::read_trace_layers(buf) == layers);
+  // One layer with scores is a version 2 file that read_trace takes; several layers are not.
+  std::stringstream one;
+  weave::write_trace(one, layers[2]);
+  CHECK(weave::read_trace(one) == layers[2]);
+  buf.clear();
+  buf.seekg(0);
+  CHECK_THROWS_AS(weave::read_trace(buf), weave::error);
+  // Without scores, several layers still make a version 2 file.
+  for (auto& t : layers)
+    t.scores.clear();
+  const auto path = std::filesystem::temp_directory_path() / "weave_trace_layers.txt";
+  weave::write_trace_layers_file(path.string(), layers);
+  CHECK(weave::read_trace_layers_file(path.string()) == layers);
+  std::filesystem::remove(path);
+  // A version 1 file is one layer without scores.
+  std::istringstream v1("weave-trace 1\nexperts 4\nk 2\ntokens 1\n0 3\n");
+  const auto read = weave::read_trace_layers(v1);
+  REQUIRE(read.size() == 1);
+  CHECK(read[0].ids == std::vector<std::int32_t>{0, 3});
+  CHECK(read[0].scores.empty());
+  // Hand-written: comments and blank lines between layers.
+  std::istringstream hand("weave-trace 2\nexperts 4\nk 2\nlayers 2\ntokens 1\nscores 1\n"
+                          "layer 0\n# a comment\n0 3 0.5 0.25\n\nlayer 1\n2 1 1e-3 0\n");
+  const auto h = weave::read_trace_layers(hand);
+  REQUIRE(h.size() == 2);
+  CHECK(h[0].scores == std::vector<float>{0.5f, 0.25f});
+  CHECK(h[1].ids == std::vector<std::int32_t>{2, 1});
+  CHECK(h[1].scores == std::vector<float>{0.001f, 0.0f});
+}
+
+TEST_CASE("malformed layered traces get typed errors") {
+  using weave::errc;
+  const std::string head = "weave-trace 2\nexperts 4\nk 2\nlayers 2\ntokens 1\nscores 1\n";
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 1\n2 3 0.5 0.5\n") == errc::internal);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 x\nlayer 1\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 nan\nlayer 1\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 inf\nlayer 1\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5\nlayer 1\n2 3 0.5 0.5\n") == errc::size_mismatch);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 2\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\n") == errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 1\n") == errc::size_mismatch);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 1\n2 3 0.5 0.5\n1 1 0 0\n") ==
+        errc::size_mismatch);
+  CHECK(layers_error("weave-trace 2\nexperts 4\nk 2\nlayers 0\ntokens 1\nscores 1\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error("weave-trace 2\nexperts 4\nk 2\nlayers 1\ntokens 1\nscores 2\n") ==
+        errc::invalid_argument);
+  std::ostringstream out;
+  weave::routing_trace a{4, 2, {0, 1}, {0.5f, 0.5f}};
+  weave::routing_trace b{4, 2, {0, 1, 2, 3}, {0.5f, 0.5f, 0.5f, 0.5f}};
+  const std::vector<weave::routing_trace> uneven = {a, b};
+  CHECK_THROWS_AS(weave::write_trace_layers(out, uneven), weave::error);
+  a.scores = {0.5f};
+  CHECK_THROWS_AS(weave::write_trace(out, a), weave::error);
+  a.scores = {0.5f, std::numeric_limits<float>::quiet_NaN()};
+  CHECK_THROWS_AS(weave::write_trace(out, a), weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, {}), weave::error);
 }

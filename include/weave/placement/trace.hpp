@@ -23,6 +23,8 @@ struct routing_trace {
   int num_experts = 0;           //!< E
   int k = 0;                     //!< experts per token
   std::vector<std::int32_t> ids; //!< tokens × k
+  //! The gate's score of each choice (same layout as `ids`), or empty when not recorded.
+  std::vector<float> scores;
 
   std::size_t num_tokens() const noexcept {
     return k > 0 ? ids.size() / static_cast<std::size_t>(k) : 0;
