@@ -5,6 +5,7 @@
 
 #include "brute_force.hpp"
 
+#include <weave/placement/metrics.hpp>
 #include <weave/placement/migration.hpp>
 #include <weave/placement/replication.hpp>
 
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <set>
 #include <tuple>
@@ -20,15 +22,10 @@
 
 namespace {
 
-// Device loads when each expert's load splits evenly over its replicas.
+// The heaviest device when each expert's load splits evenly over its replicas.
 double peak_load(const weave::placement& p, const std::vector<double>& loads) {
-  std::vector<double> l(static_cast<std::size_t>(p.num_devices()), 0.0);
-  for (int s = 0; s < p.num_slots(); ++s) {
-    const int e = p.expert_of_slot(s);
-    l[static_cast<std::size_t>(p.device_of_slot(s))] +=
-        loads[static_cast<std::size_t>(e)] / static_cast<double>(p.slots_of(e).size());
-  }
-  return *std::max_element(l.begin(), l.end());
+  const double total = std::accumulate(loads.begin(), loads.end(), 0.0);
+  return weave::expected_max_mean_load(p, loads) * total / p.num_devices();
 }
 
 // The devices holding any copy of any expert of each group of `size` experts.

@@ -107,10 +107,10 @@ struct replica_packing {
     std::stable_sort(order.begin(), order.end(),
                      [&](std::size_t a, std::size_t b) { return weight[a] > weight[b]; });
     for (const std::size_t i : order) {
-      int best = -1;
+      int best = -1; // the lightest bin that may take it (lowest index on ties)
       for (int b = 0; b < bins; ++b)
-        if (size_of(b) < capacity && copies_in(b, expert[i]) < per_bin &&
-            (best < 0 || load_of(b) < load_of(best)))
+        if ((best < 0 || load_of(b) < load_of(best)) && size_of(b) < capacity &&
+            copies_in(b, expert[i]) < per_bin)
           best = b;
       if (best >= 0 && !affinity.empty()) {
         // Among bins that stay under the cap, the one whose copies collaborate most with it.
@@ -160,7 +160,6 @@ struct replica_packing {
     // the per-bin state stays exact for later packing steps.
     std::vector<double> load = load_;
     const std::size_t n = bin_of.size();
-    constexpr double never = std::numeric_limits<double>::infinity();
     // Copies by weight, to visit only those whose weight can make a better swap (a superset,
     // widened by `margin`, then visited in index order with the exact test).
     std::vector<std::size_t> by_weight(n), window;
@@ -170,10 +169,6 @@ struct replica_packing {
     std::vector<double> sorted_weight(n);
     for (std::size_t r = 0; r < n; ++r)
       sorted_weight[r] = weight[by_weight[r]];
-    // Per round: the weight of each copy that may swap into the heaviest bin (+inf for those
-    // in it or whose expert it holds enough of), so one comparison rejects most pairs.
-    std::vector<double> swappable(n);
-    std::vector<std::uint8_t> full(static_cast<std::size_t>(bins)); // bin holds enough of a's
     for (std::size_t round = 0; round < 4 * n * n + 16; ++round) {
       const auto hi = static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
       const double top = load[static_cast<std::size_t>(hi)];
@@ -182,20 +177,18 @@ struct replica_packing {
       const double lightest = *std::min_element(load.begin(), load.end());
       const double tol = 1e-12 * std::max(1.0, top);
       const double margin = 1e-9 * std::max(1.0, top);
-      for (std::size_t b = 0; b < n; ++b)
-        swappable[b] = bin_of[b] == hi || copies_in(hi, expert[b]) >= per_bin ? never : weight[b];
       double best_peak = top;
       std::size_t ba = n, bb = n;
       for (const std::size_t a : members_[static_cast<std::size_t>(hi)]) {
         const double wa = weight[a];
         const std::int32_t ea = expert[a];
-        for (int o = 0; o < bins; ++o)
-          full[static_cast<std::size_t>(o)] = copies_in(o, ea) >= per_bin ? 1 : 0;
+        // Swap a (in the heaviest bin) with a lighter copy b of another expert in bin o, when
+        // o may take a's expert and the heaviest bin b's.
         auto consider = [&](std::size_t b) {
-          if (!(swappable[b] < wa) || expert[b] == ea)
+          if (!(weight[b] < wa) || expert[b] == ea)
             return;
           const int o = bin_of[b];
-          if (full[static_cast<std::size_t>(o)])
+          if (o == hi || copies_in(o, ea) >= per_bin || copies_in(hi, expert[b]) >= per_bin)
             return;
           const double d = wa - weight[b];
           const double peak = std::max(top - d, load[static_cast<std::size_t>(o)] + d);
@@ -293,12 +286,19 @@ inline std::vector<int> replica_counts(std::span<const double> loads, int redund
                errc::invalid_argument, redundant_slots, " redundant slots exceed what ", E,
                " experts with at most ", max_replicas, " replicas each can use");
   std::vector<int> count(E, 1);
+  std::vector<double> replicas(E, 1.0); // count as doubles: the same products, no conversions
   for (int r = 0; r < redundant_slots; ++r) {
     std::size_t best = E;
+    double best_load = 0, best_replicas = 1; // of `best`, kept in registers
     for (std::size_t e = 0; e < E; ++e)
-      if (count[e] < max_replicas && (best == E || loads[e] * count[best] > loads[best] * count[e]))
+      if (count[e] < max_replicas &&
+          (best == E || loads[e] * best_replicas > best_load * replicas[e])) {
         best = e;
+        best_load = loads[e];
+        best_replicas = replicas[e];
+      }
     ++count[best];
+    replicas[best] += 1.0;
   }
   return count;
 }
@@ -325,14 +325,15 @@ pack_replicated(std::span<const double> loads, std::span<const double> coact, co
   auto flat = make_copies(loads, count, D, S, 1);
   flat.pack_rest();
   flat.refine();
-  auto best = flat;
+  const replica_packing* best = &flat;
+  replica_packing hier, sticky;
   if (topo.nodes > 1) {
     // Hierarchical: copies onto nodes first, then onto each node's devices.
     auto nodes =
         make_copies(loads, count, topo.nodes, S * topo.devices_per_node, topo.devices_per_node);
     nodes.pack_rest();
     nodes.refine();
-    auto hier = flat;
+    hier = make_copies(loads, count, D, S, 1); // the same copies, to be placed node by node
     for (int n = 0; n < topo.nodes; ++n) {
       replica_packing inner;
       inner.bins = topo.devices_per_node;
@@ -347,18 +348,15 @@ pack_replicated(std::span<const double> loads, std::span<const double> coact, co
         }
       inner.pack_rest();
       inner.refine();
-      for (std::size_t c = 0; c < ids.size(); ++c) {
-        hier.expert[ids[c]] = inner.expert[c];
-        hier.weight[ids[c]] = inner.weight[c];
+      for (std::size_t c = 0; c < ids.size(); ++c)
         hier.bin_of[ids[c]] = n * topo.devices_per_node + inner.bin_of[c];
-      }
     }
     hier.refine();
     if (peak_of(hier.bin_loads()) <= peak_of(flat.bin_loads()))
-      best = hier;
+      best = &hier;
   }
   if (grow) {
-    auto sticky = make_copies(loads, count, D, S, 1);
+    sticky = make_copies(loads, count, D, S, 1);
     // Keep each expert's copies on the devices that hold it now, heaviest first per device.
     std::vector<int> kept(static_cast<std::size_t>(E), 0), size(static_cast<std::size_t>(D), 0);
     std::vector<std::size_t> first_copy(static_cast<std::size_t>(E) + 1, 0);
@@ -382,13 +380,13 @@ pack_replicated(std::span<const double> loads, std::span<const double> coact, co
       }
     }
     sticky.affinity = coact;
-    sticky.cap = peak_of(best.bin_loads()) * (1.0 + keep_tolerance);
+    sticky.cap = peak_of(best->bin_loads()) * (1.0 + keep_tolerance);
     sticky.pack_rest();
     sticky.refine(sticky.cap);
-    if (peak_of(sticky.bin_loads()) <= peak_of(best.bin_loads()) * (1.0 + keep_tolerance))
-      best = sticky;
+    if (peak_of(sticky.bin_loads()) <= peak_of(best->bin_loads()) * (1.0 + keep_tolerance))
+      best = &sticky;
   }
-  return groups_of_packing(best);
+  return groups_of_packing(*best);
 }
 
 } // namespace detail
