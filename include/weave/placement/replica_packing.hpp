@@ -54,11 +54,14 @@ struct replica_packing {
   void sync() {
     num_experts_ = expert.empty() ? 0 : *std::max_element(expert.begin(), expert.end()) + 1;
     held_.assign(static_cast<std::size_t>(bins) * static_cast<std::size_t>(num_experts_), 0);
-    members_.assign(static_cast<std::size_t>(bins), {});
+    // One spare place per bin: a swap moves a copy in before the other one leaves.
+    stride_ = static_cast<std::size_t>(capacity) + 1;
+    member_.resize(static_cast<std::size_t>(bins) * stride_);
+    size_.assign(static_cast<std::size_t>(bins), 0);
     for (std::size_t i = 0; i < bin_of.size(); ++i)
       if (bin_of[i] >= 0) {
         ++held_[index(bin_of[i], expert[i])];
-        members_[static_cast<std::size_t>(bin_of[i])].push_back(i);
+        push(bin_of[i], i);
       }
     load_ = bin_loads();
   }
@@ -68,30 +71,37 @@ struct replica_packing {
     const int old = bin_of[i];
     if (old >= 0) {
       --held_[index(old, expert[i])];
-      auto& m = members_[static_cast<std::size_t>(old)];
-      m.erase(std::lower_bound(m.begin(), m.end(), i));
+      std::size_t* row = member_.data() + static_cast<std::size_t>(old) * stride_;
+      std::size_t* end = row + size_[static_cast<std::size_t>(old)]--;
+      std::size_t* at = std::lower_bound(row, end, i);
+      std::copy(at + 1, end, at);
       recount(old);
     }
     bin_of[i] = bin;
     if (bin >= 0) {
       ++held_[index(bin, expert[i])];
-      auto& m = members_[static_cast<std::size_t>(bin)];
-      m.insert(std::lower_bound(m.begin(), m.end(), i), i);
+      push(bin, i);
+      std::size_t* row = member_.data() + static_cast<std::size_t>(bin) * stride_;
+      std::size_t* end = row + size_[static_cast<std::size_t>(bin)];
+      std::rotate(std::upper_bound(row, end - 1, i), end - 1, end); // keep ascending
       recount(bin);
     }
   }
 
   int copies_in(int bin, std::int32_t e) const { return held_[index(bin, e)]; }
-  int size_of(int bin) const {
-    return static_cast<int>(members_[static_cast<std::size_t>(bin)].size());
-  }
+  int size_of(int bin) const { return size_[static_cast<std::size_t>(bin)]; }
   double load_of(int bin) const { return load_[static_cast<std::size_t>(bin)]; }
+  //! The copies in `bin`, ascending.
+  std::span<const std::size_t> members(int bin) const {
+    return {member_.data() + static_cast<std::size_t>(bin) * stride_,
+            static_cast<std::size_t>(size_[static_cast<std::size_t>(bin)])};
+  }
 
   //! Co-activation of copy i's expert with the copies in `bin`.
   double affinity_to(std::size_t i, int bin) const {
     const auto E = static_cast<std::size_t>(std::sqrt(static_cast<double>(affinity.size())) + 0.5);
     double a = 0;
-    for (const std::size_t x : members_[static_cast<std::size_t>(bin)])
+    for (const std::size_t x : members(bin))
       a += affinity[static_cast<std::size_t>(expert[i]) * E + static_cast<std::size_t>(expert[x])];
     return a;
   }
@@ -179,7 +189,7 @@ struct replica_packing {
       const double margin = 1e-9 * std::max(1.0, top);
       double best_peak = top;
       std::size_t ba = n, bb = n;
-      for (const std::size_t a : members_[static_cast<std::size_t>(hi)]) {
+      for (const std::size_t a : members(hi)) {
         const double wa = weight[a];
         const std::int32_t ea = expert[a];
         // Swap a (in the heaviest bin) with a lighter copy b of another expert in bin o, when
@@ -232,15 +242,24 @@ struct replica_packing {
   }
   void recount(int bin) {
     double s = 0.0;
-    for (const std::size_t i : members_[static_cast<std::size_t>(bin)])
+    for (const std::size_t i : members(bin))
       s += weight[i];
     load_[static_cast<std::size_t>(bin)] = s;
   }
+  // Appends copy i to `bin`'s row.
+  void push(int bin, std::size_t i) {
+    int& n = size_[static_cast<std::size_t>(bin)];
+    if (static_cast<std::size_t>(n) == stride_)
+      WEAVE_THROW(errc::internal, "bin ", bin, " holds more than ", capacity, " copies");
+    member_[static_cast<std::size_t>(bin) * stride_ + static_cast<std::size_t>(n++)] = i;
+  }
 
   int num_experts_ = 0;
-  std::vector<int> held_;                         // bin × experts: copies of each expert
-  std::vector<std::vector<std::size_t>> members_; // bin -> its copies, ascending
-  std::vector<double> load_;                      // bin -> sum of its members' weights
+  std::vector<int> held_;           // bin × experts: copies of each expert
+  std::vector<std::size_t> member_; // bin-major rows of stride_: each bin's copies, ascending
+  std::vector<int> size_;           // bin -> copies in it
+  std::size_t stride_ = 0;
+  std::vector<double> load_; // bin -> sum of its members' weights
 };
 
 inline double peak_of(const std::vector<double>& l) {
