@@ -214,7 +214,7 @@ int main(int argc, char** argv) {
         {m.name, m.experts, m.k, m.hidden, {trace.ids.begin(), half}, {half, trace.ids.end()}, ""});
   }
   if (!trace_file.empty()) {
-    const auto layers = weave::read_trace_layers_file(trace_file);
+    const auto layers = weave::read_trace_layers_file(trace_file).layers;
     const std::string stem = std::filesystem::path(trace_file).stem().string();
     for (std::size_t l = 0; l < layers.size(); ++l) {
       const auto& t = layers[l];

@@ -320,8 +320,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moe_lm_trace: held-out text too short for %zu tokens\n", s.tokens);
     return 1;
   }
-  std::vector<weave::routing_trace> layers(static_cast<std::size_t>(s.layers));
-  for (auto& t : layers) {
+  weave::layered_trace trace;
+  trace.layers.resize(static_cast<std::size_t>(s.layers));
+  trace.scores.resize(static_cast<std::size_t>(s.layers));
+  for (auto& t : trace.layers) {
     t.num_experts = s.experts;
     t.k = s.k;
   }
@@ -353,11 +355,12 @@ int main(int argc, char** argv) {
       const auto torch_ids =
           std::get<1>(torch::softmax(g, 1).topk(s.k, 1)).to(torch::kInt32).contiguous();
       const std::int32_t* tid = torch_ids.data_ptr<std::int32_t>();
-      auto& t = layers[static_cast<std::size_t>(l)];
+      auto& t = trace.layers[static_cast<std::size_t>(l)];
+      auto& sc = trace.scores[static_cast<std::size_t>(l)];
       for (std::size_t i = 0; i < ids.size(); ++i) {
         mismatched += ids[i] != tid[i];
         t.ids.push_back(ids[i]);
-        t.scores.push_back(std::round(scores[i] * 1e4f) / 1e4f); // 4 decimals keep the file small
+        sc.push_back(std::round(scores[i] * 1e4f) / 1e4f); // 4 decimals keep the file small
       }
     }
     recorded += n;
@@ -368,14 +371,14 @@ int main(int argc, char** argv) {
               mismatched, recorded * static_cast<std::size_t>(s.k * s.layers));
   for (int l = 0; l < s.layers; ++l) {
     std::vector<double> load(static_cast<std::size_t>(s.experts), 0.0);
-    for (const auto e : layers[static_cast<std::size_t>(l)].ids)
+    for (const auto e : trace.layers[static_cast<std::size_t>(l)].ids)
       load[static_cast<std::size_t>(e)] += 1;
     const double mean = static_cast<double>(recorded * static_cast<std::size_t>(s.k)) / s.experts;
     std::printf("layer %d: expert load max/mean %.2f, min/mean %.2f\n", l,
                 *std::max_element(load.begin(), load.end()) / mean,
                 *std::min_element(load.begin(), load.end()) / mean);
   }
-  weave::write_trace_layers_file(s.out, layers);
+  weave::write_trace_layers_file(s.out, trace);
   std::printf("wrote %s\n", s.out.c_str());
   return 0;
 }

@@ -246,56 +246,61 @@ TEST_CASE("malformed trace files get typed errors") {
     CHECK(e.message().find("expert id 7") != std::string::npos);
   }
   std::ostringstream out;
-  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 1, 2}, {}}), weave::error);
-  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 4}, {}}), weave::error);
+  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 1, 2}}), weave::error);
+  CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 4}}), weave::error);
 }
 
 TEST_CASE("layered traces with scores round-trip exactly; version 1 files read as one layer") {
   std::mt19937 rng(3);
-  std::vector<weave::routing_trace> layers(3);
+  weave::layered_trace trace;
   std::uniform_real_distribution<float> u(0.0f, 1.0f);
-  for (auto& t : layers) {
+  for (int l = 0; l < 3; ++l) {
+    weave::routing_trace t;
     t.num_experts = 16;
     t.k = 3;
+    std::vector<float> scores;
     for (int i = 0; i < 3 * 40; ++i) {
       t.ids.push_back(static_cast<std::int32_t>(rng() % 16));
-      t.scores.push_back(i % 7 == 0 ? 0.0f : u(rng)); // any float comes back bit for bit
+      scores.push_back(i % 7 == 0 ? 0.0f : u(rng)); // any float comes back bit for bit
     }
+    trace.layers.push_back(t);
+    trace.scores.push_back(scores);
   }
-  layers[1].ids[5] = -1;
+  trace.layers[1].ids[5] = -1;
   std::stringstream buf;
-  weave::write_trace_layers(buf, layers);
+  weave::write_trace_layers(buf, trace);
   CHECK(buf.str().rfind("weave-trace 2\nexperts 16\nk 3\nlayers 3\ntokens 40\nscores 1\nlayer 0\n",
                         0) == 0);
-  CHECK(weave::read_trace_layers(buf) == layers);
-  // One layer with scores is a version 2 file that read_trace takes; several layers are not.
-  std::stringstream one;
-  weave::write_trace(one, layers[2]);
-  CHECK(weave::read_trace(one) == layers[2]);
+  CHECK(weave::read_trace_layers(buf) == trace);
+  // read_trace takes a one-layer version 2 file (without its scores), not several layers.
   buf.clear();
   buf.seekg(0);
   CHECK_THROWS_AS(weave::read_trace(buf), weave::error);
-  // Without scores, several layers still make a version 2 file.
-  for (auto& t : layers)
-    t.scores.clear();
+  weave::layered_trace one{{trace.layers[2]}, {trace.scores[2]}};
+  std::stringstream one_buf;
+  weave::write_trace_layers(one_buf, one);
+  CHECK(weave::read_trace(one_buf) == trace.layers[2]);
+  // Without scores, through a file.
+  trace.scores.clear();
   const auto path = std::filesystem::temp_directory_path() / "weave_trace_layers.txt";
-  weave::write_trace_layers_file(path.string(), layers);
-  CHECK(weave::read_trace_layers_file(path.string()) == layers);
+  weave::write_trace_layers_file(path.string(), trace);
+  CHECK(weave::read_trace_layers_file(path.string()) == trace);
   std::filesystem::remove(path);
   // A version 1 file is one layer without scores.
   std::istringstream v1("weave-trace 1\nexperts 4\nk 2\ntokens 1\n0 3\n");
   const auto read = weave::read_trace_layers(v1);
-  REQUIRE(read.size() == 1);
-  CHECK(read[0].ids == std::vector<std::int32_t>{0, 3});
-  CHECK(read[0].scores.empty());
+  REQUIRE(read.layers.size() == 1);
+  CHECK(read.layers[0].ids == std::vector<std::int32_t>{0, 3});
+  CHECK(read.scores.empty());
   // Hand-written: comments and blank lines between layers.
   std::istringstream hand("weave-trace 2\nexperts 4\nk 2\nlayers 2\ntokens 1\nscores 1\n"
                           "layer 0\n# a comment\n0 3 0.5 0.25\n\nlayer 1\n2 1 1e-3 0\n");
   const auto h = weave::read_trace_layers(hand);
-  REQUIRE(h.size() == 2);
-  CHECK(h[0].scores == std::vector<float>{0.5f, 0.25f});
-  CHECK(h[1].ids == std::vector<std::int32_t>{2, 1});
-  CHECK(h[1].scores == std::vector<float>{0.001f, 0.0f});
+  REQUIRE(h.layers.size() == 2);
+  REQUIRE(h.scores.size() == 2);
+  CHECK(h.scores[0] == std::vector<float>{0.5f, 0.25f});
+  CHECK(h.layers[1].ids == std::vector<std::int32_t>{2, 1});
+  CHECK(h.scores[1] == std::vector<float>{0.001f, 0.0f});
 }
 
 TEST_CASE("malformed layered traces get typed errors") {
@@ -320,13 +325,17 @@ TEST_CASE("malformed layered traces get typed errors") {
   CHECK(layers_error("weave-trace 2\nexperts 4\nk 2\nlayers 1\ntokens 1\nscores 2\n") ==
         errc::invalid_argument);
   std::ostringstream out;
-  weave::routing_trace a{4, 2, {0, 1}, {0.5f, 0.5f}};
-  weave::routing_trace b{4, 2, {0, 1, 2, 3}, {0.5f, 0.5f, 0.5f, 0.5f}};
-  const std::vector<weave::routing_trace> uneven = {a, b};
-  CHECK_THROWS_AS(weave::write_trace_layers(out, uneven), weave::error);
-  a.scores = {0.5f};
-  CHECK_THROWS_AS(weave::write_trace(out, a), weave::error);
-  a.scores = {0.5f, std::numeric_limits<float>::quiet_NaN()};
-  CHECK_THROWS_AS(weave::write_trace(out, a), weave::error);
-  CHECK_THROWS_AS(weave::write_trace_layers(out, {}), weave::error);
+  const weave::routing_trace a{4, 2, {0, 1}};
+  const weave::routing_trace b{4, 2, {0, 1, 2, 3}};
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{{a, b}, {}}), weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{{a}, {{0.5f}}}),
+                  weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{{a, a}, {{0.5f, 0.5f}}}),
+                  weave::error);
+  CHECK_THROWS_AS(
+      weave::write_trace_layers(
+          out, weave::layered_trace{{a}, {{0.5f, std::numeric_limits<float>::quiet_NaN()}}}),
+      weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{}), weave::error);
+  CHECK(out.str().empty()); // nothing written before the checks
 }

@@ -23,8 +23,6 @@ struct routing_trace {
   int num_experts = 0;           //!< E
   int k = 0;                     //!< experts per token
   std::vector<std::int32_t> ids; //!< tokens × k
-  //! The gate's score of each choice (same layout as `ids`), or empty when not recorded.
-  std::vector<float> scores;
 
   std::size_t num_tokens() const noexcept {
     return k > 0 ? ids.size() / static_cast<std::size_t>(k) : 0;
@@ -35,6 +33,16 @@ struct routing_trace {
                                                       static_cast<std::size_t>(k));
   }
   friend bool operator==(const routing_trace&, const routing_trace&) = default;
+};
+
+//! A recorded trace of several MoE layers over the same tokens (`trace_io.hpp` reads and writes
+//! it): one `routing_trace` per layer, all of one E, k and token count, and optionally the
+//! gate's score of each choice.
+struct layered_trace {
+  std::vector<routing_trace> layers;
+  //! Per layer, the score of each id (same layout as its `ids`); empty when not recorded.
+  std::vector<std::vector<float>> scores;
+  friend bool operator==(const layered_trace&, const layered_trace&) = default;
 };
 
 //! Parameters of `generate_trace`.

@@ -112,72 +112,83 @@ inline long long trace_header(std::istream& in, std::string& line, std::size_t& 
   return trace_integer(fields[1], number);
 }
 
-//! Reads one layer's `tokens` lines into `t` (E and k set).
+//! Reads one layer's `tokens` lines into `t` (E and k set) and, if `scores`, its scores.
 inline void read_trace_layer(std::istream& in, std::string& line, std::size_t& number,
-                             routing_trace& t, std::size_t tokens, bool scores) {
+                             routing_trace& t, std::size_t tokens, std::vector<float>* scores) {
   const auto k = static_cast<std::size_t>(t.k);
-  const std::size_t fields_per_line = scores ? 2 * k : k;
+  const std::size_t fields_per_line = scores != nullptr ? 2 * k : k;
   t.ids.reserve(std::min<std::size_t>(checked_mul(tokens, k, "trace ids"), std::size_t{1} << 24));
-  if (scores)
-    t.scores.reserve(t.ids.capacity());
+  if (scores != nullptr)
+    scores->reserve(t.ids.capacity());
   for (std::size_t read = 0; read < tokens; ++read) {
     WEAVE_EXPECT(next_trace_line(in, line, number), errc::size_mismatch, "trace has ", read,
                  " token lines, header says ", tokens);
     const auto fields = trace_tokens(line);
     WEAVE_EXPECT(fields.size() == fields_per_line, errc::size_mismatch, "trace line ", number,
                  " has ", fields.size(), " fields, expected ", fields_per_line,
-                 scores ? " (k ids, then k scores)" : " (k ids)");
+                 scores != nullptr ? " (k ids, then k scores)" : " (k ids)");
     for (std::size_t i = 0; i < k; ++i) {
       const long long id = trace_integer(fields[i], number);
       WEAVE_EXPECT(id >= -1 && id < t.num_experts, errc::out_of_range, "trace line ", number,
                    ": expert id ", id, " outside [-1, ", t.num_experts, ")");
       t.ids.push_back(static_cast<std::int32_t>(id));
     }
-    if (scores)
+    if (scores != nullptr)
       for (std::size_t i = k; i < 2 * k; ++i)
-        t.scores.push_back(trace_score(fields[i], number));
+        scores->push_back(trace_score(fields[i], number));
   }
 }
 
-//! Checks what `write_trace_layers` writes: whole tokens, valid ids, one score per id or none,
-//! every layer of one shape.
-inline void check_trace_layers(std::span<const routing_trace> layers) {
-  WEAVE_EXPECT(!layers.empty(), errc::invalid_argument, "no trace layers to write");
-  const routing_trace& first = layers[0];
-  for (std::size_t l = 0; l < layers.size(); ++l) {
-    const routing_trace& t = layers[l];
-    WEAVE_EXPECT(t.num_experts > 0 && t.k > 0 && t.k <= t.num_experts, errc::invalid_argument,
-                 "trace of k = ", t.k, " over ", t.num_experts, " experts");
-    WEAVE_EXPECT(t.ids.size() % static_cast<std::size_t>(t.k) == 0, errc::size_mismatch,
-                 t.ids.size(), " ids are not a whole number of tokens with k = ", t.k);
+//! Checks one layer: whole tokens, valid ids.
+inline void check_trace(const routing_trace& t) {
+  WEAVE_EXPECT(t.num_experts > 0 && t.k > 0 && t.k <= t.num_experts, errc::invalid_argument,
+               "trace of k = ", t.k, " over ", t.num_experts, " experts");
+  WEAVE_EXPECT(t.ids.size() % static_cast<std::size_t>(t.k) == 0, errc::size_mismatch, t.ids.size(),
+               " ids are not a whole number of tokens with k = ", t.k);
+  for (std::size_t i = 0; i < t.ids.size(); ++i)
+    WEAVE_EXPECT(t.ids[i] >= -1 && t.ids[i] < t.num_experts, errc::out_of_range, "expert id ",
+                 t.ids[i], " of token ", i / static_cast<std::size_t>(t.k), " outside [-1, ",
+                 t.num_experts, ")");
+}
+
+//! Checks what `write_trace_layers` writes: layers of one shape, scores for all or none.
+inline void check_trace_layers(const layered_trace& trace) {
+  WEAVE_EXPECT(!trace.layers.empty(), errc::invalid_argument, "no trace layers to write");
+  WEAVE_EXPECT(trace.scores.empty() || trace.scores.size() == trace.layers.size(),
+               errc::size_mismatch, trace.scores.size(), " score lists for ", trace.layers.size(),
+               " trace layers");
+  const routing_trace& first = trace.layers[0];
+  for (std::size_t l = 0; l < trace.layers.size(); ++l) {
+    const routing_trace& t = trace.layers[l];
+    check_trace(t);
     WEAVE_EXPECT(t.num_experts == first.num_experts && t.k == first.k &&
-                     t.ids.size() == first.ids.size() && t.scores.empty() == first.scores.empty(),
+                     t.ids.size() == first.ids.size(),
                  errc::size_mismatch, "trace layer ", l, " (", t.num_experts, " experts, k = ", t.k,
                  ", ", t.num_tokens(), " tokens) differs in shape from layer 0 (",
                  first.num_experts, ", k = ", first.k, ", ", first.num_tokens(), ")");
-    WEAVE_EXPECT(t.scores.empty() || t.scores.size() == t.ids.size(), errc::size_mismatch,
-                 t.scores.size(), " scores for ", t.ids.size(), " ids in trace layer ", l);
-    for (std::size_t i = 0; i < t.ids.size(); ++i)
-      WEAVE_EXPECT(t.ids[i] >= -1 && t.ids[i] < t.num_experts, errc::out_of_range, "expert id ",
-                   t.ids[i], " of token ", i / static_cast<std::size_t>(t.k), " outside [-1, ",
-                   t.num_experts, ")");
-    for (std::size_t i = 0; i < t.scores.size(); ++i)
-      WEAVE_EXPECT(std::isfinite(t.scores[i]), errc::invalid_argument, "score ", t.scores[i],
-                   " of token ", i / static_cast<std::size_t>(t.k), " is not finite");
+    if (trace.scores.empty())
+      continue;
+    const auto& sc = trace.scores[l];
+    WEAVE_EXPECT(sc.size() == t.ids.size(), errc::size_mismatch, sc.size(), " scores for ",
+                 t.ids.size(), " ids in trace layer ", l);
+    for (std::size_t i = 0; i < sc.size(); ++i)
+      WEAVE_EXPECT(std::isfinite(sc[i]), errc::invalid_argument, "score ", sc[i], " of token ",
+                   i / static_cast<std::size_t>(t.k), " in trace layer ", l, " is not finite");
   }
 }
 
-//! One token line: k ids, then k scores if there are scores.
-inline void write_trace_line(std::ostream& out, const routing_trace& t, std::size_t token) {
+//! One token line: k ids, then k scores when `scores` is not empty.
+inline void write_trace_line(std::ostream& out, const routing_trace& t,
+                             std::span<const float> scores, std::size_t token) {
   const auto k = static_cast<std::size_t>(t.k);
-  char buf[32];
   for (std::size_t i = 0; i < k; ++i)
-    out << t.ids[token * k + i] << (i + 1 < k || !t.scores.empty() ? ' ' : '\n');
-  if (t.scores.empty())
+    out << t.ids[token * k + i] << (i + 1 < k || !scores.empty() ? ' ' : '\n');
+  if (scores.empty())
     return;
+  char buf[32];
   for (std::size_t i = 0; i < k; ++i) {
     // Shortest form that reads back to the same float.
-    const auto r = std::to_chars(buf, buf + sizeof buf, t.scores[token * k + i]);
+    const auto r = std::to_chars(buf, buf + sizeof buf, scores[token * k + i]);
     out << std::string_view(buf, static_cast<std::size_t>(r.ptr - buf)) << (i + 1 < k ? ' ' : '\n');
   }
 }
@@ -189,7 +200,7 @@ inline void write_trace_line(std::ostream& out, const routing_trace& t, std::siz
 //! `errc::size_mismatch` for a token line without exactly k ids (and k scores when the file has
 //! scores) or a token count that does not match the header, `errc::out_of_range` for an id
 //! outside [-1, E). Messages name the line.
-inline std::vector<routing_trace> read_trace_layers(std::istream& in) {
+inline layered_trace read_trace_layers(std::istream& in) {
   std::string line;
   std::size_t number = 0;
   const long long version = detail::trace_header(in, line, number, "weave-trace");
@@ -216,28 +227,33 @@ inline std::vector<routing_trace> read_trace_layers(std::istream& in) {
                  " (0 or 1)");
     scores = s == 1;
   }
-  std::vector<routing_trace> out(static_cast<std::size_t>(layers));
-  for (long long l = 0; l < layers; ++l) {
+  layered_trace out;
+  out.layers.resize(static_cast<std::size_t>(layers));
+  if (scores)
+    out.scores.resize(static_cast<std::size_t>(layers));
+  for (std::size_t l = 0; l < out.layers.size(); ++l) {
     if (version == 2)
-      WEAVE_EXPECT(detail::trace_header(in, line, number, "layer") == l, errc::invalid_argument,
-                   "trace line ", number, ": expected 'layer ", l, "'");
-    routing_trace& t = out[static_cast<std::size_t>(l)];
+      WEAVE_EXPECT(detail::trace_header(in, line, number, "layer") == static_cast<long long>(l),
+                   errc::invalid_argument, "trace line ", number, ": expected 'layer ", l, "'");
+    routing_trace& t = out.layers[l];
     t.num_experts = static_cast<int>(E);
     t.k = static_cast<int>(k);
-    detail::read_trace_layer(in, line, number, t, static_cast<std::size_t>(tokens), scores);
+    detail::read_trace_layer(in, line, number, t, static_cast<std::size_t>(tokens),
+                             scores ? &out.scores[l] : nullptr);
   }
   WEAVE_EXPECT(!detail::next_trace_line(in, line, number), errc::size_mismatch, "trace line ",
                number, ": more token lines than the ", tokens, " per layer in the header");
   return out;
 }
 
-//! Reads a one-layer trace (version 1, or version 2 with one layer). Throws as
-//! `read_trace_layers` does, and `errc::invalid_argument` for a file of several layers.
+//! Reads a one-layer trace (version 1, or version 2 with one layer; its scores are not
+//! returned). Throws as `read_trace_layers` does, and `errc::invalid_argument` for a file of
+//! several layers.
 inline routing_trace read_trace(std::istream& in) {
-  auto layers = read_trace_layers(in);
-  WEAVE_EXPECT(layers.size() == 1, errc::invalid_argument, "trace has ", layers.size(),
+  auto trace = read_trace_layers(in);
+  WEAVE_EXPECT(trace.layers.size() == 1, errc::invalid_argument, "trace has ", trace.layers.size(),
                " layers; read it with read_trace_layers");
-  return std::move(layers[0]);
+  return std::move(trace.layers[0]);
 }
 
 namespace detail {
@@ -255,40 +271,41 @@ inline routing_trace read_trace_file(const std::string& path) {
 }
 
 //! Reads every layer of the trace file at `path`.
-inline std::vector<routing_trace> read_trace_layers_file(const std::string& path) {
+inline layered_trace read_trace_layers_file(const std::string& path) {
   auto in = detail::open_trace(path);
   return read_trace_layers(in);
 }
 
-//! Writes `layers` (same E, k and token count; scores in all or none) in format version 2.
-//! Throws `errc::size_mismatch` for ids that are not whole tokens, layers of other shapes or a
-//! score count other than the id count, `errc::out_of_range` for an id outside [-1, E),
-//! `errc::invalid_argument` for a non-finite score or when the stream fails.
-inline void write_trace_layers(std::ostream& out, std::span<const routing_trace> layers) {
-  detail::check_trace_layers(layers);
-  const routing_trace& first = layers[0];
+//! Writes `trace` in format version 2. Throws `errc::invalid_argument` for no layers, a
+//! non-finite score or when the stream fails, `errc::size_mismatch` for ids that are not whole
+//! tokens, layers of other shapes or score counts other than the id counts,
+//! `errc::out_of_range` for an id outside [-1, E).
+inline void write_trace_layers(std::ostream& out, const layered_trace& trace) {
+  detail::check_trace_layers(trace);
+  const routing_trace& first = trace.layers[0];
   out << "weave-trace 2\nexperts " << first.num_experts << "\nk " << first.k << "\nlayers "
-      << layers.size() << "\ntokens " << first.num_tokens() << "\nscores "
-      << (first.scores.empty() ? 0 : 1) << '\n';
-  for (std::size_t l = 0; l < layers.size(); ++l) {
+      << trace.layers.size() << "\ntokens " << first.num_tokens() << "\nscores "
+      << (trace.scores.empty() ? 0 : 1) << '\n';
+  for (std::size_t l = 0; l < trace.layers.size(); ++l) {
     out << "layer " << l << '\n';
+    const std::span<const float> scores =
+        trace.scores.empty() ? std::span<const float>{} : std::span<const float>(trace.scores[l]);
     for (std::size_t t = 0; t < first.num_tokens(); ++t)
-      detail::write_trace_line(out, layers[l], t);
+      detail::write_trace_line(out, trace.layers[l], scores, t);
   }
   out.flush();
   WEAVE_EXPECT(out.good(), errc::invalid_argument, "writing the trace failed");
 }
 
-//! Writes `t`: format version 1 without scores, version 2 (one layer) with them. Throws as
-//! `write_trace_layers` does.
+//! Writes `t` in format version 1. Throws `errc::size_mismatch` when the ids are not whole
+//! tokens, `errc::out_of_range` for an id outside [-1, E), `errc::invalid_argument` when the
+//! stream fails.
 inline void write_trace(std::ostream& out, const routing_trace& t) {
-  if (!t.scores.empty())
-    return write_trace_layers(out, std::span<const routing_trace>(&t, 1));
-  detail::check_trace_layers(std::span<const routing_trace>(&t, 1));
+  detail::check_trace(t);
   out << "weave-trace 1\nexperts " << t.num_experts << "\nk " << t.k << "\ntokens "
       << t.num_tokens() << '\n';
   for (std::size_t i = 0; i < t.num_tokens(); ++i)
-    detail::write_trace_line(out, t, i);
+    detail::write_trace_line(out, t, {}, i);
   out.flush();
   WEAVE_EXPECT(out.good(), errc::invalid_argument, "writing the trace failed");
 }
@@ -307,11 +324,10 @@ inline void write_trace_file(const std::string& path, const routing_trace& t) {
   write_trace(out, t);
 }
 
-//! Writes `layers` to the file at `path` (replacing it).
-inline void write_trace_layers_file(const std::string& path,
-                                    std::span<const routing_trace> layers) {
+//! Writes `trace` to the file at `path` (replacing it).
+inline void write_trace_layers_file(const std::string& path, const layered_trace& trace) {
   auto out = detail::create_trace(path);
-  write_trace_layers(out, layers);
+  write_trace_layers(out, trace);
 }
 
 WEAVE_NAMESPACE_END
