@@ -2,12 +2,13 @@
 # Regenerates the learned routing trace bench/placement/traces/fortunes-moe-e64-k8.trace: trains
 # the small byte-level MoE language model of moe_lm_trace.cpp on the fortune cookies of Debian's
 # `fortunes` package and records the routing of its 4 MoE layers on held-out text. Not run by
-# the tests or CI (it trains for several minutes).
+# the tests or CI: training takes about 10 minutes of one core (1500 steps).
 #
 #   examples/torch/record_trace.sh [build dir, default build/default] [extra moe_lm_trace options]
 #
 # Installs, where missing: `fortunes` (the corpus) and `libopenblas0-serial` (libtorch's BLAS;
-# the reference BLAS makes training about 20x slower). Needs root or sudo for that.
+# the reference BLAS makes training about 20x slower; Debian then makes OpenBLAS the system's
+# BLAS). Needs root or sudo for that.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 build="${1:-$root/build/default}"
