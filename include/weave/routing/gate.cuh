@@ -8,8 +8,9 @@
 //! than the host's sequential sum and `expf` may differ from the host's `std::exp` by an ulp,
 //! so weights agree with the host to about 1e-6 relative (tests allow 1e-5); ids agree exactly
 //! unless two selection scores are within that distance of each other. The optional top score
-//! (largest unbiased score over all E experts) agrees to the same tolerance. Not on the device: the
-//! device limit (`options.limit` must be null), the auxiliary loss and the `limited` count.
+//! (largest unbiased score over all E experts) agrees to the same tolerance. Not on the device:
+//! the device and group limits (`options.limit` and `options.groups` must be null), the
+//! auxiliary loss and the `limited` count.
 //! Logits, bias, ids and weights are device memory.
 #pragma once
 
@@ -184,7 +185,7 @@ inline constexpr int cuda_gate_max_experts = 48 * 1024 / (2 * static_cast<int>(s
 //! the device are OR-ed into `*error` (`cuda_gate_error` bits; device memory, may be null) and
 //! leave that token's outputs unspecified. Throws `errc::invalid_argument` for k outside
 //! 1..E, E above `cuda_gate_max_experts`, logits not in device memory or of a non-floating type,
-//! `errc::not_supported` for a device limit, `errc::size_mismatch` as the host gate does.
+//! `errc::not_supported` for a device or group limit, `errc::size_mismatch` as the host gate does.
 inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const gate_options& options,
                        std::span<std::int32_t> ids, std::span<float> weights,
                        std::uint32_t* error = nullptr, std::span<float> top_score = {}) {
@@ -202,6 +203,8 @@ inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const ga
                logits.space(), " memory");
   WEAVE_EXPECT(options.limit == nullptr, errc::not_supported,
                "device-limited routing on the GPU (use the host gate)");
+  WEAVE_EXPECT(options.groups == nullptr, errc::not_supported,
+               "group-limited routing on the GPU (use the host gate)");
   const std::size_t out = checked_mul(T, static_cast<std::size_t>(k), "gate outputs");
   WEAVE_EXPECT(ids.size() == out && weights.size() == out, errc::size_mismatch, "gate outputs of ",
                ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);

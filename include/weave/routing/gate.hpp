@@ -4,7 +4,8 @@
 //! Scores are softmax probabilities or element-wise sigmoids of the logits. Experts are chosen
 //! by selection score = score + bias[e] (the additive per-expert bias of aux-loss-free
 //! balancing, DeepSeek-V3 style; empty bias = none), highest first, ties to the lower expert id,
-//! optionally restricted to M devices (`device_limit`, by score). The weight of a choice is its
+//! optionally restricted to M devices (`device_limit`, by score) and/or to the token's best
+//! expert groups (`group_limit`, DeepSeek-V3; applied first). The weight of a choice is its
 //! unbiased score, optionally renormalized over the token's k choices. Optionally the gate also
 //! writes each token's top score: its largest unbiased score over all E experts (Tutel's
 //! `scores.max(dim=1)`, the priority of its batch-prioritized routing). The GShard/Tutel
@@ -19,6 +20,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/device_limit.hpp"
+#include "weave/routing/group_limit.hpp"
 
 #include <cmath>
 #include <cstddef>
@@ -42,13 +44,14 @@ struct gate_options {
   bool renormalize = false;                     //!< divide the k weights by their sum
   std::span<const float> bias = {};             //!< per-expert selection bias (E values) or empty
   const device_limit* limit = nullptr;          //!< restrict each token to M devices (by score)
+  const group_limit* groups = nullptr;          //!< restrict each token to its best expert groups
 };
 
 //! What `top_k_gate` returns beside the choices.
 struct gate_summary {
   double aux_loss = 0.0;    //!< GShard load-balancing loss of the batch
   std::size_t tokens = 0;   //!< rows gated
-  std::int64_t limited = 0; //!< tokens whose unrestricted top-k was changed by the device limit
+  std::int64_t limited = 0; //!< tokens whose unrestricted top-k was changed by the limits
 };
 
 //! Reusable scratch of `top_k_gate`; keeping one across calls avoids allocating per call.
@@ -58,6 +61,7 @@ struct gate_scratch {
   std::vector<std::uint8_t> allowed;
   std::vector<std::int32_t> unlimited;
   device_select_scratch devices;
+  group_select_scratch groups;
 };
 
 namespace detail {
@@ -117,6 +121,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
                  "] = ", options.bias[e]);
   if (options.limit != nullptr)
     detail::validate_limit(*options.limit, static_cast<int>(E), k);
+  if (options.groups != nullptr)
+    detail::validate_group_limit(*options.groups, static_cast<int>(E), k);
 
   scratch.score.resize(E);
   scratch.selection.resize(E);
@@ -170,13 +176,19 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
     std::int32_t* tid = ids.data() + t * kk;
     float* tw = weights.data() + t * kk;
     int filled = 0;
-    if (options.limit != nullptr) {
-      // The unrestricted choice, only to count tokens the limit changed.
+    if (options.limit != nullptr || options.groups != nullptr) {
+      // The unrestricted choice, only to count tokens the limits changed.
       int free_filled = 0;
       for (std::size_t e = 0; e < E; ++e)
         detail::top_k_insert(scratch.unlimited.data(), tw, free_filled, k,
                              static_cast<std::int32_t>(e), selection[e]);
-      select_devices(*options.limit, scratch.selection, k, t, scratch.devices, scratch.allowed);
+      if (options.groups != nullptr) // masks other groups to -inf, which select_devices skips
+        select_groups(*options.groups, scratch.selection, !options.bias.empty(), scratch.groups);
+      if (options.limit != nullptr)
+        select_devices(*options.limit, scratch.selection, k, t, scratch.devices, scratch.allowed);
+      else
+        for (std::size_t e = 0; e < E; ++e)
+          scratch.allowed[e] = selection[e] != neg_inf ? 1 : 0;
       for (std::size_t e = 0; e < E; ++e)
         if (scratch.allowed[e])
           detail::top_k_insert(tid, tw, filled, k, static_cast<std::int32_t>(e), selection[e]);
