@@ -9,6 +9,7 @@
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/quantize.hpp>
 
+#include "error_code.hpp"
 #include "fp8_reference.hpp"
 
 #include <algorithm>
@@ -150,7 +151,7 @@ TEST_CASE("power-of-two scales make exact FP8 midpoints, which round to the even
   check_quantisation<weave::fp8_e4m3>(src, q);
 }
 
-TEST_CASE("an all-zero block gets the floor's scale and zero codes; -0 keeps its sign") {
+TEST_CASE("an all-zero block gets the floor's scale and zero codes, and -0 keeps its sign") {
   weave::host_matrix<float> src(2, 256); // zero-initialised
   src.row(1)[130] = -0.0f;
   src.row(1)[200] = 1e-6f; // below the floor: amax is 1e-4
@@ -210,14 +211,7 @@ TEST_CASE("bad shapes and types are typed errors naming the values") {
   weave::host_matrix<float> src(2, 200);
   weave::host_matrix<weave::fp8_e4m3> codes(2, 200);
   weave::host_matrix<float> scales(2, 1);
-  auto code_of = [](auto&& f) {
-    try {
-      f();
-    } catch (const weave::error& e) {
-      return e.code();
-    }
-    return weave::errc::internal;
-  };
+  using weave_test::code_of;
   // 200 is not a multiple of 128.
   CHECK(code_of([&] { weave::quantize_rows(src.view(), codes.view(), scales.view()); }) ==
         weave::errc::invalid_argument);
@@ -324,4 +318,32 @@ TEST_CASE("quant_moves<host_space>: gather-quantise with padding and counts, sta
   CHECK(std::memcmp(back.row(0).data(), want.row(3).data(), 256 * sizeof(float)) == 0);
   CHECK(back.row(1)[0] == 42.0f);
   CHECK(std::memcmp(back.row(2).data(), want.row(0).data(), 256 * sizeof(float)) == 0);
+}
+
+TEST_CASE("example: bf16 activations to FP8 rows with block scales, and back") {
+  const std::size_t tokens = 4, hidden = 7168;
+  weave::host_matrix<weave::bfloat16> activations(tokens, hidden);
+  for (std::size_t i = 0; i < activations.elements().size(); ++i)
+    activations.elements()[i] = weave::bfloat16(std::sin(0.001f * static_cast<float>(i)));
+  //! [quantize]
+  // DeepSeek-V3 / DeepEP: e4m3 codes and one f32 scale per 1 x 128 block of each token.
+  weave::block_quantization q; // block 128, exact scales, amax floor 1e-4
+  weave::host_matrix<weave::fp8_e4m3> codes(tokens, hidden);
+  weave::host_matrix<float> scales(tokens, hidden / q.block);
+  weave::quantize_rows(activations.view(), codes.view(), scales.view(), q);
+
+  // ... send codes and scales (51.6% of the bf16 bytes) ...
+
+  weave::host_matrix<weave::bfloat16> restored(tokens, hidden);
+  weave::dequantize_rows(codes.view(), scales.view(), restored.view(), q);
+  //! [quantize]
+  for (std::size_t t = 0; t < tokens; ++t)
+    for (std::size_t c = 0; c < hidden; ++c) {
+      const float x = static_cast<float>(activations.row(t)[c]);
+      const float y = static_cast<float>(restored.row(t)[c]);
+      // Half an e4m3 ulp: 2^-4 relative for normal codes, 2^-10 * scale for subnormal ones;
+      // then the bf16 rounding of the result.
+      const float bound = std::fabs(x) * 0x1p-4f + scales.row(t)[c / 128] * 0x1p-10f;
+      CHECK(std::fabs(y - x) <= bound * 1.0001f + std::fabs(y) * 0x1p-8f);
+    }
 }

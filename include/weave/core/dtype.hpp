@@ -119,10 +119,10 @@ struct bfloat16 {
  private:
   static constexpr std::uint16_t from_float(float value) noexcept {
     const auto x = std::bit_cast<std::uint32_t>(value);
-    if ((x & 0x7fffffffu) > 0x7f800000u) // NaN: keep the sign, force a quiet payload
-      return static_cast<std::uint16_t>((x >> 16) | 0x40u);
     const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u); // ties to even
-    return static_cast<std::uint16_t>((x + rounding) >> 16);
+    // NaN keeps its sign with a quiet payload. A select, so that row loops vectorise.
+    return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? (x >> 16) | 0x40u
+                                                                      : (x + rounding) >> 16);
   }
 };
 

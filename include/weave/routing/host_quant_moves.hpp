@@ -9,8 +9,8 @@
 #include "weave/core/tensor.hpp"
 #include "weave/exec/host_space.hpp"
 #include "weave/routing/quantize.hpp"
+#include "weave/routing/row_moves.hpp"
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -27,7 +27,7 @@ struct quant_moves<host_space> {
                  "quant_moves::quantize: ", src.rows(), " source rows for ", dst.rows(),
                  " destination rows without an index");
     s.submit([=] {
-      const std::size_t n = rows(count, dst.rows());
+      const std::size_t n = detail::counted_rows(count, dst.rows());
       detail::visit_fp8(dst.element_type(), "quant_moves::quantize", [&]<class Fp8>(Fp8*) {
         detail::visit_float(src.element_type(), "quant_moves::quantize", [&]<class T>(T*) {
           for (std::size_t i = 0; i < n; ++i) {
@@ -56,7 +56,7 @@ struct quant_moves<host_space> {
                  "quant_moves::dequantize: ", src.rows(), " source rows for ", dst.rows(),
                  " destination rows without an index");
     s.submit([=] {
-      const std::size_t n = rows(count, dst.rows());
+      const std::size_t n = detail::counted_rows(count, dst.rows());
       detail::visit_fp8(src.element_type(), "quant_moves::dequantize", [&]<class Fp8>(Fp8*) {
         detail::visit_float(dst.element_type(), "quant_moves::dequantize", [&]<class T>(T*) {
           for (std::size_t i = 0; i < n; ++i) {
@@ -71,13 +71,6 @@ struct quant_moves<host_space> {
         });
       });
     });
-  }
-
- private:
-  static std::size_t rows(const std::int64_t* count, std::size_t capacity) {
-    if (count == nullptr)
-      return capacity;
-    return *count <= 0 ? 0 : std::min(static_cast<std::size_t>(*count), capacity);
   }
 };
 

@@ -27,7 +27,7 @@ struct row_moves<host_space> {
     if (scale != nullptr)
       detail::visit_float(src.element_type(), "gate-scaled gather", [](auto*) {});
     s.submit([=] {
-      const std::size_t n = rows(count, dst.rows());
+      const std::size_t n = detail::counted_rows(count, dst.rows());
       if (scale == nullptr) {
         for (std::size_t i = 0; i < n; ++i)
           if (index[i] >= 0)
@@ -51,7 +51,7 @@ struct row_moves<host_space> {
     WEAVE_EXPECT(k >= 1, errc::invalid_argument, "row_moves::merge with k = ", k);
     detail::visit_float(src.element_type(), "merge", [](auto*) {});
     s.submit([=] {
-      const std::size_t n = rows(count, dst.rows());
+      const std::size_t n = detail::counted_rows(count, dst.rows());
       const auto kk = static_cast<std::size_t>(k);
       detail::visit_float(src.element_type(), "merge", [&]<class T>(T*) {
         for (std::size_t i = 0; i < n; ++i) {
@@ -71,7 +71,7 @@ struct row_moves<host_space> {
                  "row_moves::dot of rows of ", a.cols(), " ", a.element_type(), " and ", b.cols(),
                  " ", b.element_type());
     s.submit([=] {
-      const std::size_t n = rows(count, std::min(a.rows(), b.rows()));
+      const std::size_t n = detail::counted_rows(count, std::min(a.rows(), b.rows()));
       for (std::size_t i = 0; i < n; ++i) {
         float acc = 0.0f;
         for (std::size_t h = 0; h < a.cols(); ++h)
@@ -80,13 +80,6 @@ struct row_moves<host_space> {
         out[i] = acc;
       }
     });
-  }
-
- private:
-  static std::size_t rows(const std::int64_t* count, std::size_t capacity) {
-    if (count == nullptr)
-      return capacity;
-    return *count <= 0 ? 0 : std::min(static_cast<std::size_t>(*count), capacity);
   }
 };
 
