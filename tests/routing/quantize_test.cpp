@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <weave/core/host_matrix.hpp>
+#include <weave/routing/gate.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/quantize.hpp>
 
@@ -346,4 +347,26 @@ TEST_CASE("example: bf16 activations to FP8 rows with block scales, and back") {
       const float bound = std::fabs(x) * 0x1p-4f + scales.row(t)[c / 128] * 0x1p-10f;
       CHECK(std::fabs(y - x) <= bound * 1.0001f + std::fabs(y) * 0x1p-8f);
     }
+}
+
+TEST_CASE("row kernels and the gate reject FP8 rows where they compute, and copy them as bytes") {
+  weave::host_matrix<weave::fp8_e4m3> rows(3, 8);
+  for (std::size_t i = 0; i < rows.elements().size(); ++i)
+    rows.elements()[i] = weave::fp8_e4m3::from_bits(static_cast<std::uint8_t>(i));
+  weave::host_matrix<weave::fp8_e4m3> out(2, 8);
+  const std::vector<std::int64_t> index = {2, 0};
+  weave::gather_rows(rows.view(), out.view(), index); // an unscaled gather moves bytes
+  CHECK(out.row(0)[3] == rows.row(2)[3]);
+  CHECK(out.row(1)[7] == rows.row(0)[7]);
+  const std::vector<float> scale = {1.0f, 2.0f};
+  CHECK(weave_test::code_of([&] { weave::gather_rows(rows.view(), out.view(), index, scale); }) ==
+        weave::errc::not_supported);
+  CHECK(weave_test::code_of([&] { weave::merge_rows(rows.view(), out.view(), index, 1); }) ==
+        weave::errc::not_supported);
+  std::vector<std::int32_t> ids(3);
+  std::vector<float> weights(3);
+  weave::gate_options options;
+  options.k = 1;
+  CHECK_THROWS_WITH_AS(weave::top_k_gate(rows.view(), options, ids, weights),
+                       doctest::Contains("gate logits of type e4m3"), weave::error);
 }
