@@ -27,7 +27,7 @@ struct row_moves<host_space> {
     detail::check_host(src, dst, "row_moves::gather");
     if (scale != nullptr)
       detail::visit_float(src.element_type(), "gate-scaled gather", [](auto*) {});
-    s.submit([=] { detail::gather_rows_host(src, dst, index, scale, rows(count, dst.rows())); });
+    s.submit([=] { detail::gather_rows_host(src, dst, index, scale, detail::counted_rows(count, dst.rows())); });
   }
 
   static void merge(host_stream& s, const_token_view src, token_view dst, const std::int64_t* index,
@@ -38,7 +38,7 @@ struct row_moves<host_space> {
     detail::visit_float(src.element_type(), "merge", [](auto*) {});
     s.submit([=] {
       detail::merge_rows_host(src, dst, index, static_cast<std::size_t>(k), weight,
-                              rows(count, dst.rows()), skip_empty);
+                              detail::counted_rows(count, dst.rows()), skip_empty);
     });
   }
 
@@ -48,7 +48,7 @@ struct row_moves<host_space> {
                  "row_moves::dot of rows of ", a.cols(), " ", a.element_type(), " and ", b.cols(),
                  " ", b.element_type());
     s.submit([=] {
-      const std::size_t n = rows(count, std::min(a.rows(), b.rows()));
+      const std::size_t n = detail::counted_rows(count, std::min(a.rows(), b.rows()));
       for (std::size_t i = 0; i < n; ++i) {
         float acc = 0.0f;
         for (std::size_t h = 0; h < a.cols(); ++h)
@@ -57,13 +57,6 @@ struct row_moves<host_space> {
         out[i] = acc;
       }
     });
-  }
-
- private:
-  static std::size_t rows(const std::int64_t* count, std::size_t capacity) {
-    if (count == nullptr)
-      return capacity;
-    return *count <= 0 ? 0 : std::min(static_cast<std::size_t>(*count), capacity);
   }
 };
 
