@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -54,9 +55,11 @@ template <class Traits>
 struct moe_slot {
   using stream_type = typename Traits::stream_type;
   using stream_arg = typename Traits::stream_arg;
-  // Streams are kept by address (host streams) or by value (CUDA stream references).
+  // Streams are kept by address (host streams) or by value (CUDA stream references, which
+  // have no empty state); `*store` is the stream either way.
   using stream_store = std::conditional_t<std::is_reference_v<stream_arg>,
-                                          std::remove_reference_t<stream_arg>*, stream_type>;
+                                          std::remove_reference_t<stream_arg>*,
+                                          std::optional<stream_type>>;
 
   explicit moe_slot(int chunks)
       : pipelines{chunk_pipeline<stream_type>(chunks), chunk_pipeline<stream_type>(chunks)} {}
@@ -354,19 +357,9 @@ class moe_exchange_base {
 
   int slot_of(const handle& h) const { return detail::moe_access::slot_of(h, self()); }
 
-  static stream_type& load(typename slot_type::stream_store& s) {
-    if constexpr (std::is_pointer_v<typename slot_type::stream_store>)
-      return *s;
-    else
-      return s;
-  }
+  static stream_type& load(typename slot_type::stream_store& s) { return *s; }
   //! A stored stream as it is passed (a reference to a host stream, a CUDA stream by value).
-  static stream_arg arg_of(const typename slot_type::stream_store& s) {
-    if constexpr (std::is_pointer_v<typename slot_type::stream_store>)
-      return *s;
-    else
-      return s;
-  }
+  static stream_arg arg_of(const typename slot_type::stream_store& s) { return *s; }
 
   //! Token range [first, first + count) of chunk `c` of a call of `tokens` tokens.
   std::pair<std::size_t, std::size_t> chunk_range(std::size_t tokens, int c) const noexcept {
