@@ -153,7 +153,7 @@ TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential c
       auto a = l.ex.dispatch(mb[0].x, mb[0].ids, mb[0].weights, c, st);
       auto b = l.ex.dispatch(mb[1].x, mb[1].ids, mb[1].weights, c, st);
       auto ra = l.ex.chunks(a);
-      auto rb = l.ex.chunks(b);
+      auto rb = l.ex.chunks(b, out[1].y.view()); // b's finishes as its chunks go
       auto ia = ra.begin();
       auto ib = rb.begin();
       while (ia != ra.end() || ib != rb.end()) {
@@ -167,7 +167,7 @@ TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential c
       // A's backward interleaved with C's forward, chunk by chunk.
       l.ex.combine_backward(a, mb[0].x, c, st);
       auto h = l.ex.dispatch(mb[2].x, mb[2].ids, mb[2].weights, c, st);
-      auto rg = l.ex.chunks(a);
+      auto rg = l.ex.chunks(a, out[0].dx.view(), out[0].dw);
       auto rh = l.ex.chunks(h);
       auto ig = rg.begin();
       auto ih = rh.begin();
@@ -342,6 +342,13 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::
           weave::errc::size_mismatch);
     l.ex.dispatch_backward(h, dx, dw, c, st);
     CHECK(h.phase() == weave::moe_phase::finished);
+    // An output given to chunks() is being written: combine must name the same one.
+    weave::host_matrix<float> other(in.x.rows(), s.hidden);
+    auto e = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+    for (const auto chunk : l.ex.chunks(e, y.view()))
+      (void)chunk; // no expert work: the rows are not checked here
+    CHECK(code([&] { l.ex.combine(e, other, c, st); }) == weave::errc::invalid_argument);
+    l.ex.combine(e, y, c, st);
     c.synchronize();
     st.synchronize();
   });

@@ -14,11 +14,13 @@
 //! Issue order of one phase with C chunks (P prepare, D dispatch, X experts, B combine, F
 //! finish; X is opened by the library when the caller asks for the chunk, filled by the caller,
 //! closed by the library when the caller steps past it):
-//!   dispatch: P0 D0 P1 D1;   each chunk c of `chunks`: X(c) B(c) P(c+2) D(c+2);
-//!   combine: F0 .. F(C-1)
-//! so the streams run compute: P0 P1 X0 P2 X1 ... X(C-1) F0 .. F(C-1), comm: D0 D1 B0 D2 B1
-//! ... B(C-1): chunk c + 1's dispatch under chunk c's experts, chunk c's combine under chunk
-//! c + 1's experts (Tutel's overlap degree). Calls of different handles interleave freely:
+//!   dispatch: P0 D0 P1 D1;   each chunk c of `chunks`: X(c) B(c) P(c+2) D(c+2) [F(c-1)];
+//!   combine: the finishes not issued yet
+//! so the streams run compute: P0 P1 X0 P2 X1 F0 P3 X2 F1 ... X(C-1) F(C-2) F(C-1), comm: D0 D1
+//! B0 D2 B1 ... B(C-1): chunk c + 1's dispatch under chunk c's experts, chunk c's combine under
+//! chunk c + 1's experts (Tutel's overlap degree). F(c-1) is issued during the iteration when
+//! the output was given to `chunks` (the callback form does); otherwise all finishes run at
+//! `combine`, under the last combine. Calls of different handles interleave freely:
 //! issuing handle B's dispatch before handle A's experts puts B's communication under A's
 //! computation (DeepSeek-V3's DualPipe overlap of two micro-batches).
 #pragma once
@@ -57,9 +59,9 @@ struct moe_slot {
   using stream_arg = typename Traits::stream_arg;
   // Streams are kept by address (host streams) or by value (CUDA stream references, which
   // have no empty state); `*store` is the stream either way.
-  using stream_store = std::conditional_t<std::is_reference_v<stream_arg>,
-                                          std::remove_reference_t<stream_arg>*,
-                                          std::optional<stream_type>>;
+  using stream_store =
+      std::conditional_t<std::is_reference_v<stream_arg>, std::remove_reference_t<stream_arg>*,
+                         std::optional<stream_type>>;
 
   explicit moe_slot(int chunks)
       : pipelines{chunk_pipeline<stream_type>(chunks), chunk_pipeline<stream_type>(chunks)} {}
@@ -86,10 +88,12 @@ struct moe_slot {
   stream_store compute{}, comm{};                           // of the phase being issued
   moe_phase phase = moe_phase::finished;
   bool held = false;
-  bool backward = false; // direction of the phase being issued
-  int current = 0;       // the phase's next chunk to compute (chunks: every chunk closed)
-  bool opened = false;   // its experts stage is open (its rows will be ready in stream order)
-  int prepared = 0;      // chunks whose prepare and dispatch are issued
+  bool backward = false;     // direction of the phase being issued
+  int current = 0;           // the phase's next chunk to compute (chunks: every chunk closed)
+  bool opened = false;       // its experts stage is open (its rows will be ready in stream order)
+  int prepared = 0;          // chunks whose prepare and dispatch are issued
+  int finished = 0;          // chunks whose finish is issued
+  bool output_known = false; // the phase's output was given before its chunks were iterated
   std::size_t tokens = 0;
 };
 
@@ -184,6 +188,33 @@ class moe_exchange_base {
     return detail::moe_access::make_range(self(), slot_of(h));
   }
 
+  //! `chunks(h)` of a forward whose output `y` is given now: chunk c's finish (its rows of `y`,
+  //! and a chunk hook's consumer) is issued after chunk c + 1's experts, so it runs under the
+  //! next combine instead of after the last chunk (what Lancet's partitioning of the consumer
+  //! needs). `combine(h, y, ...)` must then name the same `y`.
+  moe_chunk_range<Derived> chunks(handle& h, token_view y) {
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    expect_phase(s, moe_phase::dispatched, "chunks with an output");
+    check_rows(y, "output", s.tokens);
+    s.args.y = y;
+    s.output_known = true;
+    return detail::moe_access::make_range(self(), i);
+  }
+
+  //! `chunks(h)` of a backward whose outputs `dx`, `dw` are given now (see the forward form);
+  //! `dispatch_backward` must then name the same ones.
+  moe_chunk_range<Derived> chunks(handle& h, token_view dx, std::span<float> dw) {
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    expect_phase(s, moe_phase::gradients_dispatched, "chunks with outputs");
+    check_backward_outputs(s, dx, dw);
+    s.args.dx = dx;
+    s.args.dw = dw;
+    s.output_known = true;
+    return detail::moe_access::make_range(self(), i);
+  }
+
   //! Enqueues the combine of `h`'s forward into `y` (T rows): y[t] = sum over kept choices j
   //! of weights[t, j] * expert(ids[t, j])(x[t]), from the expert outputs the caller wrote.
   //! Every chunk must have been iterated (the last one at least opened). Throws
@@ -195,6 +226,7 @@ class moe_exchange_base {
     expect_phase(s, moe_phase::dispatched, "combine");
     check_rows(y, "output", s.tokens);
     check_comm(s, comm, "combine");
+    check_same_output(s, s.args.y, y, "combine");
     s.args.y = y;
     finish_phase(i, compute, moe_phase::combined);
   }
@@ -222,11 +254,11 @@ class moe_exchange_base {
     const int i = slot_of(h);
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
-    check_rows(dx, "input gradient", s.tokens);
+    check_backward_outputs(s, dx, dw);
     check_comm(s, comm, "dispatch_backward");
-    WEAVE_EXPECT(dw.size() == s.tokens * static_cast<std::size_t>(options_.k), errc::size_mismatch,
-                 "dispatch_backward: ", dw.size(), " gate gradients for a call of ", s.tokens,
-                 " tokens with k = ", options_.k);
+    check_same_output(s, s.args.dx, dx, "dispatch_backward");
+    WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
+                 "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
     s.args.dx = dx;
     s.args.dw = dw;
     finish_phase(i, compute, moe_phase::finished);
@@ -247,7 +279,7 @@ class moe_exchange_base {
     handle h = dispatch(x, ids, weights, compute, comm, hooks);
     slot_type& s = slot(slot_of(h));
     s.args.experts = std::move(experts);
-    for (const chunk c : chunks(h))
+    for (const chunk c : chunks(h, y))
       self().enqueue_experts_callback(s, c.index(), compute);
     combine(h, y, compute, comm);
     if (options_.save_for_backward)
@@ -266,7 +298,7 @@ class moe_exchange_base {
     check_rows(dx, "input gradient", s.tokens);
     combine_backward(last_, dy, compute, comm);
     s.args.experts_grad = std::move(experts_grad);
-    for (const chunk c : chunks(last_))
+    for (const chunk c : chunks(last_, dx, dw))
       self().enqueue_experts_callback(s, c.index(), compute);
     dispatch_backward(last_, dx, dw, compute, comm);
     last_.reset();
@@ -410,6 +442,21 @@ class moe_exchange_base {
       (void)s, (void)comm, (void)call;
   }
 
+  void check_backward_outputs(const slot_type& s, const token_view& dx, std::span<float> dw) const {
+    check_rows(dx, "input gradient", s.tokens);
+    WEAVE_EXPECT(dw.size() == s.tokens * static_cast<std::size_t>(options_.k), errc::size_mismatch,
+                 "dispatch_backward: ", dw.size(), " gate gradients for a call of ", s.tokens,
+                 " tokens with k = ", options_.k);
+  }
+
+  // An output given early (to `chunks`) is already being written: the end of the phase must
+  // name the same rows.
+  void check_same_output(const slot_type& s, const token_view& early, const token_view& now,
+                         const char* call) const {
+    WEAVE_EXPECT(!s.output_known || (early.data() == now.data() && early.rows() == now.rows()),
+                 errc::invalid_argument, call, ": another output than `chunks` was given");
+  }
+
   void expect_phase(const slot_type& s, moe_phase want, const char* call) const {
     WEAVE_EXPECT(s.phase == want, errc::invalid_state, call, " on a handle in phase ",
                  to_string(s.phase), " (it needs ", to_string(want), ")");
@@ -468,6 +515,8 @@ class moe_exchange_base {
     s.current = 0;
     s.opened = false;
     s.prepared = 0;
+    s.finished = 0;
+    s.output_known = false;
     if constexpr (std::is_pointer_v<typename slot_type::stream_store>) {
       s.compute = &compute;
       s.comm = &comm;
@@ -533,8 +582,16 @@ class moe_exchange_base {
     comm_stage(s, pipeline_stage::combine, c);
     if (s.prepared < options_.chunks)
       prepare_next(s);
+    if (s.output_known && c >= 1)
+      finish_chunk(s, c - 1, load(s.compute));
     ++s.current;
     s.opened = false;
+  }
+
+  void finish_chunk(slot_type& s, int c, stream_type& compute) {
+    s.pipeline().stage(pipeline_stage::finish, c, compute,
+                       [&](stream_type& st) { self().enqueue_finish(s, c, st); });
+    s.finished = c + 1;
   }
 
   // Ends a phase: closes the last chunk if it is still open, then issues every chunk's finish
@@ -546,10 +603,8 @@ class moe_exchange_base {
       advance_slot(i);
     WEAVE_EXPECT(s.current == C, errc::invalid_state, "chunk ", s.current, " of ", C,
                  " has not been computed: iterate chunks(handle) to the end first");
-    auto& pipe = s.pipeline();
-    for (int c = 0; c < C; ++c)
-      pipe.stage(pipeline_stage::finish, c, compute,
-                 [&](stream_type& st) { self().enqueue_finish(s, c, st); });
+    for (int c = s.finished; c < C; ++c)
+      finish_chunk(s, c, compute);
     compute.record(s.compute_done);
     load(s.comm).record(s.comm_done);
     s.phase = next;
