@@ -12,15 +12,19 @@
 // a model that records the same calls as a plan::graph in the exchange's issue order (dispatch:
 // P0 D0 P1 D1; chunk c: X(c) B(c) P(c + 2) D(c + 2) F(c - 1), the outputs being given to
 // `chunks`; combine: the last finish), priced with
-// per-stage costs fitted once from the one-after-the-other runs (C = 1 and C = 4), and
-// simulated with plan::make_schedule and plan::simulate.
+// per-stage costs fitted from the one-after-the-other runs (C = 1 and C = 4) just before each
+// row is measured (per rank: their expert rows differ; a collective's cost is its transfer, the
+// shortest rank's duration, the waits being the simulator's), plus one hand-off time per task
+// fitted to those runs' makespans, and simulated on the 4 ranks with plan::make_schedule and
+// plan::simulate.
 //
 // 4 in-process ranks, 2 micro-batches of 1024 tokens per rank, E = 32, k = 4, hidden 256 bf16,
 // 0.05 GB/s emulated link per rank pair; experts and the around-ops sleep (the around-ops of a
 // block cost as much as its experts). Reported: rank 0's mean makespan (manual time) and
-// counters median_ms (median makespan over the 9 iterations), compute_ms (compute-stream busy),
+// counters median_ms (median makespan over the 15 iterations), compute_ms (compute-stream busy),
 // exposed_comm_ms (makespan - compute busy), predicted_ms and predicted_exposed_ms (the
-// simulator's), error_pct (predicted vs median measured makespan).
+// simulator's), error_pct (predicted vs median measured makespan), handoff_us (the fitted
+// hand-off). WEAVE_BENCH_VERBOSE=1 also prints each stage's measured and modelled duration.
 #include <benchmark/benchmark.h>
 
 #include "moe_bench_setup.hpp"
@@ -297,9 +301,30 @@ struct exchange_io {
 struct stage_costs {
   std::map<std::pair<int, bool>, std::pair<double, double>> fit; // (stage, bwd) -> (fixed, per)
   double around_us_per_token = 0;
+  // The hand-off every task pays beyond its stage's own time (a stream thread waking up for an
+  // event of the other stream; scheduling on a shared machine), fitted to the makespans.
+  double handoff_us = 0;
   double at(weave::pipeline_stage s, bool backward, double chunk_tokens) const {
     const auto& [fixed, per] = fit.at({static_cast<int>(s), backward});
     return std::max(0.0, fixed + per * chunk_tokens);
+  }
+};
+
+// What one op of the model is: a stage of a chunk (its tokens; whether hooks ride in it), or a
+// whole-batch operator around the layer (stage -1). Priced per rank when simulated.
+struct op_desc {
+  int stage = -1;
+  bool backward = false, hooked = false;
+  double chunk_tokens = 0;
+
+  double cost_us(const stage_costs& c) const {
+    if (stage < 0)
+      return c.around_us_per_token * static_cast<double>(tokens);
+    const auto st = static_cast<weave::pipeline_stage>(stage);
+    double us = c.at(st, backward, chunk_tokens);
+    if (hooked && (st == weave::pipeline_stage::prepare || st == weave::pipeline_stage::finish))
+      us += c.around_us_per_token * chunk_tokens; // the producer / consumer hook
+    return us;
   }
 };
 
@@ -311,26 +336,24 @@ struct model_io {
     std::vector<plan::op_id> D, X, B;
   };
 
-  const stage_costs& costs;
   int chunks;
   plan::graph g;
+  std::vector<op_desc> ops; // by op id
   std::vector<std::unique_ptr<model_handle>> handles;
   model_handle* pending_ = nullptr;
 
   double chunk_tokens(const model_handle& h) const {
     return static_cast<double>(tokens) / static_cast<double>(h.chunks);
   }
-  double cost(weave::pipeline_stage s, const model_handle& h) const {
-    double us = costs.at(s, h.backward, chunk_tokens(h));
-    if (h.hooked && (s == weave::pipeline_stage::prepare || s == weave::pipeline_stage::finish))
-      us += costs.around_us_per_token * chunk_tokens(h); // the producer / consumer hook
-    return us;
+  plan::op_id add(weave::pipeline_stage s, const model_handle& h, std::vector<plan::op_id> deps) {
+    ops.push_back({static_cast<int>(s), h.backward, h.hooked, chunk_tokens(h)});
+    const char* name = weave::to_string(s);
+    return weave::on_comm_stream(s) ? g.add_a2a(name, 0, plan::op_cost{}, std::move(deps))
+                                    : g.add_compute(name, plan::op_cost{}, std::move(deps));
   }
   void prepare(model_handle& h) {
-    const plan::op_id p =
-        g.add_compute("P", plan::op_cost{cost(weave::pipeline_stage::prepare, h), 0});
-    h.D.push_back(
-        g.add_a2a("D", 0, plan::op_cost{cost(weave::pipeline_stage::dispatch, h), 0}, {p}));
+    const plan::op_id p = add(weave::pipeline_stage::prepare, h, {});
+    h.D.push_back(add(weave::pipeline_stage::dispatch, h, {p}));
     ++h.prepared;
   }
   void start(model_handle& h) {
@@ -358,10 +381,8 @@ struct model_io {
   }
   void chunk(model_handle& h) {
     const auto c = static_cast<std::size_t>(h.current++);
-    h.X.push_back(
-        g.add_compute("X", plan::op_cost{cost(weave::pipeline_stage::experts, h), 0}, {h.D[c]}));
-    h.B.push_back(
-        g.add_a2a("B", 0, plan::op_cost{cost(weave::pipeline_stage::combine, h), 0}, {h.X[c]}));
+    h.X.push_back(add(weave::pipeline_stage::experts, h, {h.D[c]}));
+    h.B.push_back(add(weave::pipeline_stage::combine, h, {h.X[c]}));
     if (h.prepared < h.chunks)
       prepare(h);
     if (c >= 1) // outputs are given up front: chunk c - 1 finishes now
@@ -377,7 +398,7 @@ struct model_io {
   }
   void finish_one(model_handle& h) {
     const auto c = static_cast<std::size_t>(h.finished++);
-    g.add_compute("F", plan::op_cost{cost(weave::pipeline_stage::finish, h), 0}, {h.B[c]});
+    add(weave::pipeline_stage::finish, h, {h.B[c]});
   }
   void finish(model_handle& h) {
     while (h.finished < h.chunks)
@@ -389,7 +410,10 @@ struct model_io {
     start(h);
   }
   void dispatch_backward(model_handle& h) { finish(h); }
-  void around() { g.add_compute("around", plan::op_cost{costs.around_us_per_token * tokens, 0}); }
+  void around() {
+    ops.push_back({});
+    g.add_compute("around", plan::op_cost{});
+  }
   void produce(int) { around(); }
   void consume(int) { around(); }
 };
@@ -398,15 +422,19 @@ struct prediction {
   double makespan_ms = 0, compute_ms = 0;
 };
 
-prediction predict(strategy s, const stage_costs& costs) {
-  model_io io{costs, chunks_of(s), {}, {}, nullptr};
+// Simulates the strategy on every rank with that rank's costs (its expert rows differ: load
+// imbalance); an all-to-all starts when every rank can start it.
+prediction predict(strategy s, const std::array<stage_costs, ranks>& costs) {
+  model_io io{chunks_of(s), {}, {}, {}, nullptr};
   issue(s, io);
   std::vector<plan::op_id> order(io.g.size());
   std::iota(order.begin(), order.end(), plan::op_id{0});
   const auto sched = plan::make_schedule(io.g, plan::partition_plan::unpartitioned(order));
-  const auto t = plan::simulate(sched, 1);
+  const auto t = plan::simulate(sched, ranks, [&](std::size_t r, std::size_t i) {
+    return io.ops[sched[i].op].cost_us(costs[r]) + costs[r].handoff_us;
+  });
   const auto st = plan::analyze(sched, t, 0);
-  return {t.makespan_us() / 1e3, st.compute_busy_us / 1e3};
+  return {st.makespan_us / 1e3, st.compute_busy_us / 1e3};
 }
 
 // --- the ranks --------------------------------------------------------------------------------
@@ -429,32 +457,75 @@ class micro_batch_ranks {
     calibrated_ = true;
     for (int i = 0; i < 2; ++i) // warm up at the calibrated costs
       step(strategy::unpipelined);
-    // The model's stage costs, from the one-after-the-other runs at C = 1 and C = 4: the median
-    // over runs of each stage's mean duration (the machine is shared; medians resist outliers).
-    std::map<std::tuple<int, bool, int>, std::vector<double>> runs;
-    std::vector<double> around;
+  }
+
+  // Fits the model's stage costs now (each benchmark row does, just before it is measured: the
+  // machine is shared, and its speed drifts between rows).
+  void calibrate() {
+    // The model's stage costs, from the one-after-the-other runs at C = 1 and C = 4: per rank
+    // and stage, the median over runs of the stage's mean duration (the machine is shared;
+    // medians resist outliers). A collective's duration on a rank includes its wait for the
+    // last rank to arrive, so its cost is the shortest rank's (the transfer itself), the same
+    // for every rank; the simulator adds the waits.
+    std::map<std::tuple<int, bool, int>, std::array<std::vector<double>, ranks>> runs;
+    std::array<std::vector<double>, ranks> around;
+    std::map<strategy, std::vector<double>> makespans;
     for (const strategy s : {strategy::unpipelined, strategy::chunked, strategy::fb_sequential,
                              strategy::fb_sequential_chunked})
       for (int i = 0; i < calibration_runs; ++i) {
-        const measured m = step(s);
-        for (const auto& [key, v] : m.stages)
-          runs[key].push_back(v.first / v.second);
-        if (m.around_ms_per_token > 0)
-          around.push_back(m.around_ms_per_token);
+        makespans[s].push_back(step(s).makespan_ms);
+        for (std::size_t r = 0; r < ranks; ++r) {
+          for (const auto& [key, v] : results_[r].stages)
+            runs[key][r].push_back(v.first / v.second);
+          if (results_[r].around_ms_per_token > 0)
+            around[r].push_back(results_[r].around_ms_per_token);
+        }
       }
     const auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
       return v[v.size() / 2];
     };
-    for (int st = 0; st < weave::pipeline_stage_count; ++st)
-      for (const bool backward : {false, true}) {
-        const double at1 = 1e3 * median(runs.at({st, backward, 1}));
-        const double at4 = 1e3 * median(runs.at({st, backward, wide}));
-        const double t1 = static_cast<double>(tokens), t4 = t1 / wide;
-        const double per = (at1 - at4) / (t1 - t4);
-        costs_.fit[{st, backward}] = {at1 - per * t1, per};
+    const auto cost_ms = [&](int st, bool backward, int c, std::size_t r) {
+      const auto& per_rank = runs.at({st, backward, c});
+      if (!weave::on_comm_stream(static_cast<weave::pipeline_stage>(st)))
+        return median(per_rank[r]);
+      std::vector<double> shortest(per_rank[0].size());
+      for (std::size_t run = 0; run < shortest.size(); ++run) {
+        shortest[run] = per_rank[0][run];
+        for (const auto& v : per_rank)
+          shortest[run] = std::min(shortest[run], v[run]);
       }
-    costs_.around_us_per_token = 1e3 * median(around);
+      return median(shortest);
+    };
+    for (std::size_t r = 0; r < ranks; ++r) {
+      for (int st = 0; st < weave::pipeline_stage_count; ++st)
+        for (const bool backward : {false, true}) {
+          const double at1 = 1e3 * cost_ms(st, backward, 1, r);
+          const double at4 = 1e3 * cost_ms(st, backward, wide, r);
+          const double t1 = static_cast<double>(tokens), t4 = t1 / wide;
+          const double per = (at1 - at4) / (t1 - t4);
+          costs_[r].fit[{st, backward}] = {at1 - per * t1, per};
+        }
+      costs_[r].around_us_per_token = 1e3 * median(around[r]);
+    }
+    // The hand-off: the value that best predicts the calibration runs' own makespans (least
+    // squares of the relative errors, on a 10 us grid).
+    double best = 0, best_error = -1;
+    for (double h = 0; h <= 3000; h += 10) {
+      for (auto& c : costs_)
+        c.handoff_us = h;
+      double error = 0;
+      for (const auto& [s, made] : makespans) {
+        const double e = predict(s, costs_).makespan_ms / median(made) - 1.0;
+        error += e * e;
+      }
+      if (best_error < 0 || error < best_error) {
+        best = h;
+        best_error = error;
+      }
+    }
+    for (auto& c : costs_)
+      c.handoff_us = best;
   }
 
   ~micro_batch_ranks() {
@@ -464,14 +535,15 @@ class micro_batch_ranks {
       t.join();
   }
 
+  // Runs strategy `s` once on every rank; returns rank 0's measurements.
   measured step(strategy s) {
     strategy_ = s;
     start_.arrive_and_wait();
     done_.arrive_and_wait();
-    return result_;
+    return results_[0];
   }
 
-  const stage_costs& costs() const { return costs_; }
+  const std::array<stage_costs, ranks>& costs() const { return costs_; }
 
  private:
   void serve(int r) {
@@ -523,12 +595,10 @@ class micro_batch_ranks {
         around_ns_ =
             0.5 * ns_per_row_ * static_cast<double>(st.expert_rows) / static_cast<double>(tokens);
       }
-      if (r == 0) {
-        measured m;
-        m.makespan_ms = ms(end.completed_at() - begin.completed_at()).count();
-        io.collect(m, chunks_of(s));
-        result_ = std::move(m);
-      }
+      measured m;
+      m.makespan_ms = ms(end.completed_at() - begin.completed_at()).count();
+      io.collect(m, chunks_of(s));
+      results_[static_cast<std::size_t>(r)] = std::move(m);
       done_.arrive_and_wait();
     }
   }
@@ -541,8 +611,8 @@ class micro_batch_ranks {
   bool calibrated_ = false;
   std::atomic<bool> stop_{false};
   strategy strategy_ = strategy::unpipelined;
-  measured result_;
-  stage_costs costs_;
+  std::array<measured, ranks> results_;
+  std::array<stage_costs, ranks> costs_;
 };
 
 micro_batch_ranks& shared_ranks() {
@@ -553,6 +623,7 @@ micro_batch_ranks& shared_ranks() {
 void micro_batches(benchmark::State& state) {
   const auto s = static_cast<strategy>(state.range(0));
   micro_batch_ranks& ranks_ = shared_ranks();
+  ranks_.calibrate();
   std::vector<double> makespan, compute, exposed;
   for (auto _ : state) {
     const measured m = ranks_.step(s);
@@ -573,8 +644,8 @@ void micro_batches(benchmark::State& state) {
       const auto [st, backward, c] = key;
       std::fprintf(stderr, "strategy %d stage %d bwd %d C %d: measured %.2f ms, model %.2f ms\n",
                    static_cast<int>(s), st, backward ? 1 : 0, c, v.first / v.second,
-                   ranks_.costs().at(static_cast<weave::pipeline_stage>(st), backward,
-                                     static_cast<double>(tokens) / c) /
+                   ranks_.costs()[0].at(static_cast<weave::pipeline_stage>(st), backward,
+                                        static_cast<double>(tokens) / c) /
                        1e3);
     }
   }
@@ -585,6 +656,7 @@ void micro_batches(benchmark::State& state) {
   state.counters["predicted_exposed_ms"] = std::max(0.0, p.makespan_ms - p.compute_ms);
   state.counters["error_pct"] = 100.0 * (p.makespan_ms - median(makespan)) / median(makespan);
   state.counters["chunks"] = chunks_of(s);
+  state.counters["handoff_us"] = ranks_.costs()[0].handoff_us;
 }
 
 } // namespace
@@ -594,6 +666,6 @@ BENCHMARK(micro_batches)
     ->DenseRange(0, static_cast<int>(strategy::fb_overlapped_chunked))
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
-    ->Iterations(9);
+    ->Iterations(15);
 
 BENCHMARK_MAIN();
