@@ -548,11 +548,7 @@ class micro_batch_ranks {
  private:
   void serve(int r) {
     auto& comm = world_.comm(r);
-    weave::moe_options o;
-    o.k = k;
-    o.hidden = hidden;
-    o.element = weave::dtype::bf16;
-    o.max_tokens = tokens;
+    weave::moe_options o = options(tokens, 1);
     o.save_for_backward = true;
     o.max_in_flight = 2;
     const auto where = weave::placement::contiguous(experts, ranks);

@@ -76,12 +76,7 @@ class layer_ranks {
   // operators around the layer cost as much as its experts.
   void serve(int r, int chunks) {
     auto& comm = world_.comm(r);
-    weave::moe_options o;
-    o.k = k;
-    o.hidden = hidden;
-    o.element = weave::dtype::bf16;
-    o.max_tokens = tokens;
-    o.chunks = chunks;
+    const weave::moe_options o = options(tokens, chunks);
     weave::moe_exchange<weave::local_communicator> ex(
         comm, weave::placement::contiguous(experts, ranks), o);
     weave::host_stream compute("compute"), stream("comm");

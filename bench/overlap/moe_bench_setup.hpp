@@ -7,6 +7,7 @@
 #include <weave/comm/emulated_link.hpp>
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
+#include <weave/overlap/moe_options.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -25,6 +26,17 @@ using row_t = weave::bfloat16;
 
 inline weave::emulated_link link() {
   return weave::emulated_link{{}, link_bytes_per_second};
+}
+
+// The exchange's options for `tokens` tokens per call in `chunks` chunks.
+inline weave::moe_options options(std::size_t tokens, int chunks) {
+  weave::moe_options o;
+  o.k = k;
+  o.hidden = hidden;
+  o.element = weave::dtype::bf16;
+  o.max_tokens = tokens;
+  o.chunks = chunks;
+  return o;
 }
 
 // One rank's tokens: rows, top-k ids (distinct, uniform) and equal weights.

@@ -298,14 +298,6 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::
   setup s;
   s.micro_batches = 1;
   const auto inputs = make_inputs(s);
-  const auto code = [](auto&& f) {
-    try {
-      f();
-    } catch (const weave::error& e) {
-      return e.code();
-    }
-    return weave::errc{};
-  };
   const moe_test::linear_experts lin(s.experts, s.hidden, 1);
   on_every_rank<device>(s, options_of(s, 3, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
     const auto& in = inputs[static_cast<std::size_t>(comm.rank())][0];
@@ -315,30 +307,35 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::
     CHECK(h.phase() == weave::moe_phase::dispatched);
     CHECK(h.chunks() == 3);
     // Chunks 1 and 2 were never iterated: combine cannot run yet.
-    CHECK(code([&] { l.ex.combine(h, y, c, st); }) == weave::errc::invalid_state);
-    CHECK(code([&] { l.ex.combine_backward(h, in.x, c, st); }) == weave::errc::invalid_state);
-    CHECK(code([&] { (void)h.chunk(3); }) == weave::errc::out_of_range);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
+          weave::errc::invalid_state);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(h, in.x, c, st); }) ==
+          weave::errc::invalid_state);
+    CHECK(moe_test::error_code_of([&] { (void)h.chunk(3); }) == weave::errc::out_of_range);
     // A third handle exceeds max_in_flight = 2.
     auto g = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
     CHECK(l.ex.handles_in_flight() == 2);
-    CHECK(code([&] { (void)l.ex.dispatch(in.x, in.ids, in.weights, c, st); }) ==
+    CHECK(moe_test::error_code_of([&] { (void)l.ex.dispatch(in.x, in.ids, in.weights, c, st); }) ==
           weave::errc::invalid_state);
     for (auto* x : {&h, &g}) {
       handle_test::compute_experts(l.ex, *x, lin, c);
       l.ex.combine(*x, y, c, st);
     }
-    CHECK(code([&] { l.ex.combine(h, y, c, st); }) == weave::errc::invalid_state); // twice
+    CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
+          weave::errc::invalid_state); // twice
     weave::host_matrix<float> short_dy(1, s.hidden);
-    CHECK(code([&] { l.ex.combine_backward(h, short_dy, c, st); }) == weave::errc::size_mismatch);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(h, short_dy, c, st); }) ==
+          weave::errc::size_mismatch);
     auto moved = std::move(g);
     CHECK(!g.valid());
-    CHECK(code([&] { l.ex.combine_backward(g, in.x, c, st); }) == weave::errc::invalid_state);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(g, in.x, c, st); }) ==
+          weave::errc::invalid_state);
     moved.reset(); // a combined handle releases without aborting anything
     CHECK(l.ex.handles_in_flight() == 1);
     l.ex.combine_backward(h, in.x, c, st);
     handle_test::compute_experts(l.ex, h, lin, c, true);
     std::vector<float> short_dw(1);
-    CHECK(code([&] { l.ex.dispatch_backward(h, dx, short_dw, c, st); }) ==
+    CHECK(moe_test::error_code_of([&] { l.ex.dispatch_backward(h, dx, short_dw, c, st); }) ==
           weave::errc::size_mismatch);
     l.ex.dispatch_backward(h, dx, dw, c, st);
     CHECK(h.phase() == weave::moe_phase::finished);
@@ -347,7 +344,8 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::
     auto e = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
     for (const auto chunk : l.ex.chunks(e, y.view()))
       (void)chunk; // no expert work: the rows are not checked here
-    CHECK(code([&] { l.ex.combine(e, other, c, st); }) == weave::errc::invalid_argument);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine(e, other, c, st); }) ==
+          weave::errc::invalid_argument);
     l.ex.combine(e, y, c, st);
     c.synchronize();
     st.synchronize();
