@@ -365,7 +365,7 @@ TEST_CASE_TEMPLATE("handles: a failing expert task or a dropped handle fails eve
     CAPTURE(drop);
     weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
     std::vector<weave::errc> codes(static_cast<std::size_t>(s.ranks), weave::errc{});
-    std::vector<bool> stats_withheld(codes.size(), false);
+    std::vector<int> stats_withheld(codes.size(), 0); // one element per rank thread
     world.run_collect([&](weave::local_communicator& comm) {
       const auto r = static_cast<std::size_t>(comm.rank());
       weave::host_stream compute("compute"), stream("comm");

@@ -293,7 +293,7 @@ class basic_device_exchange
             local_experts_,
             rows_view(ch.epd_in, epd),
             rows_view(ch.epd_out, epd),
-            base::arg_of(s.compute)};
+            base::arg_of(s.phase_compute[0])};
   }
 
   device_expert_grad_batch<Space> experts_grad_of(const slot_type& s, int c) const {
@@ -306,7 +306,7 @@ class basic_device_exchange
             rows_view(ch.epd_in, epd),
             rows_view(s.state.grad_scaled, epd),
             rows_view(ch.epd_out, epd),
-            base::arg_of(s.compute)};
+            base::arg_of(s.phase_compute[1])};
   }
 
   device_expert_batch<Space> chunk_experts(int slot, int c) const {

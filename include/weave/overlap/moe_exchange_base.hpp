@@ -86,6 +86,9 @@ struct moe_slot {
   chunk_pipeline<stream_type> pipelines[2]; // forward, backward: each phase records its own
   typename stream_type::event_type compute_done, comm_done; // the slot's last work per stream
   stream_store compute{}, comm{};                           // of the phase being issued
+  // The compute stream of each direction's last phase: read by its chunks' work when it runs,
+  // while the issuing thread may already start the next phase.
+  stream_store phase_compute[2]{};
   moe_phase phase = moe_phase::finished;
   bool held = false;
   bool backward = false;     // direction of the phase being issued
@@ -520,9 +523,11 @@ class moe_exchange_base {
     if constexpr (std::is_pointer_v<typename slot_type::stream_store>) {
       s.compute = &compute;
       s.comm = &comm;
+      s.phase_compute[backward ? 1 : 0] = &compute;
     } else {
       s.compute = compute;
       s.comm = comm;
+      s.phase_compute[backward ? 1 : 0] = compute;
     }
     s.phase = backward ? moe_phase::gradients_dispatched : moe_phase::dispatched;
     self().on_start(s, load(s.compute));
