@@ -385,13 +385,16 @@ class moe_exchange
     ch.grad_dot.resize(epd);
     const const_token_view out = ch.epd_out.view(epd), g = ch.grad_dy.view(epd);
     const std::size_t H = this->options_.hidden;
-    const dtype element = this->options_.element;
-    for (std::size_t i = 0; i < epd; ++i) {
-      float acc = 0.0f;
-      for (std::size_t h = 0; h < H; ++h)
-        acc += load_as_float(g.row(i), h, element) * load_as_float(out.row(i), h, element);
-      ch.grad_dot[i] = acc;
-    }
+    detail::visit_float(this->options_.element, "gate gradients", [&]<class T>(T*) {
+      for (std::size_t i = 0; i < epd; ++i) {
+        const T* a = reinterpret_cast<const T*>(g.row(i));
+        const T* b = reinterpret_cast<const T*>(out.row(i));
+        float acc = 0.0f;
+        for (std::size_t h = 0; h < H; ++h)
+          acc += static_cast<float>(a[h]) * static_cast<float>(b[h]);
+        ch.grad_dot[i] = acc;
+      }
+    });
     const auto row_epd = ch.experts.row_epd();
     for (std::size_t r = 0; r < R * k; ++r)
       ch.send_dw[r] = row_epd[r] >= 0 ? ch.grad_dot[static_cast<std::size_t>(row_epd[r])] : 0.0f;

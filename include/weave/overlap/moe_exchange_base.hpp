@@ -529,8 +529,8 @@ class moe_exchange_base {
       s.comm = comm;
       s.phase_compute[backward ? 1 : 0] = compute;
     }
+    self().on_start(s, load(s.compute)); // may refuse the call: nothing is issued yet
     s.phase = backward ? moe_phase::gradients_dispatched : moe_phase::dispatched;
-    self().on_start(s, load(s.compute));
     last_pipeline_ = &s.pipeline();
     load(s.compute).wait(s.comm_done);
     load(s.comm).wait(s.compute_done);
