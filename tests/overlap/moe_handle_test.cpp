@@ -167,7 +167,7 @@ TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential c
       // A's backward interleaved with C's forward, chunk by chunk.
       l.ex.combine_backward(a, mb[0].x, c, st);
       auto h = l.ex.dispatch(mb[2].x, mb[2].ids, mb[2].weights, c, st);
-      auto rg = l.ex.chunks(a, out[0].dx.view(), out[0].dw);
+      auto rg = l.ex.chunks(a, out[0].dx, out[0].dw); // a tensor and a vector
       auto rh = l.ex.chunks(h);
       auto ig = rg.begin();
       auto ih = rh.begin();

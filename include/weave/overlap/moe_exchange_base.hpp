@@ -338,6 +338,28 @@ class moe_exchange_base {
   requires dangling_tensor_arg<Y>
   void combine(handle& h, Y&& y, stream_arg compute, stream_arg comm) = delete;
 
+  //! `chunks(h, y)` with any mutable tensor with `tensor_traits`.
+  template <class Y>
+  requires(!dangling_tensor_arg<Y>) moe_chunk_range<Derived> chunks(handle& h, Y&& y) {
+    return chunks(h, detail::as_mutable_rows(y));
+  }
+  //! Deleted: a temporary output tensor would dangle.
+  template <class Y>
+  requires dangling_tensor_arg<Y> moe_chunk_range<Derived> chunks(handle& h, Y&& y)
+  = delete;
+
+  //! `chunks(h, dx, dw)` with any mutable tensors with `tensor_traits`.
+  template <class Dx, class Dw>
+  requires(!dangling_tensor_arg<Dx> &&
+           !dangling_tensor_arg<Dw>) moe_chunk_range<Derived> chunks(handle& h, Dx&& dx, Dw&& dw) {
+    return chunks(h, detail::as_mutable_rows(dx), detail::as_elements<float>(dw, "dw"));
+  }
+  //! Deleted: a temporary output tensor would dangle.
+  template <class Dx, class Dw>
+  requires(dangling_tensor_arg<Dx> ||
+           dangling_tensor_arg<Dw>) moe_chunk_range<Derived> chunks(handle& h, Dx&& dx, Dw&& dw)
+  = delete;
+
   //! `combine_backward` from any tensor with `tensor_traits`.
   template <class Dy>
   requires(!dangling_tensor_arg<Dy>) void combine_backward(handle& h, Dy&& dy, stream_arg compute,
