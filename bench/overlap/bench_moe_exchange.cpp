@@ -13,6 +13,8 @@
 // comm_ms. Compare a ratio's C = 1 row with its C > 1 rows.
 #include <benchmark/benchmark.h>
 
+#include "moe_bench_setup.hpp"
+
 #include <weave/comm/local_world.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/overlap/moe_exchange.hpp>
@@ -31,10 +33,8 @@
 
 namespace {
 
-constexpr int ranks = 4, experts = 32, k = 4;
-constexpr std::size_t tokens = 2048, hidden = 256;
-constexpr double link_bytes_per_second = 0.05e9;
-using row_t = weave::bfloat16;
+using namespace moe_bench;
+constexpr std::size_t tokens = 2048;
 
 // What runs around the layer: nothing (the layer alone), a producer and a consumer outside the
 // layer's pipeline, or the same two inside it as chunk hooks.
@@ -44,28 +44,12 @@ enum class around { nothing, whole, partitioned };
 class layer_ranks {
  public:
   layer_ranks(int chunks, double ratio, around mode = around::nothing)
-      : world_(ranks, {std::chrono::seconds(60), weave::emulated_link{{}, link_bytes_per_second}})
+      : world_(ranks, {std::chrono::seconds(60), link()})
       , start_(ranks + 1)
       , done_(ranks + 1) {
     std::mt19937 rng(7);
-    std::normal_distribution<float> n(0.0f, 1.0f);
-    for (int r = 0; r < ranks; ++r) {
-      auto& d = data_.emplace_back();
-      d.x = weave::host_matrix<row_t>(tokens, hidden);
-      d.y = weave::host_matrix<row_t>(tokens, hidden);
-      for (row_t& v : d.x.elements())
-        v = row_t(n(rng));
-      std::vector<int> all(experts);
-      for (int e = 0; e < experts; ++e)
-        all[static_cast<std::size_t>(e)] = e;
-      for (std::size_t t = 0; t < tokens; ++t) {
-        std::shuffle(all.begin(), all.end(), rng);
-        for (int j = 0; j < k; ++j) {
-          d.ids.push_back(all[static_cast<std::size_t>(j)]);
-          d.weights.push_back(1.0f / k);
-        }
-      }
-    }
+    for (int r = 0; r < ranks; ++r)
+      data_.push_back(make_rank_data(tokens, rng));
     // Link time of one layer for rank 0: its largest per-peer volume, both ways.
     ns_per_row_ = 0; // calibrated after the first step from the plan's volumes
     ratio_ = ratio;
@@ -88,30 +72,11 @@ class layer_ranks {
   }
 
  private:
-  struct rank_data {
-    weave::host_matrix<row_t> x, y;
-    std::vector<std::int32_t> ids;
-    std::vector<float> weights;
-  };
-
-  // The producer and consumer stand-ins: each sleeps half the experts' time per token (so the
-  // operators around the layer cost as much as its experts) and touches its rows.
-  static void around_op(weave::host_matrix<row_t>& rows, std::size_t first, std::size_t count,
-                        double ns_per_token) {
-    std::memmove(rows.data() + first * hidden, rows.data() + first * hidden,
-                 count * hidden * sizeof(row_t));
-    std::this_thread::sleep_for(std::chrono::nanoseconds(
-        static_cast<std::int64_t>(ns_per_token * static_cast<double>(count))));
-  }
-
+  // The producer and consumer stand-ins each sleep half the experts' time per token, so the
+  // operators around the layer cost as much as its experts.
   void serve(int r, int chunks) {
     auto& comm = world_.comm(r);
-    weave::moe_options o;
-    o.k = k;
-    o.hidden = hidden;
-    o.element = weave::dtype::bf16;
-    o.max_tokens = tokens;
-    o.chunks = chunks;
+    const weave::moe_options o = options(tokens, chunks);
     weave::moe_exchange<weave::local_communicator> ex(
         comm, weave::placement::contiguous(experts, ranks), o);
     weave::host_stream compute("compute"), stream("comm");
@@ -141,12 +106,7 @@ class layer_ranks {
       ex.forward(
           d.x.view(), d.ids, d.weights, d.y.view(),
           [ns](const weave::expert_batch& b) {
-            for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
-              for (auto i = b.expert_offsets[l]; i < b.expert_offsets[l + 1]; ++i)
-                std::memcpy(b.output.row(static_cast<std::size_t>(i)),
-                            b.input.row(static_cast<std::size_t>(i)), b.input.row_bytes());
-            std::this_thread::sleep_for(std::chrono::nanoseconds(
-                static_cast<std::int64_t>(ns * static_cast<double>(b.expert_offsets.back()))));
+            emulated_experts(b.input, b.output, b.expert_offsets, ns);
           },
           compute, stream, mode_ == around::partitioned ? &hooks : nullptr);
       const weave::host_event forwarded = compute.record();

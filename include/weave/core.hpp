@@ -11,5 +11,6 @@
 #include "weave/core/host_matrix.hpp"
 #include "weave/core/memory.hpp"
 #include "weave/core/tensor.hpp"
+#include "weave/core/tensor_args.hpp"
 #include "weave/core/trace_writer.hpp"
 #include "weave/core/workspace.hpp"

@@ -294,39 +294,36 @@ TEST_CASE("device exchange rejects bad arguments") {
     o.hidden = 4;
     o.max_tokens = 8;
     const auto where = weave::placement::contiguous(4, 2);
-    const auto code = [](auto&& f) {
-      try {
-        f();
-      } catch (const weave::error& e) {
-        return e.code();
-      }
-      return weave::errc{};
-    };
-    CHECK(code([&] { device_exchange(comm, weave::placement::contiguous(4, 4), o); }) ==
-          weave::errc::invalid_argument);
+    CHECK(moe_test::error_code_of([&] {
+            device_exchange(comm, weave::placement::contiguous(4, 4), o);
+          }) == weave::errc::invalid_argument);
     weave::moe_options fixed = o;
     fixed.static_shape = true;
-    CHECK(code([&] { weave::moe_exchange<weave::local_communicator>(comm, where, fixed); }) ==
-          weave::errc::not_supported);
+    CHECK(moe_test::error_code_of([&] {
+            weave::moe_exchange<weave::local_communicator>(comm, where, fixed);
+          }) == weave::errc::not_supported);
     device_exchange ex(comm, where, o);
     weave::host_matrix<float> x(8, 4), y(8, 4), wide(8, 5), many(9, 4);
     std::vector<std::int32_t> ids(16, 0);
     std::vector<float> w(16, 1.0f);
     weave::host_stream a("a"), b("b");
     const auto noop = [](const weave::device_expert_batch<weave::host_space>&) {};
-    CHECK(code([&] { ex.forward(x.view(), ids, w, y.view(), noop, a, b); }) ==
+    CHECK(moe_test::error_code_of([&] { ex.forward(x.view(), ids, w, y.view(), noop, a, b); }) ==
           weave::errc::invalid_state); // not initialised
     aligned_buffer ws(ex.workspace_size());
-    CHECK(code([&] { ex.initialize(ws.ptr, ws.size / 2, a); }) == weave::errc::size_mismatch);
+    CHECK(moe_test::error_code_of([&] { ex.initialize(ws.ptr, ws.size / 2, a); }) ==
+          weave::errc::size_mismatch);
     ex.initialize(ws.ptr, ws.size, a);
-    CHECK(code([&] { ex.forward(wide.view(), ids, w, y.view(), noop, a, b); }) ==
+    CHECK(moe_test::error_code_of([&] { ex.forward(wide.view(), ids, w, y.view(), noop, a, b); }) ==
           weave::errc::size_mismatch);
-    CHECK(code([&] { ex.forward(many.view(), ids, w, many.view(), noop, a, b); }) ==
-          weave::errc::invalid_argument);
-    CHECK(code([&] { ex.forward(x.view(), std::span(ids).first(15), w, y.view(), noop, a, b); }) ==
-          weave::errc::size_mismatch);
+    CHECK(moe_test::error_code_of([&] {
+            ex.forward(many.view(), ids, w, many.view(), noop, a, b);
+          }) == weave::errc::invalid_argument);
+    CHECK(moe_test::error_code_of([&] {
+            ex.forward(x.view(), std::span(ids).first(15), w, y.view(), noop, a, b);
+          }) == weave::errc::size_mismatch);
     std::vector<float> dw(16);
-    CHECK(code([&] {
+    CHECK(moe_test::error_code_of([&] {
             ex.backward(
                 x.view(), y.view(), dw,
                 [](const weave::device_expert_grad_batch<weave::host_space>&) {}, a, b);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <weave/core/dtype.hpp>
+#include <weave/core/error.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/overlap/moe_options.hpp>
 #include <weave/placement/placement.hpp>
@@ -94,6 +95,17 @@ rank_input<T> random_input(std::size_t tokens, std::size_t hidden, int experts, 
     }
   }
   return in;
+}
+
+// The code of the weave::error `f()` throws, or errc{} when it throws none.
+template <class F>
+weave::errc error_code_of(F&& f) {
+  try {
+    f();
+  } catch (const weave::error& e) {
+    return e.code();
+  }
+  return weave::errc{};
 }
 
 // Which (token, rank) pairs a naive capacity count keeps, for one rank's batch.

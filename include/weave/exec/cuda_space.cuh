@@ -103,6 +103,14 @@ struct cuda_space {
     std::forward<F>(f)();
   }
 
+  //! True while `s` is being captured into a CUDA graph (work that waits for the GPU on the
+  //! host cannot be captured).
+  static bool is_capturing(stream_arg s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    WEAVE_CUDA_CHECK(cudaStreamIsCapturing(s.get(), &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+
   //! Calls `f(s)` now; `f` enqueues its work on `s`.
   template <class F>
   static void launch(stream_arg s, F f) {
