@@ -8,7 +8,12 @@ target_compile_options(weave_dev_flags INTERFACE
   $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor>
   $<$<AND:$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>,$<BOOL:${WEAVE_WERROR}>>:-Werror>
   # GCC 12 reports false -Wrestrict positives inside libstdc++'s string code at -O3 (PR 105651).
-  $<$<COMPILE_LANG_AND_ID:CXX,GNU>:-Wno-restrict>)
+  $<$<COMPILE_LANG_AND_ID:CXX,GNU>:-Wno-restrict>
+  # The tests compare host code bitwise with device code that rounds every multiply and add
+  # separately; GCC contracts a * b + c into an FMA by default where the target has one (aarch64
+  # hosts such as Grace, or -mfma), so host code is built without contraction.
+  $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-ffp-contract=off>
+  $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-ffp-contract=off>)
 
 # CUDA sources of tests and benchmarks need the CUDA language; consumers of weave::cuda do not.
 set(WEAVE_CUDA_LANGUAGE OFF)

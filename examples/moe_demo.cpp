@@ -119,7 +119,8 @@ struct rank_data {
 };
 
 struct measured {
-  weave::pipeline_timing timing; // of the whole block
+  weave::pipeline_timing timing; // of the whole block: the median iteration
+  double min_ms = 0, max_ms = 0; // the fastest and slowest iteration's block time
   weave::moe_stats stats;
 };
 
@@ -171,7 +172,7 @@ struct around_ops {
   }
 };
 
-// Runs `iterations` blocks of one variant on one rank; returns its median timing.
+// Runs `iterations` blocks of one variant on one rank; returns its median timing and the range.
 //! [generic]
 template <class Comm>
 measured run_rank(Comm& comm, const settings& s, const weave::placement& where, variant v,
@@ -217,7 +218,8 @@ measured run_rank(Comm& comm, const settings& s, const weave::placement& where, 
             [](const auto& a, const auto& b) { return a.makespan_ms < b.makespan_ms; });
   if (trace)
     weave::add_to_trace(*trace, layer.pipeline(), comm.rank(), origin);
-  return {timings[timings.size() / 2], layer.stats()};
+  return {timings[timings.size() / 2], timings.front().makespan_ms, timings.back().makespan_ms,
+          layer.stats()};
 }
 //! [generic]
 
@@ -288,6 +290,14 @@ void print_header(const settings& s, const char* world, double aux_loss) {
               s.attention_ns_per_token);
   std::printf("gate: softmax top-%d, GShard aux loss %.4f (1.0 = perfectly balanced)\n", s.k,
               aux_loss);
+  // Each rank drives a compute and a communication stream (a thread each); with fewer cores
+  // they take turns, and the times below measure the scheduler more than the overlap.
+  const unsigned cores = std::thread::hardware_concurrency();
+  const int threads = 2 * s.ranks;
+  if (cores != 0 && cores < static_cast<unsigned>(threads))
+    std::printf("warning: %u hardware threads for %d ranks x 2 streams = %d busy threads: the "
+                "timings are noise-dominated (run with fewer --ranks, or on a larger machine)\n",
+                cores, s.ranks, threads);
 }
 
 // `runs[v]` holds every rank's measurement of variant v.
@@ -313,23 +323,29 @@ void report(const settings& s, const std::vector<measured> (&runs)[variants], bo
               2.0 * static_cast<double>(local) * row_bytes / mib,
               2.0 * static_cast<double>(naive) * row_bytes / mib, static_cast<long long>(dropped));
   auto slowest = [](const std::vector<measured>& m) { // the slowest rank sets the block's time
-    weave::pipeline_timing t{};
+    measured t{};
     for (const measured& x : m)
-      if (x.timing.makespan_ms > t.makespan_ms)
-        t = x.timing;
+      if (x.timing.makespan_ms > t.timing.makespan_ms)
+        t = x;
     return t;
   };
   const std::string c = std::to_string(s.chunks);
   const std::string labels[variants] = {"unpipelined (C = 1)", "layer pipelined (C = " + c + ")",
                                         "+ attention, gate, residual in the chunks"};
-  std::printf("\n%-42s %11s %13s %14s %11s\n", "block (attention, gate, MoE, residual)",
-              "time (ms)", "compute (ms)", "exposed comm", "comm busy");
+  std::printf("\n%-42s %11s %15s %13s %14s %11s\n", "block (attention, gate, MoE, residual)",
+              "median (ms)", "min-max (ms)", "compute (ms)", "exposed comm", "comm busy");
   weave::pipeline_timing t[variants];
   for (int v = 0; v < variants; ++v) {
-    t[v] = slowest(runs[v]);
-    std::printf("%-42s %11.1f %13.1f %11.1f ms %8.1f ms\n", labels[v].c_str(), t[v].makespan_ms,
-                t[v].compute_busy_ms, t[v].exposed_comm_ms(), t[v].comm_busy_ms);
+    const measured m = slowest(runs[v]);
+    t[v] = m.timing;
+    char range[48];
+    std::snprintf(range, sizeof(range), "%.1f-%.1f", m.min_ms, m.max_ms);
+    std::printf("%-42s %11.1f %15s %13.1f %11.1f ms %8.1f ms\n", labels[v].c_str(),
+                t[v].makespan_ms, range, t[v].compute_busy_ms, t[v].exposed_comm_ms(),
+                t[v].comm_busy_ms);
   }
+  std::printf("(the slowest rank's median, and its fastest and slowest of %d iterations)\n",
+              s.iterations);
   const auto hidden = [&](int v) {
     return t[0].exposed_comm_ms() > 0
                ? 100.0 * (1.0 - t[v].exposed_comm_ms() / t[0].exposed_comm_ms())

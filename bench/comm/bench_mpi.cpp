@@ -3,6 +3,12 @@
 // number of iterations; each iteration starts after a barrier and its time is the slowest
 // rank's (MPI_Allreduce max), reported through manual timing. Only rank 0 reports.
 // Arguments: bytes per rank, traffic (0 uniform, 1 skewed).
+//
+// `overhead/...` measures the cost of weave's path fairly: every iteration times, interleaved in
+// a rotating order, raw MPI_Alltoallv, weave's all_to_all_v, and two parts of weave's path on
+// their own (MPI_Ialltoallv polled with MPI_Testall on the calling thread; an empty task's round
+// trip through a host_stream). Each is reported as the median over the iterations, with the
+// ratio weave / raw. Argument: bytes per peer (uniform traffic).
 #include <benchmark/benchmark.h>
 
 #include "traffic.hpp"
@@ -12,8 +18,10 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +39,17 @@ int size_of() {
   int n = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   return n;
+}
+
+// Runs `op` on every rank after a barrier; returns the slowest rank's seconds.
+template <class F>
+double slowest_rank_seconds(F&& op) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = std::chrono::steady_clock::now();
+  op();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return seconds;
 }
 
 struct setup {
@@ -52,15 +71,8 @@ struct setup {
 
   template <class F>
   void time(benchmark::State& state, F&& op) {
-    for (auto _ : state) {
-      MPI_Barrier(MPI_COMM_WORLD);
-      const auto start = std::chrono::steady_clock::now();
-      op();
-      double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-      state.SetIterationTime(seconds);
-    }
+    for (auto _ : state)
+      state.SetIterationTime(slowest_rank_seconds(op));
     const double bytes = static_cast<double>(comm_bench::volume(counts));
     state.counters["algbw_GBps"] =
         benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
@@ -90,6 +102,77 @@ void weave_mpi_all_to_all_v(benchmark::State& state) {
   });
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+void overhead(benchmark::State& state) {
+  const int n = size_of();
+  const std::int64_t per_peer = state.range(0);
+  const auto peers = static_cast<std::size_t>(n);
+  std::vector<std::int64_t> counts(peers, per_peer), displs(peers);
+  for (int j = 0; j < n; ++j)
+    displs[std::size_t(j)] = per_peer * j;
+  const std::vector<int> ic(peers, static_cast<int>(per_peer));
+  std::vector<int> id(peers);
+  for (int j = 0; j < n; ++j)
+    id[std::size_t(j)] = static_cast<int>(displs[std::size_t(j)]);
+  std::vector<std::byte> send(static_cast<std::size_t>(per_peer) * peers, std::byte{1}),
+      recv(static_cast<std::size_t>(per_peer) * peers, std::byte{0});
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  weave::host_stream stream("comm");
+  MPI_Comm raw_comm = MPI_COMM_NULL; // a duplicate, as weave uses one
+  MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
+  const auto ops = std::array<std::function<void()>, 4>{
+      [&] { // raw blocking collective
+        MPI_Alltoallv(send.data(), ic.data(), id.data(), MPI_BYTE, recv.data(), ic.data(),
+                      id.data(), MPI_BYTE, raw_comm);
+      },
+      [&] { // weave
+        comm.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts, displs);
+        stream.synchronize();
+      },
+      [&] { // weave's MPI calls alone: non-blocking collective, polled here
+        MPI_Request request = MPI_REQUEST_NULL;
+        MPI_Ialltoallv(send.data(), ic.data(), id.data(), MPI_BYTE, recv.data(), ic.data(),
+                       id.data(), MPI_BYTE, raw_comm, &request);
+        for (int done = 0; !done;)
+          MPI_Testall(1, &request, &done, MPI_STATUSES_IGNORE);
+      },
+      [&] { // weave's hand-off alone: an empty task through the stream
+        stream.submit([] {});
+        stream.synchronize();
+      }};
+  for (const auto& op : ops) // warm-up: connections, registration, first-touch pages
+    slowest_rank_seconds(op);
+  std::array<std::vector<double>, 4> times;
+  std::size_t iteration = 0;
+  for (auto _ : state) {
+    for (std::size_t k = 0; k < ops.size(); ++k) { // rotate the order: no op always goes first
+      const std::size_t which = (iteration + k) % ops.size();
+      times[which].push_back(slowest_rank_seconds(ops[which]));
+    }
+    state.SetIterationTime(times[1].back());
+    ++iteration;
+  }
+  MPI_Comm_free(&raw_comm);
+  const double bytes = static_cast<double>(per_peer) * n; // per rank, as nccl-tests
+  const double raw = median(times[0]), weave_time = median(times[1]);
+  state.counters["raw_us"] = raw * 1e6;
+  state.counters["weave_us"] = weave_time * 1e6;
+  state.counters["ratio"] = weave_time / raw;
+  state.counters["raw_algbw_GBps"] = bytes / raw * 1e-9;
+  state.counters["raw_busbw_GBps"] = bytes / raw * 1e-9 * (n - 1) / n;
+  state.counters["weave_algbw_GBps"] = bytes / weave_time * 1e-9;
+  state.counters["weave_busbw_GBps"] = bytes / weave_time * 1e-9 * (n - 1) / n;
+  state.counters["ialltoallv_poll_us"] = median(times[2]) * 1e6;
+  state.counters["handoff_us"] = median(times[3]) * 1e6;
+  state.counters["bytes_per_peer"] = static_cast<double>(per_peer);
+  state.counters["ranks"] = n;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -116,6 +199,18 @@ int main(int argc, char** argv) {
             ->UseManualTime()
             ->Unit(benchmark::kMicrosecond);
     }
+  for (int shift = 12; shift <= 26; shift += 2) {
+    const std::int64_t per_peer = std::int64_t(1) << shift;
+    // Fixed iterations (every rank runs the same collectives); at least 9 for the medians.
+    const auto iterations =
+        std::clamp<std::int64_t>((std::int64_t(1) << 27) / (per_peer * size_of()), 9, 400);
+    benchmark::RegisterBenchmark("overhead", overhead)
+        ->Arg(per_peer)
+        ->ArgName("bytes_per_peer")
+        ->Iterations(iterations)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
   benchmark::Initialize(&count, args.data());
   struct silent : benchmark::BenchmarkReporter {
     bool ReportContext(const Context&) override { return true; }

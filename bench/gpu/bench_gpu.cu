@@ -7,7 +7,9 @@
 //   much of the exposed copy time is hidden;
 // - the MoE exchange (cuda_moe_exchange over a one-rank NCCL communicator: plans, layout moves,
 //   all-to-alls and merges, forward) dynamic and static, eager and replayed from a CUDA graph,
-//   against a naive per-(token, expert) dispatch + combine of the same tokens.
+//   against a naive per-(token, expert) dispatch + combine of the same tokens;
+// - the same exchange over four ranks of cuda_local_world on the one GPU (per-layer time with
+//   the host wait a trainer pays, dynamic against static shapes, 1 and 4 chunks).
 #include <benchmark/benchmark.h>
 
 #include <weave/core/cuda_error.hpp>
@@ -16,6 +18,7 @@
 #include <weave/routing/kernels.cuh>
 #include <weave/routing/plan.cuh>
 #ifdef WEAVE_BENCH_NCCL
+#include <weave/comm/cuda_local_world.hpp>
 #include <weave/comm/nccl_communicator.hpp>
 #include <weave/overlap/cuda_exchange.cuh>
 
@@ -27,8 +30,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <barrier>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -64,6 +70,12 @@ struct dev_buffer {
       WEAVE_CUDA_CHECK(cudaGetLastError());
       WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
     }
+  }
+  //! Scratch (workspaces, outputs written before they are read): allocated, not filled.
+  struct scratch_t {};
+  dev_buffer(scratch_t, std::size_t n)
+      : bytes(n) {
+    WEAVE_CUDA_CHECK(cudaMalloc(&ptr, n == 0 ? 1 : n));
   }
   template <class T>
   explicit dev_buffer(const std::vector<T>& host)
@@ -167,36 +179,38 @@ void BM_gather(benchmark::State& state) {
   set_bandwidth(state, 2.0 * static_cast<double>(T * row_bytes));
 }
 
-// merge of k = 2 source rows per destination row (weighted), as the combine of top-2 routing.
+// merge of k source rows per destination row (weighted), as the combine of top-k routing.
 void BM_merge(benchmark::State& state) {
   const auto T = static_cast<std::size_t>(state.range(0));
-  const int k = 2;
-  dev_buffer src(T * k * row_bytes, 6), dst(T * row_bytes, 7);
-  dev_buffer index(random_index(T * k, T * k, 8));
-  dev_buffer weight(std::vector<float>(T * k, 0.5f));
+  const int k = static_cast<int>(state.range(1));
+  dev_buffer src(T * static_cast<std::size_t>(k) * row_bytes, 6), dst(T * row_bytes, 7);
+  const std::size_t pairs = T * static_cast<std::size_t>(k);
+  dev_buffer index(random_index(pairs, pairs, 8));
+  dev_buffer weight(std::vector<float>(pairs, 0.5f));
   stream_pair s;
   time_on_stream(state, s.compute, [&](cudaStream_t st) {
     weave::merge_rows(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
                       index.span<std::int64_t>(), k, weight.span<float>());
   });
-  set_bandwidth(state, static_cast<double>((k + 1) * T * row_bytes));
+  set_bandwidth(state, static_cast<double>((pairs + T) * row_bytes));
 }
 
 // --- gating + plan against the mask baseline -----------------------------------------------
 
-constexpr std::size_t gate_tokens = 16384;
-
+// Args of the gate benchmarks: experts E, tokens T (k = 8).
 struct gate_inputs {
   int E;
+  std::size_t T;
   int k = 8;
   dev_buffer logits, ids, weights;
-  explicit gate_inputs(int experts)
+  gate_inputs(int experts, std::size_t tokens)
       : E(experts)
-      , logits(random_logits(experts))
-      , ids(std::vector<std::int32_t>(gate_tokens * 8))
-      , weights(std::vector<float>(gate_tokens * 8)) {}
-  static std::vector<float> random_logits(int E) {
-    std::vector<float> v(gate_tokens * static_cast<std::size_t>(E));
+      , T(tokens)
+      , logits(random_logits(experts, tokens))
+      , ids(dev_buffer::scratch_t{}, tokens * 8 * sizeof(std::int32_t))
+      , weights(dev_buffer::scratch_t{}, tokens * 8 * sizeof(float)) {}
+  static std::vector<float> random_logits(int E, std::size_t T) {
+    std::vector<float> v(T * static_cast<std::size_t>(E));
     std::mt19937 rng(static_cast<std::uint32_t>(E));
     std::normal_distribution<float> normal(0, 1);
     for (auto& x : v)
@@ -208,50 +222,53 @@ struct gate_inputs {
     options.k = k;
     options.renormalize = true;
     weave::top_k_gate(weave::cuda_stream_ref(st),
-                      weave::const_token_view(static_cast<const std::byte*>(logits.ptr),
-                                              gate_tokens, static_cast<std::size_t>(E),
-                                              weave::dtype::f32, weave::memory_space::device, 0),
-                      options, std::span<std::int32_t>(ids.as<std::int32_t>(), gate_tokens * k),
-                      std::span<float>(weights.as<float>(), gate_tokens * k));
+                      weave::const_token_view(static_cast<const std::byte*>(logits.ptr), T,
+                                              static_cast<std::size_t>(E), weave::dtype::f32,
+                                              weave::memory_space::device, 0),
+                      options, std::span<std::int32_t>(ids.as<std::int32_t>(), T * k),
+                      std::span<float>(weights.as<float>(), T * k));
   }
 };
 
 void BM_gate(benchmark::State& state) {
-  const gate_inputs in(static_cast<int>(state.range(0)));
+  const gate_inputs in(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)));
   stream_pair s;
   time_on_stream(state, s.compute, [&](cudaStream_t st) { in.gate(st); });
-  state.counters["tokens/s"] = benchmark::Counter(
-      static_cast<double>(gate_tokens * state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(in.T * static_cast<std::size_t>(state.iterations())),
+                         benchmark::Counter::kIsRate);
 }
 
 // One expert per destination, so both paths produce the same per-expert positions.
 void BM_gate_plan_weave(benchmark::State& state) {
-  const gate_inputs in(static_cast<int>(state.range(0)));
+  const gate_inputs in(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)));
   const auto p = weave::placement::contiguous(in.E, in.E);
-  weave::cuda_dispatch_plan plan(p, in.k, 0, gate_tokens);
-  dev_buffer ws(std::vector<std::byte>(plan.workspace_size()));
+  weave::cuda_dispatch_plan plan(p, in.k, 0, in.T);
+  dev_buffer ws(dev_buffer::scratch_t{}, plan.workspace_size());
   stream_pair s;
   plan.initialize(ws.ptr, ws.bytes, weave::cuda_stream_ref(s.compute));
   time_on_stream(state, s.compute, [&](cudaStream_t st) {
     in.gate(st);
     plan.build(weave::cuda_stream_ref(st), in.ids.span<std::int32_t>(), in.weights.span<float>());
   });
-  state.counters["tokens/s"] = benchmark::Counter(
-      static_cast<double>(gate_tokens * state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(in.T * static_cast<std::size_t>(state.iterations())),
+                         benchmark::Counter::kIsRate);
 }
 
 void BM_gate_plan_mask(benchmark::State& state) {
-  const gate_inputs in(static_cast<int>(state.range(0)));
-  const weave_test::mask_routing mask(static_cast<std::int64_t>(gate_tokens), in.E, in.k);
-  dev_buffer ws(std::vector<std::byte>(mask.bytes()));
-  dev_buffer rows(std::vector<std::int64_t>(gate_tokens * 8));
+  const gate_inputs in(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)));
+  const weave_test::mask_routing mask(static_cast<std::int64_t>(in.T), in.E, in.k);
+  dev_buffer ws(dev_buffer::scratch_t{}, mask.bytes());
+  dev_buffer rows(dev_buffer::scratch_t{}, in.T * 8 * sizeof(std::int64_t));
   stream_pair s;
   time_on_stream(state, s.compute, [&](cudaStream_t st) {
     in.gate(st);
     mask.run(in.ids.as<std::int32_t>(), rows.as<std::int64_t>(), ws.ptr, st);
   });
-  state.counters["tokens/s"] = benchmark::Counter(
-      static_cast<double>(gate_tokens * state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(in.T * static_cast<std::size_t>(state.iterations())),
+                         benchmark::Counter::kIsRate);
 }
 
 // --- pipeline emulation ---------------------------------------------------------------------
@@ -405,26 +422,44 @@ struct invert_rows {
 
 // Gate choices for the exchange benchmarks: the device gate over random logits.
 struct exchange_inputs {
+  std::size_t T;
   dev_buffer logits, ids, weights, x, y;
-  exchange_inputs()
-      : logits(gate_inputs::random_logits(exchange_experts))
-      , ids(std::vector<std::int32_t>(exchange_tokens * exchange_k))
-      , weights(std::vector<float>(exchange_tokens * exchange_k))
-      , x(exchange_tokens * row_bytes, 21)
-      , y(exchange_tokens * row_bytes, 22) {}
+  explicit exchange_inputs(std::size_t tokens = exchange_tokens, std::uint32_t seed = 21)
+      : T(tokens)
+      , logits(gate_inputs::random_logits(exchange_experts, tokens))
+      , ids(dev_buffer::scratch_t{}, tokens * exchange_k * sizeof(std::int32_t))
+      , weights(dev_buffer::scratch_t{}, tokens * exchange_k * sizeof(float))
+      , x(tokens * row_bytes, seed)
+      , y(tokens * row_bytes, seed + 1) {}
   void gate(cudaStream_t st) const {
     weave::gate_options options;
     options.k = exchange_k;
     options.renormalize = true;
     weave::top_k_gate(weave::cuda_stream_ref(st),
-                      weave::const_token_view(static_cast<const std::byte*>(logits.ptr),
-                                              exchange_tokens, exchange_experts, weave::dtype::f32,
+                      weave::const_token_view(static_cast<const std::byte*>(logits.ptr), T,
+                                              exchange_experts, weave::dtype::f32,
                                               weave::memory_space::device, 0),
-                      options,
-                      std::span<std::int32_t>(ids.as<std::int32_t>(), exchange_tokens * exchange_k),
-                      std::span<float>(weights.as<float>(), exchange_tokens * exchange_k));
+                      options, std::span<std::int32_t>(ids.as<std::int32_t>(), T * exchange_k),
+                      std::span<float>(weights.as<float>(), T * exchange_k));
   }
 };
+
+void identity_experts(const weave::cuda_expert_batch& b) {
+  weave::cuda_space::for_each(b.stream, static_cast<std::int64_t>(b.input.rows() * row_bytes / 16),
+                              copy_rows{reinterpret_cast<const ::uint4*>(b.input.data()),
+                                        reinterpret_cast<::uint4*>(b.output.data())});
+}
+
+weave::moe_options exchange_options(std::size_t tokens, int chunks, bool fixed) {
+  weave::moe_options o;
+  o.k = exchange_k;
+  o.hidden = hidden;
+  o.element = weave::dtype::bf16;
+  o.max_tokens = tokens;
+  o.chunks = chunks;
+  o.static_shape = fixed;
+  return o;
+}
 
 // One rank: every expert on this GPU, so each token sends one row (CT = 1) where a naive
 // dispatch sends k. Args: static shapes, chunks, replay from a CUDA graph.
@@ -440,23 +475,12 @@ void BM_exchange(benchmark::State& state) {
     const exchange_inputs in;
     stream_pair s;
     in.gate(s.compute);
-    weave::moe_options o;
-    o.k = exchange_k;
-    o.hidden = hidden;
-    o.element = weave::dtype::bf16;
-    o.max_tokens = exchange_tokens;
-    o.chunks = chunks;
-    o.static_shape = fixed;
     weave::cuda_moe_exchange<weave::nccl_communicator> ex(
-        comm, weave::placement::contiguous(exchange_experts, 1), o);
-    dev_buffer ws(std::vector<std::byte>(ex.workspace_size()));
+        comm, weave::placement::contiguous(exchange_experts, 1),
+        exchange_options(exchange_tokens, chunks, fixed));
+    dev_buffer ws(dev_buffer::scratch_t{}, ex.workspace_size());
     ex.initialize(ws.ptr, ws.bytes, weave::cuda_stream_ref(s.compute));
-    const auto experts = [](const weave::cuda_expert_batch& b) {
-      weave::cuda_space::for_each(b.stream,
-                                  static_cast<std::int64_t>(b.input.rows() * row_bytes / 16),
-                                  copy_rows{reinterpret_cast<const ::uint4*>(b.input.data()),
-                                            reinterpret_cast<::uint4*>(b.output.data())});
-    };
+    const auto experts = identity_experts;
     const auto forward = [&](cudaStream_t st) {
       ex.forward(in.x.rows(), in.ids.span<std::int32_t>(), in.weights.span<float>(), in.y.rows(),
                  experts, weave::cuda_stream_ref(st), weave::cuda_stream_ref(s.copy));
@@ -490,6 +514,73 @@ void BM_exchange(benchmark::State& state) {
       static_cast<double>(exchange_tokens * state.iterations()), benchmark::Counter::kIsRate);
 }
 
+// Four ranks of cuda_local_world on the one GPU, 16 experts each, `world_tokens` tokens per
+// rank: per-layer time of a forward plus the host wait a trainer pays before reading the
+// output, measured on the host between barriers of the rank threads (the ranks move in
+// lockstep: every collective is a rendezvous). Args: static shapes, chunks. A multi-rank
+// cuda_local_world is not capturable (its streams wait on the peers' events), so graphs are
+// measured on the one-rank NCCL path above.
+constexpr std::size_t world_tokens = 4096;
+constexpr int world_ranks = 4;
+
+void BM_exchange_world(benchmark::State& state) {
+  const bool fixed = state.range(0) != 0;
+  const int chunks = static_cast<int>(state.range(1));
+  using exchange = weave::cuda_moe_exchange<weave::cuda_local_communicator>;
+  struct rank_state {
+    std::unique_ptr<exchange_inputs> in;
+    std::unique_ptr<stream_pair> s;
+    std::unique_ptr<exchange> ex;
+    std::unique_ptr<dev_buffer> ws;
+  };
+  weave::cuda_local_world world(world_ranks);
+  std::vector<rank_state> ranks(world_ranks);
+  const auto where = weave::placement::contiguous(exchange_experts, world_ranks);
+  world.run([&](weave::cuda_local_communicator& comm) {
+    rank_state& r = ranks[static_cast<std::size_t>(comm.rank())];
+    r.in = std::make_unique<exchange_inputs>(world_tokens, 40u + 2u * comm.rank());
+    r.s = std::make_unique<stream_pair>();
+    r.in->gate(r.s->compute);
+    r.ex = std::make_unique<exchange>(comm, where, exchange_options(world_tokens, chunks, fixed));
+    r.ws = std::make_unique<dev_buffer>(dev_buffer::scratch_t{}, r.ex->workspace_size());
+    r.ex->initialize(r.ws->ptr, r.ws->bytes, weave::cuda_stream_ref(r.s->compute));
+    WEAVE_CUDA_CHECK(cudaStreamSynchronize(r.s->compute));
+  });
+  constexpr int reps = 10;
+  std::barrier sync(world_ranks);
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    seconds.clear();
+    world.run([&](weave::cuda_local_communicator& comm) {
+      rank_state& r = ranks[static_cast<std::size_t>(comm.rank())];
+      const weave::cuda_stream_ref compute(r.s->compute), copy(r.s->copy);
+      for (int rep = 0; rep <= reps; ++rep) { // rep 0 warms up
+        sync.arrive_and_wait();
+        const auto start = std::chrono::steady_clock::now();
+        r.ex->forward(r.in->x.rows(), r.in->ids.span<std::int32_t>(), r.in->weights.span<float>(),
+                      r.in->y.rows(), identity_experts, compute, copy);
+        WEAVE_CUDA_CHECK(cudaStreamSynchronize(r.s->compute));
+        WEAVE_CUDA_CHECK(cudaStreamSynchronize(r.s->copy));
+        sync.arrive_and_wait();
+        if (comm.rank() == 0 && rep > 0)
+          seconds.push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      r.ex->check_errors(compute);
+    });
+    std::sort(seconds.begin(), seconds.end());
+    state.SetIterationTime(seconds[seconds.size() / 2]);
+  }
+  const weave::moe_stats stats =
+      ranks[0].ex->read_stats(weave::cuda_stream_ref(ranks[0].s->compute));
+  state.counters["rows_sent"] = static_cast<double>(stats.sent_rows);
+  state.counters["naive_rows"] = static_cast<double>(stats.naive_rows());
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(world_tokens * world_ranks *
+                                             static_cast<std::size_t>(state.iterations())),
+                         benchmark::Counter::kIsRate);
+}
+
 // The naive baseline on one GPU: the mask plan (one row per (token, expert)), a gather of
 // T * k rows, identity experts, and a merge of k rows per token.
 void BM_exchange_naive(benchmark::State& state) {
@@ -498,8 +589,8 @@ void BM_exchange_naive(benchmark::State& state) {
   in.gate(s.compute);
   const weave_test::mask_routing mask(static_cast<std::int64_t>(exchange_tokens), exchange_experts,
                                       exchange_k);
-  dev_buffer mws(std::vector<std::byte>(mask.bytes()));
-  dev_buffer rows(std::vector<std::int64_t>(exchange_tokens * exchange_k));
+  dev_buffer mws(dev_buffer::scratch_t{}, mask.bytes());
+  dev_buffer rows(dev_buffer::scratch_t{}, exchange_tokens * exchange_k * sizeof(std::int64_t));
   dev_buffer row_token(std::vector<std::int64_t>(exchange_tokens * exchange_k, 0));
   dev_buffer expert_rows(exchange_tokens * exchange_k * row_bytes, 23);
   dev_buffer expert_out(exchange_tokens * exchange_k * row_bytes, 24);
@@ -536,10 +627,22 @@ BENCHMARK(BM_gather)
     ->Args({65536, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_merge)->Arg(16384)->Arg(65536)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_gate)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_gate_plan_weave)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_gate_plan_mask)->Arg(64)->Arg(256)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_merge)
+    ->Args({16384, 2})
+    ->Args({65536, 2})
+    ->Args({16384, 8})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+// Gate (k = 8) and plans: E = 64 and 256, T = 16384 and 65536 tokens.
+void gate_args(benchmark::internal::Benchmark* b) {
+  for (const int E : {64, 256})
+    for (const int T : {16384, 65536})
+      b->Args({E, T});
+  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+BENCHMARK(BM_gate)->Apply(gate_args);
+BENCHMARK(BM_gate_plan_weave)->Apply(gate_args);
+BENCHMARK(BM_gate_plan_mask)->Apply(gate_args);
 BENCHMARK(BM_pipeline)
     ->Arg(1)
     ->Arg(2)
@@ -561,6 +664,15 @@ BENCHMARK(BM_exchange)
     ->Args({1, 1, 1})
     ->Args({1, 4, 1})
     ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_exchange_world)
+    ->ArgNames({"static", "chunks"})
+    ->Args({0, 1})
+    ->Args({0, 4})
+    ->Args({1, 1})
+    ->Args({1, 4})
+    ->UseManualTime()
+    ->Iterations(3)
     ->Unit(benchmark::kMicrosecond);
 #endif
 

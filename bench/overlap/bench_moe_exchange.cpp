@@ -13,9 +13,13 @@
 // comm_ms. Compare a ratio's C = 1 row with its C > 1 rows.
 //
 // `moe_call_overhead`: the same 4 ranks with no link and no expert time, 64 or 1024 tokens per
-// rank, C = 1 or 4: the time of one forward is then the layer's own cost (planning, count
-// exchange, copies, stream hand-offs), which is where a change of the success path shows.
+// rank, C = 1 or 4, one forward through the callback form (form 0) or two micro-batches through
+// handles, both dispatched before either is computed (form 1): the time of a step is then the
+// layer's own cost (planning, count exchanges, copies, stream hand-offs), which is where a change
+// of the success path shows.
 #include <benchmark/benchmark.h>
+
+#include "moe_bench_setup.hpp"
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/host_matrix.hpp>
@@ -35,20 +39,8 @@
 
 namespace {
 
-constexpr int ranks = 4, experts = 32, k = 4;
-constexpr std::size_t tokens = 2048, hidden = 256;
-constexpr double link_bytes_per_second = 0.05e9;
-using row_t = weave::bfloat16;
-
-weave::moe_options layer_options(int chunks, std::size_t max_tokens) {
-  weave::moe_options o;
-  o.k = k;
-  o.hidden = hidden;
-  o.element = weave::dtype::bf16;
-  o.max_tokens = max_tokens;
-  o.chunks = chunks;
-  return o;
-}
+using namespace moe_bench;
+constexpr std::size_t tokens = 2048;
 
 // What runs around the layer: nothing (the layer alone), a producer and a consumer outside the
 // layer's pipeline, or the same two inside it as chunk hooks.
@@ -58,28 +50,12 @@ enum class around { nothing, whole, partitioned };
 class layer_ranks {
  public:
   layer_ranks(int chunks, double ratio, around mode = around::nothing)
-      : world_(ranks, {std::chrono::seconds(60), weave::emulated_link{{}, link_bytes_per_second}})
+      : world_(ranks, {std::chrono::seconds(60), link()})
       , start_(ranks + 1)
       , done_(ranks + 1) {
     std::mt19937 rng(7);
-    std::normal_distribution<float> n(0.0f, 1.0f);
-    for (int r = 0; r < ranks; ++r) {
-      auto& d = data_.emplace_back();
-      d.x = weave::host_matrix<row_t>(tokens, hidden);
-      d.y = weave::host_matrix<row_t>(tokens, hidden);
-      for (row_t& v : d.x.elements())
-        v = row_t(n(rng));
-      std::vector<int> all(experts);
-      for (int e = 0; e < experts; ++e)
-        all[static_cast<std::size_t>(e)] = e;
-      for (std::size_t t = 0; t < tokens; ++t) {
-        std::shuffle(all.begin(), all.end(), rng);
-        for (int j = 0; j < k; ++j) {
-          d.ids.push_back(all[static_cast<std::size_t>(j)]);
-          d.weights.push_back(1.0f / k);
-        }
-      }
-    }
+    for (int r = 0; r < ranks; ++r)
+      data_.push_back(make_rank_data(tokens, rng));
     // Link time of one layer for rank 0: its largest per-peer volume, both ways.
     ns_per_row_ = 0; // calibrated after the first step from the plan's volumes
     ratio_ = ratio;
@@ -102,26 +78,13 @@ class layer_ranks {
   }
 
  private:
-  struct rank_data {
-    weave::host_matrix<row_t> x, y;
-    std::vector<std::int32_t> ids;
-    std::vector<float> weights;
-  };
-
-  // The producer and consumer stand-ins: each sleeps half the experts' time per token (so the
-  // operators around the layer cost as much as its experts) and touches its rows.
-  static void around_op(weave::host_matrix<row_t>& rows, std::size_t first, std::size_t count,
-                        double ns_per_token) {
-    std::memmove(rows.data() + first * hidden, rows.data() + first * hidden,
-                 count * hidden * sizeof(row_t));
-    std::this_thread::sleep_for(std::chrono::nanoseconds(
-        static_cast<std::int64_t>(ns_per_token * static_cast<double>(count))));
-  }
-
+  // The producer and consumer stand-ins each sleep half the experts' time per token, so the
+  // operators around the layer cost as much as its experts.
   void serve(int r, int chunks) {
     auto& comm = world_.comm(r);
+    const weave::moe_options o = options(tokens, chunks);
     weave::moe_exchange<weave::local_communicator> ex(
-        comm, weave::placement::contiguous(experts, ranks), layer_options(chunks, tokens));
+        comm, weave::placement::contiguous(experts, ranks), o);
     weave::host_stream compute("compute"), stream("comm");
     auto& d = data_[static_cast<std::size_t>(r)];
     bool calibrated = false;
@@ -149,12 +112,7 @@ class layer_ranks {
       ex.forward(
           d.x.view(), d.ids, d.weights, d.y.view(),
           [ns](const weave::expert_batch& b) {
-            for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
-              for (auto i = b.expert_offsets[l]; i < b.expert_offsets[l + 1]; ++i)
-                std::memcpy(b.output.row(static_cast<std::size_t>(i)),
-                            b.input.row(static_cast<std::size_t>(i)), b.input.row_bytes());
-            std::this_thread::sleep_for(std::chrono::nanoseconds(
-                static_cast<std::int64_t>(ns * static_cast<double>(b.expert_offsets.back()))));
+            emulated_experts(b.input, b.output, b.expert_offsets, ns);
           },
           compute, stream, mode_ == around::partitioned ? &hooks : nullptr);
       const weave::host_event forwarded = compute.record();
@@ -204,19 +162,19 @@ class layer_ranks {
 
 void run_steps(benchmark::State& state, layer_ranks& layer, int chunks, double ratio);
 
-// The layer's own cost per call, with no link and no expert time (the experts copy their rows):
-// planning, the count exchange, gathers, merges and stream hand-offs. Persistent ranks as in
-// `layer_ranks`; each step is one forward on every rank, timed on rank 0 from its start to both
-// of its streams drained.
+// The layer's own cost per step, with no link and no expert time (the experts copy their rows).
+// Persistent ranks as in `layer_ranks`; each step is one forward on every rank (form 0) or two
+// micro-batches' forwards through handles (form 1), timed on rank 0 from its start to both of
+// its streams drained.
 class overhead_ranks {
  public:
-  overhead_ranks(int chunks, std::size_t tokens_per_rank)
+  overhead_ranks(int chunks, std::size_t tokens_per_rank, int form)
       : world_(ranks)
       , start_(ranks + 1)
       , done_(ranks + 1) {
     for (int r = 0; r < ranks; ++r)
       threads_.emplace_back(
-          [this, r, chunks, tokens_per_rank] { serve(r, chunks, tokens_per_rank); });
+          [this, r, chunks, tokens_per_rank, form] { serve(r, chunks, tokens_per_rank, form); });
   }
   ~overhead_ranks() {
     stop_ = true;
@@ -231,31 +189,31 @@ class overhead_ranks {
   }
 
  private:
-  void serve(int r, int chunks, std::size_t n) {
-    weave::moe_exchange<weave::local_communicator> ex(
-        world_.comm(r), weave::placement::contiguous(experts, ranks), layer_options(chunks, n));
+  void serve(int r, int chunks, std::size_t n, int form) {
+    weave::moe_options o = options(n, chunks);
+    o.max_in_flight = 2;
+    using exchange = weave::moe_exchange<weave::local_communicator>;
+    exchange ex(world_.comm(r), weave::placement::contiguous(experts, ranks), o);
     weave::host_stream compute("compute"), stream("comm");
-    weave::host_matrix<row_t> x(n, hidden), y(n, hidden);
     std::mt19937 rng(11 + static_cast<unsigned>(r));
-    std::vector<std::int32_t> ids;
-    std::vector<float> weights(n * k, 1.0f / k);
-    std::vector<int> all(experts);
-    for (int e = 0; e < experts; ++e)
-      all[static_cast<std::size_t>(e)] = e;
-    for (std::size_t t = 0; t < n; ++t) {
-      std::shuffle(all.begin(), all.end(), rng);
-      ids.insert(ids.end(), all.begin(), all.begin() + k);
-    }
-    const auto copy = [](const weave::expert_batch& b) {
-      if (b.input.rows() > 0) // the EPD rows are contiguous
-        std::memcpy(b.output.row(0), b.input.row(0), b.input.rows() * b.input.row_bytes());
-    };
+    rank_data a = make_rank_data(n, rng), b = make_rank_data(n, rng);
+    const auto copy = [](const weave::expert_batch& e) { emulated_experts(e.input, e.output, e.expert_offsets, 0.0); };
     for (;;) {
       start_.arrive_and_wait();
       if (stop_)
         return;
       const auto begin = std::chrono::steady_clock::now();
-      ex.forward(x.view(), ids, weights, y.view(), copy, compute, stream);
+      if (form == 0) {
+        ex.forward(a.x.view(), a.ids, a.weights, a.y.view(), copy, compute, stream);
+      } else { // b's dispatch runs under a's experts (DualPipe's order)
+        exchange::handle ha = ex.dispatch(a.x.view(), a.ids, a.weights, compute, stream);
+        exchange::handle hb = ex.dispatch(b.x.view(), b.ids, b.weights, compute, stream);
+        for (exchange::handle* h : {&ha, &hb}) {
+          for (const exchange::chunk c : ex.chunks(*h))
+            compute.submit([c, copy] { copy(c.experts()); });
+          ex.combine(*h, (h == &ha ? a : b).y.view(), compute, stream);
+        }
+      }
       compute.synchronize();
       stream.synchronize();
       if (r == 0)
@@ -272,13 +230,15 @@ class overhead_ranks {
 };
 
 void moe_call_overhead(benchmark::State& state) {
-  overhead_ranks layer(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)));
+  overhead_ranks layer(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)),
+                       static_cast<int>(state.range(2)));
   for (int warm = 0; warm < 3; ++warm)
     layer.step_seconds();
   for (auto _ : state)
     state.SetIterationTime(layer.step_seconds());
   state.counters["chunks"] = static_cast<double>(state.range(0));
   state.counters["tokens"] = static_cast<double>(state.range(1));
+  state.counters["form"] = static_cast<double>(state.range(2));
 }
 
 void moe_layer(benchmark::State& state) {
@@ -346,8 +306,8 @@ BENCHMARK(moe_block)
     ->Iterations(5);
 
 BENCHMARK(moe_call_overhead)
-    ->ArgNames({"chunks", "tokens"})
-    ->ArgsProduct({{1, 4}, {64, 1024}})
+    ->ArgNames({"chunks", "tokens", "form"})
+    ->ArgsProduct({{1, 4}, {64, 1024}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond)
     ->MinTime(1.0);

@@ -1,12 +1,20 @@
 // Timing of the placement policies beside the contiguous baseline, at OLMoE-like (E=64, D=8)
-// and 256-expert (E=256, D=32) shapes, plus migration planning and CT evaluation.
+// and 256-expert (E=256, D=32) shapes, plus migration planning and CT evaluation; and the
+// replicated placement of a whole model at DeepSeek-V3's shape (58 MoE layers of 256 experts on
+// 8 nodes x 8 GPUs, 320 slots) with the incremental packing beside the from-scratch packing
+// it replaced (identical placements; the tests check that).
 //
 //   bench_placement --benchmark_format=json
 
 #include <benchmark/benchmark.h>
 
+#include "replication_reference.hpp"
+
 #include <weave/placement.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -99,6 +107,54 @@ void BM_evaluate(benchmark::State& state) {
                          benchmark::Counter::kIsRate);
 }
 
+// 58 layers of 256 expert loads, Zipf 1.0 and lognormal(0, 1) in turn, shuffled.
+const std::vector<double>& model_loads() {
+  static const std::vector<double> loads = [] {
+    std::mt19937 rng(58);
+    std::vector<double> all;
+    for (int l = 0; l < 58; ++l) {
+      std::vector<double> layer(256);
+      std::lognormal_distribution<double> lognormal(0.0, 1.0);
+      for (int e = 0; e < 256; ++e)
+        layer[static_cast<std::size_t>(e)] = l % 2 ? 1000.0 / (e + 1.0) : lognormal(rng);
+      std::shuffle(layer.begin(), layer.end(), rng);
+      all.insert(all.end(), layer.begin(), layer.end());
+    }
+    return all;
+  }();
+  return loads;
+}
+
+// Arg: 0 = from-scratch packing (the reference), 1 = incremental, layer by layer.
+void BM_model_replicated(benchmark::State& state) {
+  const auto& loads = model_loads();
+  const auto topo = weave::topology::grid(8, 8);
+  weave::replication_options o;
+  o.redundant_slots = 64;
+  for (auto _ : state)
+    for (std::size_t l = 0; l < 58; ++l) {
+      const std::span<const double> layer(loads.data() + l * 256, 256);
+      if (state.range(0) == 0)
+        benchmark::DoNotOptimize(replication_reference::place_replicated(layer, {}, topo, o));
+      else
+        benchmark::DoNotOptimize(weave::place_replicated(layer, topo, o));
+    }
+  state.counters["layers/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * 58, benchmark::Counter::kIsRate);
+}
+
+// All 58 layers in one `place_replicated_layers` call on Arg threads.
+void BM_model_replicated_layers(benchmark::State& state) {
+  const auto topo = weave::topology::grid(8, 8);
+  weave::layer_replication_options o;
+  o.layer.redundant_slots = 64;
+  o.threads = static_cast<int>(state.range(0));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(weave::place_replicated_layers(model_loads(), 256, topo, o));
+  state.counters["layers/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * 58, benchmark::Counter::kIsRate);
+}
+
 } // namespace
 
 BENCHMARK(BM_contiguous)->Args({64, 8})->Args({256, 32});
@@ -107,5 +163,7 @@ BENCHMARK(BM_collaborative)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMi
 BENCHMARK(BM_replicated)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_migration)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_evaluate)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_model_replicated)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_model_replicated_layers)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 BENCHMARK_MAIN();

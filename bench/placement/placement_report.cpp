@@ -1,19 +1,24 @@
 // Placement report: copies per token (CT), cross-device bytes per token and max/mean device
 // load for each placement policy, on synthetic traces shaped like OLMoE, DeepSeek-MoE,
-// Qwen-MoE and a 256-expert model, at 4..32 devices. Statistics are profiled on the first
-// half of each trace and the placements evaluated on the second half.
+// Qwen-MoE and a 256-expert model, and on recorded traces (every layer of a trace file, e.g.
+// the learned one in bench/placement/traces), at 4..32 devices. Statistics are profiled on the
+// first half of each trace and the placements evaluated on the second half.
 //
 //   placement_report [--tokens N] [--affinity A] [--zipf S] [--cluster-size C]
-//                    [--load-weight L] [--spare-per-device R] [--json FILE]
+//                    [--load-weight L] [--spare-per-device R] [--synthetic all|none|NAME,...]
+//                    [--trace FILE] [--trace-hidden H] [--json FILE]
 
 #include <weave/placement.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -23,8 +28,16 @@ struct model {
   int experts, k, hidden;
 };
 
+// A trace split into the tokens statistics are profiled on and those placements are judged on.
+struct workload {
+  std::string name;
+  int experts = 0, k = 0, hidden = 0;
+  std::vector<std::int32_t> profile, eval;
+  std::string group; // layers of one recorded trace share a group (averaged in the summary)
+};
+
 struct row {
-  std::string model, policy;
+  std::string model, policy, group;
   int experts = 0, k = 0, devices = 0, nodes = 0, slots_per_device = 0;
   double ct = 0, lower = 0, upper = 0, random = 0, remote = 0, cross_node = 0, bytes = 0;
   double max_mean = 0, vs_contiguous = 0;
@@ -57,7 +70,8 @@ int main(int argc, char** argv) {
   double affinity = 0.8, zipf = 0.6;
   int cluster_size = 8;
   double load_weight = 4.0;
-  std::string json;
+  std::string json, trace_file, synthetic = "all";
+  int trace_hidden = 2048;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--tokens")
@@ -74,6 +88,12 @@ int main(int argc, char** argv) {
       load_weight = std::atof(argv[i + 1]);
     else if (a == "--json")
       json = argv[i + 1];
+    else if (a == "--synthetic")
+      synthetic = argv[i + 1];
+    else if (a == "--trace")
+      trace_file = argv[i + 1];
+    else if (a == "--trace-hidden")
+      trace_hidden = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "unknown option %s\n", argv[i]);
       return 2;
@@ -174,8 +194,12 @@ int main(int argc, char** argv) {
        }},
   };
 
-  std::vector<row> rows;
+  std::vector<workload> workloads;
   for (const model& m : models) {
+    if (synthetic == "none" ||
+        (synthetic != "all" &&
+         ("," + synthetic + ",").find(std::string(",") + m.name + ",") == std::string::npos))
+      continue;
     weave::trace_options o;
     o.num_experts = m.experts;
     o.k = m.k;
@@ -185,11 +209,32 @@ int main(int argc, char** argv) {
     o.zipf = zipf;
     o.seed = 42;
     const auto trace = weave::generate_trace(o);
-    const std::span<const std::int32_t> ids(trace.ids);
-    const auto profile = ids.first(tokens * static_cast<std::size_t>(m.k));
-    const auto eval = ids.subspan(tokens * static_cast<std::size_t>(m.k));
+    const auto half = trace.ids.begin() + static_cast<std::ptrdiff_t>(tokens * m.k);
+    workloads.push_back(
+        {m.name, m.experts, m.k, m.hidden, {trace.ids.begin(), half}, {half, trace.ids.end()}, ""});
+  }
+  if (!trace_file.empty()) {
+    const auto layers = weave::read_trace_layers_file(trace_file).layers;
+    const std::string stem = std::filesystem::path(trace_file).stem().string();
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      const auto& t = layers[l];
+      const std::size_t half = t.num_tokens() / 2 * static_cast<std::size_t>(t.k);
+      workloads.push_back({stem + " L" + std::to_string(l),
+                           t.num_experts,
+                           t.k,
+                           trace_hidden,
+                           {t.ids.begin(), t.ids.begin() + static_cast<std::ptrdiff_t>(half)},
+                           {t.ids.begin() + static_cast<std::ptrdiff_t>(half), t.ids.end()},
+                           stem});
+    }
+  }
+
+  std::vector<row> rows;
+  for (const workload& w : workloads) {
+    const model m{w.name.c_str(), w.experts, w.k, w.hidden};
+    const std::span<const std::int32_t> eval(w.eval);
     weave::expert_statistics stats(m.experts);
-    stats.accumulate(profile, m.k);
+    stats.accumulate(w.profile, m.k);
     for (const int D : {4, 8, 16, 32}) {
       const auto topo = D <= 8 ? weave::topology::flat(D) : weave::topology::grid(D / 8, 8);
       double contiguous_ct = 0;
@@ -202,7 +247,8 @@ int main(int argc, char** argv) {
         if (pol.name == "contiguous")
           contiguous_ct = r.copies_per_token;
         row x;
-        x.model = m.name;
+        x.model = w.name;
+        x.group = w.group;
         x.policy = pol.name;
         x.experts = m.experts;
         x.k = m.k;
@@ -221,6 +267,39 @@ int main(int argc, char** argv) {
         rows.push_back(x);
       }
     }
+  }
+
+  // Recorded traces: each (devices, policy) averaged over the trace's layers.
+  std::map<std::tuple<std::string, int, std::string>, std::pair<row, int>> means;
+  std::vector<std::tuple<std::string, int, std::string>> order;
+  for (const row& x : rows) {
+    if (x.group.empty())
+      continue;
+    const auto key = std::make_tuple(x.group, x.devices, x.policy);
+    auto [it, fresh] = means.try_emplace(key, x, 0);
+    if (fresh) {
+      order.push_back(key);
+    } else {
+      row& m = it->second.first;
+      m.ct += x.ct;
+      m.remote += x.remote;
+      m.cross_node += x.cross_node;
+      m.bytes += x.bytes;
+      m.max_mean += x.max_mean;
+    }
+    ++it->second.second;
+  }
+  for (const auto& key : order) {
+    auto [m, n] = means.at(key);
+    m.model = m.group + " (mean of " + std::to_string(n) + " layers)";
+    m.ct /= n;
+    m.remote /= n;
+    m.cross_node /= n;
+    m.bytes /= n;
+    m.max_mean /= n;
+    const auto& base = means.at(std::make_tuple(m.group, m.devices, std::string("contiguous")));
+    m.vs_contiguous = 1.0 - m.ct / (base.first.ct / base.second);
+    rows.push_back(m);
   }
 
   std::printf("tokens %zu (profile) + %zu (evaluate), affinity %.2f, zipf %.2f, cluster size %d, "

@@ -5,7 +5,12 @@
 // - gather: ORI -> SFD (de-duplicated per device) and SFD -> EPD beside the mask-based
 //   dispatch that copies one row per (token, expert) into expert-major order, and beside a
 //   memcpy of the same ORI bytes (the bandwidth ceiling).
-// Counters: rows/s (rows written), GB/s (bytes written), CT (copies per token).
+// - layout moves at memory speed: the encode moves (ORI -> SFD, SFD -> EPD) and the decode
+//   merges (EPD -> SFD weighted, SFD -> ORI) of f32 and bf16 rows, each iteration timed beside a
+//   memcpy of the same traffic (bytes read + written), so `vs_memcpy` is a ratio measured side
+//   by side under the same load; `copy/stream` does the same for a plain streaming copy.
+// Counters: rows/s (rows written), GB/s (bytes written; for the layout moves, read + written),
+// CT (copies per token).
 // The default run skips the cases named "long" (hidden 4096, bigger batches); run them with
 // --benchmark_filter=long.
 #include <benchmark/benchmark.h>
@@ -13,6 +18,7 @@
 #include <weave/core/host_matrix.hpp>
 #include <weave/routing.hpp>
 
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -241,6 +247,128 @@ void memcpy_baseline(benchmark::State& state) {
   set_row_counters(state, static_cast<double>(T), static_cast<double>(H * 2));
 }
 
+// One dispatch plan and its receiver plan for a (T, E, k) batch over `devices` devices, with
+// rows of element type T at every layout; the receiver holds every destination's rows (one
+// rank receiving what all sources send it, with this source's distribution).
+template <class T>
+struct layouts {
+  weave::placement where;
+  weave::dispatch_plan plan;
+  weave::expert_plan experts;
+  weave::host_matrix<T> ori, sfd, epd, back, out;
+
+  layouts(std::size_t tokens, int E, int k, std::size_t H)
+      : where(weave::placement::contiguous(E, devices < E ? devices : E))
+      , plan(where, k, 0)
+      , experts(where.slots_per_device(), k) {
+    const auto& in = inputs(tokens, E, k);
+    plan.build(in.ids, in.weights);
+    experts.build(plan.row_routes(), plan.send_counts());
+    const auto rows = static_cast<std::size_t>(plan.rows());
+    ori = weave::host_matrix<T>(tokens, H);
+    for (std::size_t i = 0; i < ori.elements().size(); ++i)
+      ori.elements()[i] = T(static_cast<float>(i % 251) / 64.0f - 1.0f);
+    sfd = weave::host_matrix<T>(rows, H);
+    epd = weave::host_matrix<T>(static_cast<std::size_t>(experts.epd_rows()), H);
+    back = weave::host_matrix<T>(rows, H);
+    out = weave::host_matrix<T>(tokens, H);
+    weave::dispatch_gather(plan, ori.view(), sfd.view());
+    weave::expert_scatter(experts, sfd.view(), epd.view());
+    weave::expert_merge(experts, epd.view(), back.view());
+  }
+};
+
+enum class layout_move { ori_sfd, sfd_epd, epd_sfd, sfd_ori };
+
+// Counts the rows a merge reads: its valid (non -1) indices.
+std::size_t valid(std::span<const std::int64_t> index) {
+  std::size_t n = 0;
+  for (const auto i : index)
+    n += i >= 0 ? 1 : 0;
+  return n;
+}
+
+// Times `run` (manual time) and, before each run, a memcpy with the same traffic (`traffic` / 2
+// bytes read and as many written), so both see the same load; reports GB/s of traffic for both
+// and their ratio `vs_memcpy` (memcpy time / run time).
+template <class Run>
+void time_vs_memcpy(benchmark::State& state, std::size_t traffic, Run&& run) {
+  const std::size_t copy_bytes = traffic / 2;
+  std::vector<std::byte> from(copy_bytes, std::byte{1}), to(copy_bytes, std::byte{0});
+  run();
+  std::memcpy(to.data(), from.data(), copy_bytes);
+  using clock = std::chrono::steady_clock;
+  double run_s = 0, copy_s = 0;
+  for (auto _ : state) {
+    const auto t0 = clock::now();
+    std::memcpy(to.data(), from.data(), copy_bytes);
+    benchmark::ClobberMemory();
+    const auto t1 = clock::now();
+    run();
+    benchmark::ClobberMemory();
+    const auto t2 = clock::now();
+    const double seconds = std::chrono::duration<double>(t2 - t1).count();
+    state.SetIterationTime(seconds);
+    run_s += seconds;
+    copy_s += std::chrono::duration<double>(t1 - t0).count();
+  }
+  const auto n = static_cast<double>(state.iterations());
+  state.counters["GB/s"] = static_cast<double>(traffic) * n / run_s / 1e9;
+  state.counters["memcpy_GB/s"] = static_cast<double>(traffic) * n / copy_s / 1e9;
+  state.counters["vs_memcpy"] = copy_s / run_s;
+}
+
+template <class T>
+void move_vs_memcpy(benchmark::State& state, layout_move move) {
+  const std::size_t tokens = arg(state, 0), H = arg(state, 3);
+  const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
+  layouts<T> l(tokens, E, k, H);
+  const std::size_t row = H * sizeof(T);
+  std::size_t read_rows = 0, written_rows = 0;
+  switch (move) {
+  case layout_move::ori_sfd:
+    read_rows = written_rows = l.sfd.rows();
+    break;
+  case layout_move::sfd_epd:
+    read_rows = written_rows = l.epd.rows();
+    break;
+  case layout_move::epd_sfd:
+    read_rows = valid(l.experts.row_epd());
+    written_rows = l.back.rows();
+    break;
+  case layout_move::sfd_ori:
+    read_rows = valid(l.plan.token_rows());
+    written_rows = l.out.rows();
+    break;
+  }
+  const auto run = [&] {
+    switch (move) {
+    case layout_move::ori_sfd:
+      return weave::dispatch_gather(l.plan, l.ori.view(), l.sfd.view());
+    case layout_move::sfd_epd:
+      return weave::expert_scatter(l.experts, l.sfd.view(), l.epd.view());
+    case layout_move::epd_sfd:
+      return weave::expert_merge(l.experts, l.epd.view(), l.back.view());
+    case layout_move::sfd_ori:
+      return weave::combine_merge(l.plan, l.back.view(), l.out.view());
+    }
+  };
+  time_vs_memcpy(state, (read_rows + written_rows) * row, run);
+  state.counters["rows/s"] = benchmark::Counter(static_cast<double>(written_rows),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The machine's sequential streaming copy (the kernels' 16-byte loop with non-temporal stores)
+// beside memcpy, same bytes: how far glibc's memcpy is from the bandwidth ceiling here.
+void stream_vs_memcpy(benchmark::State& state) {
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  std::vector<std::byte> from(bytes, std::byte{1}), to(bytes, std::byte{0});
+  time_vs_memcpy(state, 2 * bytes, [&] {
+    weave::detail::copy_row(to.data(), from.data(), bytes, true);
+    weave::detail::end_streaming(true);
+  });
+}
+
 void shapes(benchmark::internal::Benchmark* b, std::vector<std::int64_t> Ts) {
   b->ArgNames({"T", "E", "k"});
   for (const auto T : Ts)
@@ -264,7 +392,35 @@ void row_shapes(benchmark::internal::Benchmark* b, std::vector<std::int64_t> Ts,
   b->Unit(benchmark::kMillisecond)->MinTime(0.2)->UseRealTime();
 }
 
+void register_moves() {
+  const std::pair<const char*, layout_move> moves[] = {{"encode/ori_sfd", layout_move::ori_sfd},
+                                                       {"encode/sfd_epd", layout_move::sfd_epd},
+                                                       {"decode/epd_sfd", layout_move::epd_sfd},
+                                                       {"decode/sfd_ori", layout_move::sfd_ori}};
+  for (const auto& [name, move] : moves)
+    for (const bool bf16 : {false, true}) {
+      const std::string full = std::string(name) + (bf16 ? "/bf16" : "/f32");
+      auto* b =
+          bf16 ? benchmark::RegisterBenchmark(full.c_str(), move_vs_memcpy<weave::bfloat16>, move)
+               : benchmark::RegisterBenchmark(full.c_str(), move_vs_memcpy<float>, move);
+      b->ArgNames({"T", "E", "k", "H"});
+      // T = 16384: from DRAM (the goal's shapes); T = 256: every buffer in the caches, which
+      // leaves the kernel's own cost (the conversions) and shows what bounds it.
+      for (const std::int64_t T : {16384, 256})
+        for (const std::int64_t k : {2, 8})
+          b->Args({T, 64, k, 1024});
+      b->Unit(benchmark::kMillisecond)->MinTime(0.5)->UseManualTime();
+    }
+  benchmark::RegisterBenchmark("copy/stream", stream_vs_memcpy)
+      ->ArgNames({"bytes"})
+      ->Arg(std::int64_t{256} << 20)
+      ->Unit(benchmark::kMillisecond)
+      ->MinTime(0.5)
+      ->UseManualTime();
+}
+
 void register_all() {
+  register_moves();
   const std::vector<std::int64_t> all = {4096, 16384, 65536}, short_rows = {4096, 16384};
   shapes(benchmark::RegisterBenchmark("gate", gate), all);
   shapes(benchmark::RegisterBenchmark("plan/weave", plan_weave), all);

@@ -3,9 +3,12 @@
 // The block is out = x + moe(layer_norm(x)): a top-k softmax gate (torch ops, replicated on
 // every rank, gradients all-reduced) picks k of E experts per token; each expert is a 2-layer
 // ReLU MLP owned by exactly one rank (E / world per rank, placed by a weave placement). weave's
-// moe_exchange dispatches the tokens to their experts and combines the results, pipelined over
-// chunks, inside a torch::autograd::Function, so the loss gradient reaches the gate through the
-// gate-weight gradients (dw) and the expert parameters through the expert backward callback.
+// moe_exchange dispatches the tokens to their experts and combines the results through handles,
+// pipelined over chunks, with the layer's own expert compute between; each step's tokens are
+// two micro-batches in flight together (the second's communication overlaps the first's
+// computation), inside a torch::autograd::Function, so the loss gradient reaches the gate
+// through the gate-weight gradients (dw) and the expert parameters through the experts'
+// backward.
 //
 // Every step, every rank also trains a dense single-process copy of the same model (same
 // initialisation, all ranks' tokens, every token through its k experts by masking) and checks
@@ -28,6 +31,7 @@
 #include <weave/placement.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -212,6 +216,8 @@ routing route(const torch::Tensor& h, const torch::Tensor& gate_flat, const sett
 // One rank's share of the MoE layer: the exchange, its two streams, and the experts it owns.
 class moe_layer {
  public:
+  using exchange_type = weave::moe_exchange<weave::mpi_communicator>;
+
   moe_layer(weave::mpi_communicator& comm, weave::placement where, const settings& s)
       : comm_(&comm)
       , s_(s) {
@@ -227,60 +233,95 @@ class moe_layer {
   std::map<int, expert_state>& experts() { return experts_; }
   weave::host_stream& comm_stream() { return comm_stream_; }
 
-  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& weights,
-                        const torch::Tensor& ids) {
-    const auto x = h.contiguous();
-    auto y = torch::empty_like(x);
-    exchange_->forward(
-        weave::make_token_view(x),
-        std::span<const std::int32_t>(ids.data_ptr<std::int32_t>(), ids.numel()),
-        std::span<const float>(weights.data_ptr<float>(), weights.numel()),
-        weave::make_token_view(y),
-        //! [forward_callback]
-        [this](const weave::expert_batch& b) {
-          torch::NoGradGuard no_grad;
-          const auto in = weave_torch::as_tensor(b.input);
-          auto out = weave_torch::as_tensor(b.output);
-          for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l) {
-            const auto first = b.expert_offsets[l], rows = b.expert_offsets[l + 1] - first;
-            if (rows == 0)
-              continue;
-            const auto p = unpack(experts_.at(b.experts[l]).weights, s_);
-            out.narrow(0, first, rows).copy_(expert_forward(p, in.narrow(0, first, rows)));
-          }
-        },
-        //! [forward_callback]
-        compute_, comm_stream_);
+  // One micro-batch's input to the layer: token rows, gate weights, expert ids.
+  struct micro_batch {
+    torch::Tensor h, weights, ids;
+  };
+
+  // The forward of two micro-batches in flight, DualPipe-style: the second one's dispatch is
+  // issued before the first one's experts, so it travels while they compute, and the first one's
+  // combine travels while the second one's experts compute. The handles stay alive (two slots
+  // of the exchange) until `backward_pair`.
+  //! [forward_pair]
+  std::array<torch::Tensor, 2> forward_pair(const std::array<micro_batch, 2>& in) {
+    std::array<torch::Tensor, 2> y;
+    for (int i = 0; i < 2; ++i) {
+      inputs_[i] = {in[i].h.contiguous(), in[i].weights.contiguous(), in[i].ids.contiguous()};
+      handles_[i] = exchange_->dispatch(inputs_[i].h, inputs_[i].ids, inputs_[i].weights, compute_,
+                                        comm_stream_);
+    }
+    for (int i = 0; i < 2; ++i) {
+      run_experts(handles_[i], /*backward=*/false);
+      y[i] = torch::empty_like(inputs_[i].h);
+      exchange_->combine(handles_[i], y[i], compute_, comm_stream_);
+    }
     synchronize();
     return y;
   }
+  //! [forward_pair]
 
-  // dL/dh and dL/dweights from dL/dy; the experts' parameter gradients accumulate in `grad`.
-  std::pair<torch::Tensor, torch::Tensor> backward(const torch::Tensor& dy_in) {
-    const auto dy = dy_in.contiguous();
-    auto dx = torch::empty_like(dy);
-    auto dw = torch::empty({dy.size(0), s_.k});
-    exchange_->backward(
-        weave::make_token_view(dy), weave::make_token_view(dx),
-        std::span<float>(dw.data_ptr<float>(), dw.numel()),
-        [this](const weave::expert_grad_batch& b) {
-          torch::NoGradGuard no_grad;
-          const auto x = weave_torch::as_tensor(b.saved_input);
-          const auto g = weave_torch::as_tensor(b.grad_output);
-          auto gx = weave_torch::as_tensor(b.grad_input);
-          for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l) {
-            const auto first = b.expert_offsets[l], rows = b.expert_offsets[l + 1] - first;
-            if (rows == 0)
-              continue;
-            expert_state& e = experts_.at(b.experts[l]);
-            gx.narrow(0, first, rows)
-                .copy_(expert_backward(unpack(e.weights, s_), unpack(e.grad, s_),
-                                       x.narrow(0, first, rows), g.narrow(0, first, rows)));
-          }
-        },
-        compute_, comm_stream_);
+  // dL/dh and dL/dweights of both micro-batches from their dL/dy, overlapped the same way; the
+  // experts' parameter gradients accumulate in `grad`.
+  std::array<std::pair<torch::Tensor, torch::Tensor>, 2>
+  backward_pair(const std::array<torch::Tensor, 2>& dy_in) {
+    std::array<torch::Tensor, 2> dy;
+    std::array<std::pair<torch::Tensor, torch::Tensor>, 2> out;
+    for (int i = 0; i < 2; ++i) {
+      dy[i] = dy_in[i].contiguous();
+      exchange_->combine_backward(handles_[i], dy[i], compute_, comm_stream_);
+    }
+    for (int i = 0; i < 2; ++i) {
+      run_experts(handles_[i], /*backward=*/true);
+      out[i] = {torch::empty_like(dy[i]), torch::empty({dy[i].size(0), s_.k})};
+      exchange_->dispatch_backward(handles_[i], out[i].first, out[i].second, compute_,
+                                   comm_stream_);
+    }
     synchronize();
-    return {dx, dw};
+    for (auto& h : handles_)
+      h.reset();
+    return out;
+  }
+
+  // The layer's own expert compute on every chunk of a handle's phase, each chunk a task on the
+  // compute stream (it reads the chunk's rows once the stream got there).
+  //! [own_experts]
+  void run_experts(exchange_type::handle& h, bool backward) {
+    for (const auto chunk : exchange_->chunks(h))
+      compute_.submit([this, chunk, backward] {
+        torch::NoGradGuard no_grad;
+        if (backward)
+          experts_backward(chunk.experts_grad());
+        else
+          experts_forward(chunk.experts());
+      });
+  }
+
+  void experts_forward(const weave::expert_batch& b) {
+    const auto in = weave_torch::as_tensor(b.input);
+    auto out = weave_torch::as_tensor(b.output);
+    for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l) {
+      const auto first = b.expert_offsets[l], rows = b.expert_offsets[l + 1] - first;
+      if (rows == 0)
+        continue;
+      const auto p = unpack(experts_.at(b.experts[l]).weights, s_);
+      out.narrow(0, first, rows).copy_(expert_forward(p, in.narrow(0, first, rows)));
+    }
+  }
+  //! [own_experts]
+
+  void experts_backward(const weave::expert_grad_batch& b) {
+    const auto x = weave_torch::as_tensor(b.saved_input);
+    const auto g = weave_torch::as_tensor(b.grad_output);
+    auto gx = weave_torch::as_tensor(b.grad_input);
+    for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l) {
+      const auto first = b.expert_offsets[l], rows = b.expert_offsets[l + 1] - first;
+      if (rows == 0)
+        continue;
+      expert_state& e = experts_.at(b.experts[l]);
+      gx.narrow(0, first, rows)
+          .copy_(expert_backward(unpack(e.weights, s_), unpack(e.grad, s_),
+                                 x.narrow(0, first, rows), g.narrow(0, first, rows)));
+    }
   }
 
   // Moves to the placement `plan.target`: experts arriving on this rank receive their weights
@@ -332,12 +373,12 @@ class moe_layer {
     weave::moe_options o;
     o.k = s_.k;
     o.hidden = static_cast<std::size_t>(s_.hidden);
-    o.max_tokens = static_cast<std::size_t>(s_.tokens);
+    o.max_tokens = static_cast<std::size_t>(s_.tokens); // a micro-batch holds at most all
     o.chunks = s_.chunks;
     o.save_for_backward = true;
+    o.max_in_flight = 2; // two micro-batches from forward to backward
     exchange_.reset();
-    exchange_ =
-        std::make_unique<weave::moe_exchange<weave::mpi_communicator>>(*comm_, std::move(where), o);
+    exchange_ = std::make_unique<exchange_type>(*comm_, std::move(where), o);
   }
 
   void synchronize() {
@@ -349,28 +390,31 @@ class moe_layer {
   settings s_;
   std::map<int, expert_state> experts_;
   weave::host_stream compute_{"compute"}, comm_stream_{"comm"};
-  std::unique_ptr<weave::moe_exchange<weave::mpi_communicator>> exchange_;
+  std::unique_ptr<exchange_type> exchange_;
+  std::array<micro_batch, 2> inputs_;            // borrowed by the exchange until synchronized
+  std::array<exchange_type::handle, 2> handles_; // from forward_pair to backward_pair
 };
 
-// weave's exchange as an autograd node: inputs (h, gate weights, ids, layer), output y.
+// weave's exchange as an autograd node over two micro-batches: inputs (h, gate weights, ids) of
+// each and the layer; outputs y of each.
 //! [autograd]
-class moe_function : public torch::autograd::Function<moe_function> {
+class moe_pair_function : public torch::autograd::Function<moe_pair_function> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor h,
-                               torch::Tensor weights, torch::Tensor ids, moe_layer* layer) {
-    const auto w = weights.contiguous();
-    // The exchange reads the forward's ids and weights again in its backward.
-    ctx->saved_data["ids"] = ids;
-    ctx->saved_data["weights"] = w;
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                torch::Tensor h0, torch::Tensor w0,
+                                                torch::Tensor ids0, torch::Tensor h1,
+                                                torch::Tensor w1, torch::Tensor ids1,
+                                                moe_layer* layer) {
     ctx->saved_data["layer"] = reinterpret_cast<std::int64_t>(layer);
-    return layer->forward(h, w, ids);
+    const auto y = layer->forward_pair({{{h0, w0, ids0}, {h1, w1, ids1}}});
+    return {y[0], y[1]};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto* layer = reinterpret_cast<moe_layer*>(ctx->saved_data["layer"].toInt());
-    auto [dh, dw] = layer->backward(grads[0]);
-    return {dh, dw, torch::Tensor(), torch::Tensor()};
+    const auto g = layer->backward_pair({grads[0], grads[1]});
+    return {g[0].first, g[0].second, {}, g[1].first, g[1].second, {}, {}};
   }
 };
 //! [autograd]
@@ -458,7 +502,12 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
     stats.decay(0.9);
     stats.accumulate(std::span<const std::int32_t>(r.ids.data_ptr<std::int32_t>(), r.ids.numel()),
                      s.k);
-    const auto y = moe_function::apply(h, r.weights, r.ids, &layer);
+    const std::int64_t half = s.tokens / 2; // two micro-batches in flight through the layer
+    const auto ys = moe_pair_function::apply(
+        h.narrow(0, 0, half), r.weights.narrow(0, 0, half), r.ids.narrow(0, 0, half),
+        h.narrow(0, half, s.tokens - half), r.weights.narrow(0, half, s.tokens - half),
+        r.ids.narrow(0, half, s.tokens - half), &layer);
+    const auto y = torch::cat({ys[0], ys[1]});
     const auto loss = (x + y - target).pow(2).sum() / static_cast<double>(all.x.numel());
     loss.backward();
     //! [model]

@@ -1,7 +1,8 @@
 //! \file
 //! `weave::tensor_traits<torch::Tensor>`: borrowing libtorch CPU tensors as weave token rows.
 //!
-//! A 2-D tensor (rows = tokens) of f32, bf16 or f16 whose elements are contiguous within a row
+//! A 2-D tensor (rows = tokens) of f32, bf16 or f16 (or int32: a (tokens, k) tensor of expert
+//! ids) whose elements are contiguous within a row
 //! (stride(1) == 1) is viewed in place; rows may be strided (stride(0) >= size(1)), as for a
 //! column slice of a wider tensor. Anything else (other dtypes, CUDA tensors, 1-D or 3-D
 //! tensors, transposed views) is rejected with a `weave::error` naming what is wrong, instead of
@@ -27,11 +28,13 @@ inline weave::dtype to_weave_dtype(c10::ScalarType type) {
     return weave::dtype::bf16;
   case torch::kFloat16:
     return weave::dtype::f16;
+  case torch::kInt32: // (tokens, k) expert ids
+    return weave::dtype::i32;
   default:
     break;
   }
   WEAVE_THROW(weave::errc::not_supported, "torch dtype ", c10::toString(type),
-              " has no weave token type (use float32, bfloat16 or float16)");
+              " has no weave type (use float32, bfloat16 or float16 rows, int32 ids)");
 }
 
 //! Throws `errc::invalid_argument` unless `t` can be borrowed as token rows.
@@ -87,6 +90,8 @@ inline c10::ScalarType to_torch_dtype(weave::dtype type) {
     return torch::kBFloat16;
   case weave::dtype::f16:
     return torch::kFloat16;
+  case weave::dtype::i32:
+    return torch::kInt32;
   default:
     break;
   }

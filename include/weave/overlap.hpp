@@ -1,5 +1,6 @@
 //! \file
-//! Overlap layer: the MoE exchange (host and device), its chunked pipeline and stage timings.
+//! Overlap layer: the MoE exchange (host and device) with its handles (dispatch, combine and
+//! their backward, several calls in flight), its chunked pipeline and stage timings.
 //! The Lancet-style planner (graph model, partition planner, dW scheduler, schedules, their
 //! simulator and executor) lives in `weave/plan.hpp`, namespace `weave::plan`.
 #pragma once
@@ -7,6 +8,8 @@
 #include "weave/overlap/device_exchange.hpp"
 #include "weave/overlap/device_exchange_steps.hpp"
 #include "weave/overlap/moe_exchange.hpp"
+#include "weave/overlap/moe_exchange_base.hpp"
+#include "weave/overlap/moe_handle.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/overlap/pipeline.hpp"
 #include "weave/overlap/pipeline_timing.hpp"

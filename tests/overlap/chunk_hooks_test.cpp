@@ -151,8 +151,8 @@ void check_partitioned(weave::capacity_policy capacity) {
     for (std::size_t r = 0; r < got.size(); ++r) {
       CAPTURE(r);
       CHECK(same(got[r].z, want[r].z));
-      // Queue order of the compute stream: P0 P1 X0 P2 X1 C0 ... (producer c + 1 before
-      // experts c; consumer c after experts c + 1).
+      // Queue order of the compute stream: P0 P1 X0 P2 X1 C0 P3 X2 C1 ... (producer c + 1
+      // before experts c; consumer c after experts c + 1).
       const auto& log = got[r].log;
       const auto at = [&](const std::string& what) {
         return std::find(log.begin(), log.end(), what) - log.begin();
@@ -162,6 +162,8 @@ void check_partitioned(weave::capacity_policy capacity) {
         const auto first = [&](int i) { return std::to_string(T * i / chunks); };
         CHECK(at("P" + first(c + 1)) < at("X" + std::to_string(c)));
         CHECK(at("C" + first(c)) > at("X" + std::to_string(c + 1)));
+        if (c + 2 < chunks) // ... and before experts c + 2: under chunk c + 1's combine
+          CHECK(at("C" + first(c)) < at("X" + std::to_string(c + 2)));
       }
     }
   }

@@ -196,9 +196,15 @@ TEST_CASE("device exchange on host streams equals moe_exchange: dynamic and stat
 
 TEST_CASE("device exchange decides capacity like moe_exchange, for every order") {
   for (const bool fixed : {false, true})
-    for (const auto order : {weave::drop_order::position, weave::drop_order::rank_major,
-                             weave::drop_order::batch_prioritized})
+    for (const auto order :
+         {weave::drop_order::position, weave::drop_order::rank_major,
+          weave::drop_order::batch_prioritized, weave::drop_order::priority_token_major})
       for (const double factor : {0.5, 1.0, 1.25}) {
+        // Tutel's rounding above factor 0.5: at factor 1, 26 tokens over 6 experts with k = 2
+        // get 2 * ceil(26 / 6) = 10 rows per expert against ceil(52 / 6) = 9, so the static
+        // slot bound must follow the rounding.
+        const auto rounding =
+            factor > 0.5 ? weave::capacity_rounding::tutel : weave::capacity_rounding::ceil;
         CAPTURE(fixed);
         CAPTURE(static_cast<int>(order));
         CAPTURE(factor);
@@ -207,7 +213,7 @@ TEST_CASE("device exchange decides capacity like moe_exchange, for every order")
         s.experts = 6;
         s.k = 2;
         s.tokens = {30, 21, 26};
-        s.capacity = {factor, order};
+        s.capacity = {factor, order, rounding};
         s.fixed = fixed;
         s.seed = 77;
         check_against_host<float>(s, weave::placement::contiguous(6, 3));
@@ -309,20 +315,14 @@ TEST_CASE("device exchange rejects bad arguments") {
     o.hidden = 4;
     o.max_tokens = 8;
     const auto where = weave::placement::contiguous(4, 2);
-    const auto code = [](auto&& f) {
-      try {
-        f();
-      } catch (const weave::error& e) {
-        return e.code();
-      }
-      return weave::errc{};
-    };
-    CHECK(code([&] { device_exchange(comm, weave::placement::contiguous(4, 4), o); }) ==
-          weave::errc::invalid_argument);
+    CHECK(moe_test::error_code_of([&] {
+            device_exchange(comm, weave::placement::contiguous(4, 4), o);
+          }) == weave::errc::invalid_argument);
     weave::moe_options fixed = o;
     fixed.static_shape = true;
-    CHECK(code([&] { weave::moe_exchange<weave::local_communicator>(comm, where, fixed); }) ==
-          weave::errc::not_supported);
+    CHECK(moe_test::error_code_of([&] {
+            weave::moe_exchange<weave::local_communicator>(comm, where, fixed);
+          }) == weave::errc::not_supported);
     device_exchange ex(comm, where, o);
     aligned_buffer ws(ex.workspace_size()); // outlives the streams: rejected calls still take
                                             // their turn on them, which uses the workspace
@@ -331,18 +331,21 @@ TEST_CASE("device exchange rejects bad arguments") {
     std::vector<float> w(16, 1.0f);
     weave::host_stream a("a"), b("b");
     const auto noop = [](const weave::device_expert_batch<weave::host_space>&) {};
-    CHECK(code([&] { ex.forward(x.view(), ids, w, y.view(), noop, a, b); }) ==
+    CHECK(moe_test::error_code_of([&] { ex.forward(x.view(), ids, w, y.view(), noop, a, b); }) ==
           weave::errc::invalid_state); // not initialised
-    CHECK(code([&] { ex.initialize(ws.ptr, ws.size / 2, a); }) == weave::errc::size_mismatch);
+    CHECK(moe_test::error_code_of([&] { ex.initialize(ws.ptr, ws.size / 2, a); }) ==
+          weave::errc::size_mismatch);
     ex.initialize(ws.ptr, ws.size, a);
-    CHECK(code([&] { ex.forward(wide.view(), ids, w, y.view(), noop, a, b); }) ==
+    CHECK(moe_test::error_code_of([&] { ex.forward(wide.view(), ids, w, y.view(), noop, a, b); }) ==
           weave::errc::size_mismatch);
-    CHECK(code([&] { ex.forward(many.view(), ids, w, many.view(), noop, a, b); }) ==
-          weave::errc::invalid_argument);
-    CHECK(code([&] { ex.forward(x.view(), std::span(ids).first(15), w, y.view(), noop, a, b); }) ==
-          weave::errc::size_mismatch);
+    CHECK(moe_test::error_code_of([&] {
+            ex.forward(many.view(), ids, w, many.view(), noop, a, b);
+          }) == weave::errc::invalid_argument);
+    CHECK(moe_test::error_code_of([&] {
+            ex.forward(x.view(), std::span(ids).first(15), w, y.view(), noop, a, b);
+          }) == weave::errc::size_mismatch);
     std::vector<float> dw(16);
-    CHECK(code([&] {
+    CHECK(moe_test::error_code_of([&] {
             ex.backward(
                 x.view(), y.view(), dw,
                 [](const weave::device_expert_grad_batch<weave::host_space>&) {}, a, b);

@@ -1,5 +1,6 @@
-// The example of docs/exchange.md, compiled and checked: one MoE layer, forward and backward,
-// pipelined in 2 chunks on 4 in-process ranks, against a per-token reference computed here.
+// The examples of docs/exchange.md, compiled and checked: one MoE layer, forward and backward,
+// pipelined in 2 chunks on 4 in-process ranks, through the callback form and through handles
+// with two micro-batches in flight, against a per-token reference computed here.
 #include <doctest/doctest.h>
 
 #include <weave/comm/local_world.hpp>
@@ -30,13 +31,12 @@ struct rank_data {
   std::vector<float> weights;
 };
 
-} // namespace
+constexpr int ranks = 4, experts = 8, k = 2;
+constexpr std::size_t tokens = 32, hidden = 16;
 
-TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer") {
-  const int ranks = 4, experts = 8, k = 2;
-  const std::size_t tokens = 32, hidden = 16;
+std::vector<rank_data> make_data(std::uint32_t seed) {
   std::vector<rank_data> data(ranks);
-  std::mt19937 rng(7);
+  std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (rank_data& d : data) {
     for (std::size_t i = 0; i < tokens * hidden; ++i) {
@@ -53,6 +53,54 @@ TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer")
     d.dx.assign(tokens * hidden, 0.0f);
     d.dw.assign(tokens * k, -1.0f);
   }
+  return data;
+}
+
+// y = sum_j w_j (e_j + 1) x;  dx = sum_j w_j (e_j + 1) dy;  dw_j = <dy, (e_j + 1) x>.
+void check_reference(const std::vector<rank_data>& data) {
+  for (const rank_data& d : data)
+    for (std::size_t t = 0; t < tokens; ++t) {
+      double dot = 0;
+      for (std::size_t h = 0; h < hidden; ++h)
+        dot += static_cast<double>(d.dy[t * hidden + h]) * d.x[t * hidden + h];
+      double scale = 0;
+      for (int j = 0; j < k; ++j) {
+        const std::size_t p = t * k + static_cast<std::size_t>(j);
+        const double f = d.ids[p] + 1.0;
+        scale += d.weights[p] * f;
+        CHECK(d.dw[p] == doctest::Approx(f * dot).epsilon(1e-5));
+      }
+      for (std::size_t h = 0; h < hidden; ++h) {
+        CHECK(d.y[t * hidden + h] == doctest::Approx(scale * d.x[t * hidden + h]).epsilon(1e-5));
+        CHECK(d.dx[t * hidden + h] == doctest::Approx(scale * d.dy[t * hidden + h]).epsilon(1e-5));
+      }
+    }
+}
+
+// The experts of every chunk of a handle's phase, each chunk a task on the compute stream:
+// forward (`grad = false`) or backward.
+template <class Layer, class Handle>
+void compute_experts(Layer& layer, Handle& h, weave::host_stream& compute, bool grad) {
+  for (const auto chunk : layer.chunks(h))
+    compute.submit([chunk, grad] {
+      if (grad) {
+        const weave::expert_grad_batch b = chunk.experts_grad();
+        for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
+          scale_rows(b.grad_output, b.grad_input, b.expert_offsets[l], b.expert_offsets[l + 1],
+                     static_cast<float>(b.experts[l] + 1));
+      } else {
+        const weave::expert_batch b = chunk.experts();
+        for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
+          scale_rows(b.input, b.output, b.expert_offsets[l], b.expert_offsets[l + 1],
+                     static_cast<float>(b.experts[l] + 1));
+      }
+    });
+}
+
+} // namespace
+
+TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer") {
+  std::vector<rank_data> data = make_data(7);
 
   weave::local_world world(ranks);
   world.run([&](weave::local_communicator& comm) {
@@ -102,22 +150,47 @@ TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer")
     CHECK(stats.copies_per_token() <= 2.0);
   });
 
-  // y = sum_j w_j (e_j + 1) x;  dx = sum_j w_j (e_j + 1) dy;  dw_j = <dy, (e_j + 1) x>.
-  for (const rank_data& d : data)
-    for (std::size_t t = 0; t < tokens; ++t) {
-      double dot = 0;
-      for (std::size_t h = 0; h < hidden; ++h)
-        dot += static_cast<double>(d.dy[t * hidden + h]) * d.x[t * hidden + h];
-      double scale = 0;
-      for (int j = 0; j < k; ++j) {
-        const std::size_t p = t * k + static_cast<std::size_t>(j);
-        const double f = d.ids[p] + 1.0;
-        scale += d.weights[p] * f;
-        CHECK(d.dw[p] == doctest::Approx(f * dot).epsilon(1e-5));
-      }
-      for (std::size_t h = 0; h < hidden; ++h) {
-        CHECK(d.y[t * hidden + h] == doctest::Approx(scale * d.x[t * hidden + h]).epsilon(1e-5));
-        CHECK(d.dx[t * hidden + h] == doctest::Approx(scale * d.dy[t * hidden + h]).epsilon(1e-5));
-      }
-    }
+  check_reference(data);
+}
+
+TEST_CASE("docs/exchange.md example: handles, two micro-batches in flight") {
+  std::vector<rank_data> first = make_data(7), second = make_data(8);
+  weave::local_world world(ranks);
+  world.run([&](weave::local_communicator& comm) {
+    rank_data& a = first[static_cast<std::size_t>(comm.rank())];
+    rank_data& b = second[static_cast<std::size_t>(comm.rank())];
+    weave::moe_options o;
+    o.k = k;
+    o.hidden = hidden;
+    o.max_tokens = tokens;
+    o.chunks = 2;
+    o.save_for_backward = true;
+    //! [handles]
+    o.max_in_flight = 2; // two calls alive at once
+    weave::moe_exchange<weave::local_communicator> layer(
+        comm, weave::placement::contiguous(experts, comm.size()), o);
+    weave::host_stream compute("compute"), comm_stream("comm");
+    const auto rows = [](std::vector<float>& v) { return weave::make_token_view(v, hidden); };
+    // Both dispatches first: b's all-to-all runs while a's experts compute.
+    auto ha = layer.dispatch(rows(a.x), a.ids, a.weights, compute, comm_stream);
+    auto hb = layer.dispatch(rows(b.x), b.ids, b.weights, compute, comm_stream);
+    compute_experts(layer, ha, compute, /*grad=*/false); // a's combine runs under b's experts
+    compute_experts(layer, hb, compute, /*grad=*/false);
+    layer.combine(ha, rows(a.y), compute, comm_stream);
+    layer.combine(hb, rows(b.y), compute, comm_stream);
+    // The backward pair: dispatch the output gradients, compute the experts' backward, return
+    // the input gradients and the gate-weight gradients.
+    layer.combine_backward(ha, rows(a.dy), compute, comm_stream);
+    layer.combine_backward(hb, rows(b.dy), compute, comm_stream);
+    compute_experts(layer, ha, compute, /*grad=*/true);
+    compute_experts(layer, hb, compute, /*grad=*/true);
+    layer.dispatch_backward(ha, rows(a.dx), a.dw, compute, comm_stream);
+    layer.dispatch_backward(hb, rows(b.dx), b.dw, compute, comm_stream);
+    compute.synchronize(); // everything was only enqueued until here
+    comm_stream.synchronize();
+    //! [handles]
+    CHECK(layer.stats(ha).routed_pairs == static_cast<std::int64_t>(tokens * k));
+  });
+  check_reference(first);
+  check_reference(second);
 }

@@ -2,7 +2,8 @@
 // problem from one seed, runs its share forward and backward unchunked and chunked, checks its
 // results against the dense reference, and checks the chunked run bitwise against the
 // unchunked one; then the device exchange's algorithm (host_space) over the same MPI
-// communicator, dynamic and static shapes, bitwise against moe_exchange.
+// communicator, dynamic and static shapes, bitwise against moe_exchange; and both exchanges'
+// handles with 4 micro-batches in 1F1B order against the callback form and the reference.
 #include <doctest/doctest.h>
 
 #include "moe_test_support.hpp"
@@ -15,6 +16,7 @@
 #include <weave/routing/host_row_moves.hpp>
 
 #include "aligned_buffer.hpp"
+#include "handle_support.hpp"
 #include "mpi_session.hpp"
 
 #include <cstring>
@@ -138,6 +140,50 @@ TEST_CASE("moe_exchange over MPI equals the dense reference; chunking is bitwise
       CHECK(std::memcmp(base.dw.data(), dev.dw.data(), base.dw.size() * 4) == 0);
       CHECK(dev.stats.sent_rows == base.stats.sent_rows);
       CHECK(dev.stats.dropped_pairs == base.stats.dropped_pairs);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("handles over MPI: 1F1B micro-batches equal the callback form one by one", T,
+                   std::false_type, std::true_type) {
+  // 4 micro-batches per rank in interleaved 1F1B order through handles (2 in flight), against
+  // the same micro-batches one by one through the callback form (bitwise) and the dense
+  // reference; both exchanges, unchunked and chunked.
+  constexpr bool device = T::value;
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  const int ranks = comm.size(), experts_count = 4 * ranks, k = 2;
+  const std::size_t hidden = 8, max_tokens = 20;
+  const auto where = weave::placement::contiguous(experts_count, ranks);
+  const moe_test::linear_experts lin(experts_count, hidden, 17);
+  std::mt19937 rng(42);
+  std::vector<moe_test::rank_input<float>> mine;
+  for (int r = 0; r < ranks; ++r)
+    for (int i = 0; i < 4; ++i) {
+      auto in = moe_test::random_input<float>(max_tokens - 2 * static_cast<std::size_t>(i + r),
+                                              hidden, experts_count, k, rng);
+      if (r == comm.rank())
+        mine.push_back(std::move(in));
+    }
+  for (const int chunks : {1, 3}) {
+    CAPTURE(chunks);
+    weave::moe_options o;
+    o.k = k;
+    o.hidden = hidden;
+    o.max_tokens = max_tokens;
+    o.chunks = chunks;
+    o.save_for_backward = true;
+    weave::host_stream compute("compute"), stream("comm");
+    handle_test::layer<weave::mpi_communicator, device> one(comm, where, o, compute);
+    const auto want = handle_test::run_one_by_one(one, mine, lin, compute, stream);
+    o.max_in_flight = 2;
+    handle_test::layer<weave::mpi_communicator, device> two(comm, where, o, compute);
+    const auto got =
+        handle_test::run_schedule(two, mine, handle_test::one_f_one_b, lin, compute, stream);
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      CAPTURE(i);
+      CHECK(handle_test::same(got[i], want[i]));
+      moe_test::check_rank_against_dense(comm.rank(), where, k, experts_count, {}, mine[i], lin,
+                                         got[i].y, &got[i].dx, &got[i].dw, got[i].stats, 1e-4);
     }
   }
 }

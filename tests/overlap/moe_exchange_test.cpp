@@ -138,13 +138,17 @@ TEST_CASE("moe_exchange equals the dense reference and is bitwise identical for 
 }
 
 TEST_CASE("capacity drops equal the naive count for every order and chunking") {
-  for (auto order : {weave::drop_order::position, weave::drop_order::rank_major,
-                     weave::drop_order::batch_prioritized}) {
+  for (auto order :
+       {weave::drop_order::position, weave::drop_order::rank_major,
+        weave::drop_order::batch_prioritized, weave::drop_order::priority_token_major}) {
     for (double factor : {0.5, 1.0, -0.75}) {
-      CAPTURE(static_cast<int>(order));
-      CAPTURE(factor);
-      case_setup s{2, 8, 2, 4, {40, 33}, {factor, order}, 7};
-      check_all_chunkings<float>(s, weave::placement::contiguous(8, 2), 1e-4);
+      for (auto rounding : {weave::capacity_rounding::ceil, weave::capacity_rounding::tutel}) {
+        CAPTURE(static_cast<int>(order));
+        CAPTURE(factor);
+        CAPTURE(static_cast<int>(rounding));
+        case_setup s{2, 8, 2, 4, {40, 33}, {factor, order, rounding}, 7};
+        check_all_chunkings<float>(s, weave::placement::contiguous(8, 2), 1e-4);
+      }
     }
   }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <weave/core/dtype.hpp>
+#include <weave/core/error.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/overlap/moe_options.hpp>
 #include <weave/placement/placement.hpp>
@@ -96,6 +97,17 @@ rank_input<T> random_input(std::size_t tokens, std::size_t hidden, int experts, 
   return in;
 }
 
+// The code of the weave::error `f()` throws, or errc{} when it throws none.
+template <class F>
+weave::errc error_code_of(F&& f) {
+  try {
+    f();
+  } catch (const weave::error& e) {
+    return e.code();
+  }
+  return weave::errc{};
+}
+
 // Which (token, rank) pairs a naive capacity count keeps, for one rank's batch.
 inline std::vector<bool> naive_keep(const std::vector<std::int32_t>& ids,
                                     const std::vector<float>& weights, int k, int experts,
@@ -107,11 +119,16 @@ inline std::vector<bool> naive_keep(const std::vector<std::int32_t>& ids,
       keep[i] = ids[i] >= 0;
     return keep;
   }
+  const double f = std::fabs(policy.factor);
   const auto cap = static_cast<std::int64_t>(
-      std::ceil(std::fabs(policy.factor) * k * static_cast<double>(tokens) / experts));
+      policy.rounding == weave::capacity_rounding::tutel
+          ? k * std::floor(f * static_cast<double>((tokens + experts - 1) / experts))
+          : std::ceil(static_cast<double>(k * tokens) / experts * f));
   std::vector<std::size_t> order(tokens);
   std::iota(order.begin(), order.end(), 0);
-  if (policy.order == weave::drop_order::batch_prioritized) {
+  const bool prioritized = policy.order == weave::drop_order::batch_prioritized ||
+                           policy.order == weave::drop_order::priority_token_major;
+  if (prioritized) { // the exchange's priority: the best weight of the token's valid choices
     auto best = [&](std::size_t t) {
       float b = -INFINITY;
       for (int j = 0; j < k; ++j)
@@ -130,9 +147,10 @@ inline std::vector<bool> naive_keep(const std::vector<std::int32_t>& ids,
       keep[t * k + j] = true;
     }
   };
-  if (policy.order == weave::drop_order::rank_major) {
-    for (int j = 0; j < k; ++j)
-      for (std::size_t t = 0; t < tokens; ++t)
+  if (policy.order == weave::drop_order::rank_major ||
+      policy.order == weave::drop_order::batch_prioritized) {
+    for (int j = 0; j < k; ++j) // choice by choice (Tutel)
+      for (std::size_t t : order)
         visit(t, j);
   } else {
     for (std::size_t t : order)

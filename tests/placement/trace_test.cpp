@@ -9,7 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <numeric>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -26,6 +28,17 @@ weave::errc read_error(const std::string& text) {
     return e.code();
   }
   FAIL("malformed trace accepted: ", text);
+  return weave::errc::internal;
+}
+
+// The error reading every layer of `text` gives; `internal` when it reads fine.
+weave::errc layers_error(const std::string& text) {
+  std::istringstream in(text);
+  try {
+    (void)weave::read_trace_layers(in);
+  } catch (const weave::error& e) {
+    return e.code();
+  }
   return weave::errc::internal;
 }
 
@@ -210,7 +223,7 @@ TEST_CASE("malformed trace files get typed errors") {
   const std::string head = "weave-trace 1\nexperts 4\nk 2\ntokens 2\n";
   CHECK(read_error("") == errc::invalid_argument);
   CHECK(read_error("weave-trac 1\n") == errc::invalid_argument);
-  CHECK(read_error("weave-trace 2\nexperts 4\nk 2\ntokens 0\n") == errc::invalid_argument);
+  CHECK(read_error("weave-trace 3\nexperts 4\nk 2\ntokens 0\n") == errc::invalid_argument);
   CHECK(read_error("weave-trace 1\nexperts 0\nk 2\ntokens 0\n") == errc::invalid_argument);
   CHECK(read_error("weave-trace 1\nexperts 4\nk 5\ntokens 0\n") == errc::invalid_argument);
   CHECK(read_error("weave-trace 1\nexperts 4\ntokens 2\n") == errc::invalid_argument);
@@ -235,4 +248,94 @@ TEST_CASE("malformed trace files get typed errors") {
   std::ostringstream out;
   CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 1, 2}}), weave::error);
   CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 4}}), weave::error);
+}
+
+TEST_CASE("layered traces with scores round-trip exactly; version 1 files read as one layer") {
+  std::mt19937 rng(3);
+  weave::layered_trace trace;
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  for (int l = 0; l < 3; ++l) {
+    weave::routing_trace t;
+    t.num_experts = 16;
+    t.k = 3;
+    std::vector<float> scores;
+    for (int i = 0; i < 3 * 40; ++i) {
+      t.ids.push_back(static_cast<std::int32_t>(rng() % 16));
+      scores.push_back(i % 7 == 0 ? 0.0f : u(rng)); // any float comes back bit for bit
+    }
+    trace.layers.push_back(t);
+    trace.scores.push_back(scores);
+  }
+  trace.layers[1].ids[5] = -1;
+  std::stringstream buf;
+  weave::write_trace_layers(buf, trace);
+  CHECK(buf.str().rfind("weave-trace 2\nexperts 16\nk 3\nlayers 3\ntokens 40\nscores 1\nlayer 0\n",
+                        0) == 0);
+  CHECK(weave::read_trace_layers(buf) == trace);
+  // read_trace takes a one-layer version 2 file (without its scores), not several layers.
+  buf.clear();
+  buf.seekg(0);
+  CHECK_THROWS_AS(weave::read_trace(buf), weave::error);
+  weave::layered_trace one{{trace.layers[2]}, {trace.scores[2]}};
+  std::stringstream one_buf;
+  weave::write_trace_layers(one_buf, one);
+  CHECK(weave::read_trace(one_buf) == trace.layers[2]);
+  // Without scores, through a file.
+  trace.scores.clear();
+  const auto path = std::filesystem::temp_directory_path() / "weave_trace_layers.txt";
+  weave::write_trace_layers_file(path.string(), trace);
+  CHECK(weave::read_trace_layers_file(path.string()) == trace);
+  std::filesystem::remove(path);
+  // A version 1 file is one layer without scores.
+  std::istringstream v1("weave-trace 1\nexperts 4\nk 2\ntokens 1\n0 3\n");
+  const auto read = weave::read_trace_layers(v1);
+  REQUIRE(read.layers.size() == 1);
+  CHECK(read.layers[0].ids == std::vector<std::int32_t>{0, 3});
+  CHECK(read.scores.empty());
+  // Hand-written: comments and blank lines between layers.
+  std::istringstream hand("weave-trace 2\nexperts 4\nk 2\nlayers 2\ntokens 1\nscores 1\n"
+                          "layer 0\n# a comment\n0 3 0.5 0.25\n\nlayer 1\n2 1 1e-3 0\n");
+  const auto h = weave::read_trace_layers(hand);
+  REQUIRE(h.layers.size() == 2);
+  REQUIRE(h.scores.size() == 2);
+  CHECK(h.scores[0] == std::vector<float>{0.5f, 0.25f});
+  CHECK(h.layers[1].ids == std::vector<std::int32_t>{2, 1});
+  CHECK(h.scores[1] == std::vector<float>{0.001f, 0.0f});
+}
+
+TEST_CASE("malformed layered traces get typed errors") {
+  using weave::errc;
+  const std::string head = "weave-trace 2\nexperts 4\nk 2\nlayers 2\ntokens 1\nscores 1\n";
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 1\n2 3 0.5 0.5\n") == errc::internal);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 x\nlayer 1\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 nan\nlayer 1\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 inf\nlayer 1\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5\nlayer 1\n2 3 0.5 0.5\n") == errc::size_mismatch);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 2\n2 3 0.5 0.5\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\n") == errc::invalid_argument);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 1\n") == errc::size_mismatch);
+  CHECK(layers_error(head + "layer 0\n0 1 0.5 0.5\nlayer 1\n2 3 0.5 0.5\n1 1 0 0\n") ==
+        errc::size_mismatch);
+  CHECK(layers_error("weave-trace 2\nexperts 4\nk 2\nlayers 0\ntokens 1\nscores 1\n") ==
+        errc::invalid_argument);
+  CHECK(layers_error("weave-trace 2\nexperts 4\nk 2\nlayers 1\ntokens 1\nscores 2\n") ==
+        errc::invalid_argument);
+  std::ostringstream out;
+  const weave::routing_trace a{4, 2, {0, 1}};
+  const weave::routing_trace b{4, 2, {0, 1, 2, 3}};
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{{a, b}, {}}), weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{{a}, {{0.5f}}}),
+                  weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{{a, a}, {{0.5f, 0.5f}}}),
+                  weave::error);
+  CHECK_THROWS_AS(
+      weave::write_trace_layers(
+          out, weave::layered_trace{{a}, {{0.5f, std::numeric_limits<float>::quiet_NaN()}}}),
+      weave::error);
+  CHECK_THROWS_AS(weave::write_trace_layers(out, weave::layered_trace{}), weave::error);
+  CHECK(out.str().empty()); // nothing written before the checks
 }

@@ -233,10 +233,10 @@ TEST_CASE("device expert plan flags bad entries") {
   CHECK_THROWS_AS(weave::device_expert_plan<weave::host_space>(0, 2, 1, 2), weave::error);
 }
 
-TEST_CASE("device capacity filter equals the host filter for every order and factor") {
+TEST_CASE("device capacity filter equals the host filter for every order, factor and rounding") {
   std::mt19937 rng(31);
   weave::host_stream s("capacity");
-  for (int trial = 0; trial < 30; ++trial) {
+  for (int trial = 0; trial < 60; ++trial) {
     const int E = 1 + static_cast<int>(rng() % 12);
     const int k = 1 + static_cast<int>(rng() % std::min(E, 4));
     const std::size_t T = rng() % 200;
@@ -246,15 +246,25 @@ TEST_CASE("device capacity filter equals the host filter for every order and fac
     for (std::size_t i = 0; i < w.size(); i += 5)
       w[i] = w[(i * 7) % w.size()]; // ties between tokens
     const double factor = std::array{0.0, 0.5, 1.0, 1.25, -1.0, 3.0}[rng() % 6];
-    const auto order = static_cast<weave::drop_order>(rng() % 3);
-    const weave::capacity_policy policy{factor, order};
+    const auto order = static_cast<weave::drop_order>(trial % 4);
+    const auto rounding = static_cast<weave::capacity_rounding>((trial / 4) % 2);
+    const weave::capacity_policy policy{factor, order, rounding};
+    const bool given = trial % 3 != 0; // an explicit priority, or the weights' best
 
-    // The host filter with the priority moe_exchange uses: best weight over valid choices.
+    // The weights' best over valid choices (what moe_exchange uses), or a given priority with
+    // ties (whole multiples of 1/4, signed zeros).
     std::vector<float> priority(T, -std::numeric_limits<float>::infinity());
-    for (std::size_t t = 0; t < T; ++t)
+    for (std::size_t t = 0; t < T; ++t) {
+      if (given) {
+        priority[t] = static_cast<float>(static_cast<int>(rng() % 5) - 2) / 4.0f;
+        if (priority[t] == 0.0f && rng() % 2 == 0)
+          priority[t] = -0.0f;
+        continue;
+      }
       for (int j = 0; j < k; ++j)
         if (ids[t * k + j] >= 0)
           priority[t] = std::max(priority[t], w[t * k + j]);
+    }
     weave::capacity_filter host(E, k, T, policy);
     std::vector<std::uint8_t> want(ids.size());
     const std::int64_t want_dropped = host.decide(ids, priority, want);
@@ -263,14 +273,26 @@ TEST_CASE("device capacity filter equals the host filter for every order and fac
     workspace ws(dev.workspace_size());
     dev.initialize(ws.ptr, ws.size, s);
     std::vector<std::uint8_t> got(ids.size(), 0xEE);
-    dev.decide(s, ids, w, got);
+    dev.decide(s, ids, w, got, given ? std::span<const float>(priority) : std::span<const float>());
     s.synchronize();
     INFO("E = ", E, ", k = ", k, ", T = ", T, ", factor = ", factor,
-         ", order = ", static_cast<int>(order));
+         ", order = ", static_cast<int>(order), ", rounding = ", static_cast<int>(rounding),
+         ", given priority = ", given);
     CHECK(got == want);
     CHECK(*dev.dropped_count() == want_dropped);
     CHECK(dev.capacity() == host.capacity());
   }
+  weave::device_capacity_filter<weave::host_space> dev(4, 1, 8,
+                                                       {1.0, weave::drop_order::batch_prioritized});
+  workspace ws(dev.workspace_size());
+  dev.initialize(ws.ptr, ws.size, s);
+  std::vector<std::int32_t> ids(4, 0);
+  std::vector<float> w(4, 1.0f), priority(3, 1.0f);
+  std::vector<std::uint8_t> keep(4);
+  CHECK_THROWS_AS(dev.decide(s, ids, w, keep, priority), weave::error);
+  CHECK_THROWS_AS(weave::device_capacity_filter<weave::host_space>(
+                      4, 1, 8, {1.0, static_cast<weave::drop_order>(5)}),
+                  weave::error);
 }
 
 TEST_CASE("device capacity filter admits chunk by chunk what it decides for the whole batch") {

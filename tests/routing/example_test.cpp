@@ -17,18 +17,19 @@ TEST_CASE("docs/routing.md example: gate, capacity, plan, dispatch and combine")
           static_cast<float>((t * 7 + static_cast<std::size_t>(e) * 3) % 11);
 
   //! [dispatch]
-  // 1. Gate: top-2 of a softmax, renormalized.
+  // 1. Gate: top-2 of a softmax, renormalized; each token's top score is its priority.
   std::vector<std::int32_t> ids(T * k);
-  std::vector<float> weights(T * k);
+  std::vector<float> weights(T * k), priority(T);
   weave::gate_options gate;
   gate.k = k;
   gate.renormalize = true;
-  const weave::gate_summary summary = weave::top_k_gate(logits.view(), gate, ids, weights);
+  const weave::gate_summary summary =
+      weave::top_k_gate(logits.view(), gate, ids, weights, priority);
 
-  // 2. Capacity: factor 1.25, batch-prioritized; decided once for the whole batch.
-  std::vector<float> priority(T);
-  weave::max_weight_priority(weights, k, priority);
-  weave::capacity_filter filter(E, k, T, {1.25, weave::drop_order::batch_prioritized});
+  // 2. Capacity as Tutel's batch-prioritized routing with factor 1.25 and Tutel's rounding;
+  // decided once for the whole batch.
+  weave::capacity_filter filter(
+      E, k, T, {1.25, weave::drop_order::batch_prioritized, weave::capacity_rounding::tutel});
   std::vector<std::uint8_t> keep(T * k);
   const std::int64_t dropped = filter.decide(ids, priority, keep);
 

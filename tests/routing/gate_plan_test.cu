@@ -74,25 +74,28 @@ void gate_trials(std::mt19937& rng, const stream_holder& stream) {
     for (auto& v : logits.elements())
       v = L(quantized ? std::clamp(std::round(normal(rng) * 2) / 2, -6.0f, 6.0f) : normal(rng));
     std::vector<std::int32_t> ids(T * k);
-    std::vector<float> w(T * k);
+    std::vector<float> w(T * k), top(T);
     dev<float> d_bias(bias);
     options.bias = bias;
-    weave::top_k_gate(logits.view(), options, ids, w);
+    weave::top_k_gate(logits.view(), options, ids, w, top);
 
     dev<L> d_logits(std::vector<L>(logits.elements().begin(), logits.elements().end()));
     dev<std::int32_t> d_ids(T * k);
-    dev<float> d_w(T * k);
+    dev<float> d_w(T * k), d_top(T);
     dev<std::uint32_t> d_err(std::vector<std::uint32_t>{0});
     weave::gate_options dopt = options;
     dopt.bias = bias.empty() ? std::span<const float>{} : d_bias.cspan();
     const weave::const_token_view dview(reinterpret_cast<const std::byte*>(d_logits.ptr), T,
                                         static_cast<std::size_t>(E), weave::dtype_of_v<L>,
                                         weave::memory_space::device, 0);
-    weave::top_k_gate(stream.ref(), dview, dopt, d_ids.span(), d_w.span(), d_err.ptr);
+    weave::top_k_gate(stream.ref(), dview, dopt, d_ids.span(), d_w.span(), d_err.ptr, d_top.span());
     stream.ref().synchronize();
     CHECK(to_host(d_err.cspan())[0] == 0u);
     const auto got_ids = to_host(d_ids.cspan());
     const auto got_w = to_host(d_w.cspan());
+    const auto got_top = to_host(d_top.cspan());
+    for (std::size_t t = 0; t < T; ++t)
+      CHECK(std::abs(got_top[t] - top[t]) <= 1e-5f * std::max(1.0f, std::abs(top[t])));
     std::size_t near_ties = 0;
     std::vector<float> row(static_cast<std::size_t>(E));
     for (std::size_t t = 0; t < T; ++t) {
@@ -165,7 +168,7 @@ TEST_CASE("CUDA top_k_gate flags bad logits and bias, rejects bad arguments") {
     weave::gate_options o = options;
     if (!bias.empty())
       o.bias = b.cspan();
-    WEAVE_CUDA_CHECK(cudaMemset(err.ptr, 0, 4));
+    WEAVE_CUDA_CHECK(cudaMemsetAsync(err.ptr, 0, 4, stream.raw));
     weave::top_k_gate(stream.ref(),
                       weave::const_token_view(reinterpret_cast<const std::byte*>(d.ptr), T, E,
                                               weave::dtype::f32, weave::memory_space::device, 0),
@@ -207,6 +210,15 @@ TEST_CASE("CUDA top_k_gate flags bad logits and bias, rejects bad arguments") {
     CHECK(e.code() == weave::errc::not_supported);
   }
   o.limit = nullptr;
+  const weave::group_limit groups{4, 2, 0};
+  o.groups = &groups;
+  try {
+    weave::top_k_gate(stream.ref(), view, o, ids.span(), w.span());
+    FAIL("a group limit was accepted");
+  } catch (const weave::error& e) {
+    CHECK(e.code() == weave::errc::not_supported);
+  }
+  o.groups = nullptr;
   const weave::const_token_view host_view(reinterpret_cast<const std::byte*>(logits.data()), T, E,
                                           weave::dtype::f32);
   CHECK_THROWS_AS(weave::top_k_gate(stream.ref(), host_view, o, ids.span(), w.span()),
@@ -249,6 +261,7 @@ TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a k
     WEAVE_CUDA_CHECK(cudaMemcpy(d_ids.ptr, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
     WEAVE_CUDA_CHECK(cudaMemcpy(d_w.ptr, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
     WEAVE_CUDA_CHECK(cudaMemset(ws.ptr, 0xFF, ws.size));
+    WEAVE_CUDA_CHECK(cudaDeviceSynchronize()); // pageable copies are not ordered with the stream
     gpu.initialize(ws.ptr, ws.size, stream.ref());
     gpu.build(stream.ref(), d_ids.cspan(), d_w.cspan());
     expect_plan_equal(host, gpu, stream);
@@ -361,13 +374,10 @@ TEST_CASE("CUDA dispatch plan flags bad choices and rejects bad arguments") {
                   weave::error);
   CHECK_THROWS_AS(gpu.build(stream.ref(), many.cspan().first(4), many_w.cspan().first(6)),
                   weave::error);
+  // Replicated placements are plannable (a replica table is uploaded at initialize); their
+  // plans are checked against the host in the equality test above.
   const weave::placement replicated(4, 2, {0, 1, 2, 3, 0, 1, 2, 3});
-  try {
-    weave::cuda_dispatch_plan bad(replicated, 2, 0, 8);
-    FAIL("a replicated placement was accepted");
-  } catch (const weave::error& e) {
-    CHECK(e.code() == weave::errc::not_supported);
-  }
+  CHECK_NOTHROW(weave::cuda_dispatch_plan(replicated, 2, 0, 8));
   CHECK_THROWS_AS(weave::cuda_dispatch_plan(p, 0, 0, 8), weave::error);
   CHECK_THROWS_AS(weave::cuda_dispatch_plan(p, 2, 4, 8), weave::error);
   weave::cuda_dispatch_plan uninit(p, k, 0, 8);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <set>
@@ -118,6 +119,42 @@ TEST_CASE("top_k_gate equals brute-force top-k with ties to the lower id, softma
              first[static_cast<std::size_t>(e)] / static_cast<double>(T);
     CHECK(summary.aux_loss == doctest::Approx(aux * E).epsilon(1e-5));
   }
+}
+
+TEST_CASE("top_k_gate's top_score is the largest unbiased score; other outputs are unchanged") {
+  std::mt19937 rng(13);
+  for (int trial = 0; trial < 40; ++trial) {
+    const std::size_t T = 1 + rng() % 30;
+    const int E = 1 + static_cast<int>(rng() % 24);
+    const int k = 1 + static_cast<int>(rng() % static_cast<unsigned>(E));
+    const auto logits = random_logits(T, static_cast<std::size_t>(E), rng, trial % 2 == 0);
+    weave::gate_options options;
+    options.k = k;
+    options.scoring = trial % 3 == 0 ? weave::gate_scoring::sigmoid : weave::gate_scoring::softmax;
+    options.renormalize = trial % 2 == 1;
+    std::vector<float> bias;
+    if (trial % 4 == 3) { // a bias that moves the choices away from the best score
+      for (int e = 0; e < E; ++e)
+        bias.push_back(static_cast<float>(E - e) * 0.25f);
+      options.bias = bias;
+    }
+    std::vector<std::int32_t> ids(T * static_cast<std::size_t>(k)), ids2(ids.size());
+    std::vector<float> weights(ids.size()), weights2(ids.size()), top(T, -1.0f);
+    const auto plain = weave::top_k_gate(logits.view(), options, ids, weights);
+    const auto with_top = weave::top_k_gate(logits.view(), options, ids2, weights2, top);
+    CHECK(ids2 == ids);
+    CHECK(std::memcmp(weights2.data(), weights.data(), weights.size() * sizeof(float)) == 0);
+    CHECK(with_top.aux_loss == plain.aux_loss);
+    for (std::size_t t = 0; t < T; ++t) {
+      const auto scores = reference_scores(logits.row(t), options.scoring);
+      CHECK(top[t] == doctest::Approx(*std::max_element(scores.begin(), scores.end())));
+    }
+  }
+  weave::host_matrix<float> logits(3, 4);
+  std::vector<std::int32_t> ids(3);
+  std::vector<float> weights(3), top(2);
+  weave::gate_options options;
+  CHECK_THROWS_AS(weave::top_k_gate(logits.view(), options, ids, weights, top), weave::error);
 }
 
 TEST_CASE("top_k_gate reads bf16 and f16 logits as their fp32 values") {

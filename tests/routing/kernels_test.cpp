@@ -1,10 +1,20 @@
 // gather_rows / merge_rows against element-by-element loops, for f32, bf16 and f16 rows, packed
-// and strided, directly and on a host_stream; bad input gets the right error code.
+// and strided, directly and on a host_stream; bitwise against the scalar kernels they replaced,
+// special values included; bad input gets the right error code.
 #include <doctest/doctest.h>
 
+#include "scalar_kernels.hpp"
+
 #include <weave/core/host_matrix.hpp>
+#include <weave/exec/host_space.hpp>
+#include <weave/routing/host_row_moves.hpp>
 #include <weave/routing/kernels_async.hpp>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -68,6 +78,243 @@ TEST_CASE("gather_rows and merge_rows equal element-wise loops (f32, bf16, f16)"
   check_kernels<float>(rng);
   check_kernels<weave::bfloat16>(rng);
   check_kernels<weave::half>(rng);
+}
+
+namespace {
+
+// Normal values mixed with zeros of both signs, infinities, NaNs (quiet and signalling bits),
+// subnormals, values at bf16/f16 rounding ties and values that overflow a 16-bit type.
+template <class T>
+weave::host_matrix<T> special_rows(std::size_t rows, std::size_t cols, std::mt19937& rng) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            inf,
+                            -inf,
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::bit_cast<float>(0x7f800001u),
+                            std::bit_cast<float>(0xffa00000u),
+                            1e-40f,
+                            -1e-45f,
+                            std::bit_cast<float>(0x3f808000u), // a bf16 tie
+                            std::bit_cast<float>(0x3f818000u),
+                            65504.0f,
+                            70000.0f,
+                            3e38f,
+                            6e-8f};
+  weave::host_matrix<T> m(rows, cols);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (auto& v : m.elements())
+    v = T(rng() % 5 == 0 ? specials[rng() % std::size(specials)] : normal(rng));
+  return m;
+}
+
+// Equal bits, or NaN on both sides: IEEE 754 leaves the payload and sign of a NaN result open
+// and compilers may swap the operands of an add, so only NaN-ness is part of the contract.
+template <class T>
+bool same_bits(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
+  if (a.elements().size() != b.elements().size())
+    return false;
+  for (std::size_t i = 0; i < a.elements().size(); ++i) {
+    const float x = static_cast<float>(a.elements()[i]), y = static_cast<float>(b.elements()[i]);
+    if (std::memcmp(&a.elements()[i], &b.elements()[i], sizeof(T)) != 0 &&
+        !(std::isnan(x) && std::isnan(y)))
+      return false;
+  }
+  return true;
+}
+
+template <class T>
+void check_against_scalar(std::mt19937& rng) {
+  const std::size_t widths[] = {1, 3, 8, 17, 255, 256, 1023, 1024, 1025, 2100};
+  for (int trial = 0; trial < 40; ++trial) {
+    const std::size_t n_src = 1 + rng() % 40, n_dst = rng() % 30;
+    const std::size_t cols = widths[rng() % std::size(widths)];
+    const int k = 1 + static_cast<int>(rng() % 11);
+    const auto kk = static_cast<std::size_t>(k);
+    const auto src = special_rows<T>(n_src, cols, rng);
+    std::vector<std::int64_t> index(n_dst), merge_index(n_dst * kk);
+    std::vector<float> scale(n_dst), weight(merge_index.size());
+    const float weights[] = {0.0f, -0.0f, 1.0f, 0.5f, -2.0f, 1e-30f, 1e30f};
+    for (std::size_t i = 0; i < n_dst; ++i) {
+      index[i] = static_cast<std::int64_t>(rng() % n_src);
+      scale[i] = rng() % 3 == 0 ? weights[rng() % std::size(weights)]
+                                : std::uniform_real_distribution<float>(-2, 2)(rng);
+    }
+    for (std::size_t i = 0; i < merge_index.size(); ++i) {
+      merge_index[i] = rng() % 4 == 0 ? -1 : static_cast<std::int64_t>(rng() % n_src);
+      weight[i] = rng() % 3 == 0 ? weights[rng() % std::size(weights)]
+                                 : std::uniform_real_distribution<float>(-1, 1)(rng);
+    }
+    if (n_dst > 0) // a row with no input at all
+      std::fill_n(merge_index.begin(), kk, std::int64_t{-1});
+
+    weave::host_matrix<T> scaled(n_dst, cols), merged(n_dst, cols), summed(n_dst, cols);
+    weave::host_matrix<T> want_scaled(n_dst, cols), want_merged(n_dst, cols),
+        want_summed(n_dst, cols);
+    weave::gather_rows(src.view(), scaled.view(), index, scale);
+    weave::merge_rows(src.view(), merged.view(), merge_index, k, weight);
+    weave::merge_rows(src.view(), summed.view(), merge_index, k);
+    for (std::size_t i = 0; i < n_dst; ++i) {
+      scalar::scale_row(src.row(static_cast<std::size_t>(index[i])).data(),
+                        want_scaled.row(i).data(), cols, scale[i]);
+      std::vector<const T*> rows(kk, nullptr);
+      for (std::size_t j = 0; j < kk; ++j)
+        if (merge_index[i * kk + j] >= 0)
+          rows[j] = src.row(static_cast<std::size_t>(merge_index[i * kk + j])).data();
+      scalar::merge_row(rows, want_merged.row(i).data(), cols, weight.data() + i * kk);
+      scalar::merge_row(rows, want_summed.row(i).data(), cols, nullptr);
+    }
+    CAPTURE(cols);
+    CAPTURE(k);
+    CHECK(same_bits(scaled, want_scaled));
+    CHECK(same_bits(merged, want_merged));
+    CHECK(same_bits(summed, want_summed));
+
+    // Each instruction set this CPU runs gives the same bits.
+    std::vector<weave::detail::host_isa> isas = {weave::detail::host_isa::baseline};
+    if (weave::detail::detected_host_isa() != weave::detail::host_isa::baseline)
+      isas.push_back(weave::detail::detected_host_isa());
+    for (const auto isa : isas) {
+      weave::host_matrix<T> by_isa(n_dst, cols), merged_isa(n_dst, cols), summed_isa(n_dst, cols);
+      weave::detail::gather_rows_host(src.view(), by_isa.view(), index.data(), scale.data(), n_dst,
+                                      isa);
+      weave::detail::merge_rows_host(src.view(), merged_isa.view(), merge_index.data(), kk,
+                                     weight.data(), n_dst, false, isa);
+      weave::detail::merge_rows_host(src.view(), summed_isa.view(), merge_index.data(), kk, nullptr,
+                                     n_dst, false, isa);
+      CAPTURE(static_cast<int>(isa));
+      CHECK(same_bits(by_isa, want_scaled));
+      CHECK(same_bits(merged_isa, want_merged));
+      CHECK(same_bits(summed_isa, want_summed));
+    }
+
+    // The host-stream row moves run the same loops.
+    weave::host_stream s("kernels");
+    weave::host_matrix<T> moved(n_dst, cols), merged_async(n_dst, cols);
+    weave::row_moves<weave::host_space>::gather(s, src.view(), moved.view(), index.data(),
+                                                scale.data(), nullptr);
+    weave::row_moves<weave::host_space>::merge(
+        s, src.view(), merged_async.view(), merge_index.data(), k, weight.data(), nullptr, false);
+    s.synchronize();
+    CHECK(same_bits(moved, want_scaled));
+    CHECK(same_bits(merged_async, want_merged));
+  }
+}
+
+} // namespace
+
+TEST_CASE("vectorised gathers and merges equal the scalar kernels bitwise, special values too") {
+  std::mt19937 rng(6);
+  check_against_scalar<float>(rng);
+  check_against_scalar<weave::bfloat16>(rng);
+  check_against_scalar<weave::half>(rng);
+}
+
+namespace {
+
+// A random dispatch of T tokens (k of E experts over D devices) and the receiving side of all
+// its rows.
+struct routed_layouts {
+  weave::dispatch_plan plan;
+  weave::expert_plan experts;
+};
+
+routed_layouts route(std::size_t T, int E, int D, int k, std::mt19937& rng) {
+  std::vector<std::int32_t> ids(T * static_cast<std::size_t>(k));
+  std::vector<float> weights(ids.size());
+  for (std::size_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      std::int32_t e = 0;
+      bool fresh = false;
+      while (!fresh) {
+        e = static_cast<std::int32_t>(rng() % static_cast<unsigned>(E));
+        fresh = std::find(ids.begin() + static_cast<long>(t * k),
+                          ids.begin() + static_cast<long>(t * k + j),
+                          e) == ids.begin() + static_cast<long>(t * k + j);
+      }
+      ids[t * k + j] = rng() % 9 == 0 ? -1 : e;
+      weights[t * k + j] = std::uniform_real_distribution<float>(-1, 1)(rng);
+    }
+  const auto where = weave::placement::contiguous(E, D);
+  routed_layouts r{weave::dispatch_plan(where, k, 0),
+                   weave::expert_plan(where.slots_per_device(), k)};
+  r.plan.build(ids, weights);
+  r.experts.build(r.plan.row_routes(), r.plan.send_counts());
+  return r;
+}
+
+template <class T>
+void check_layout_moves(std::size_t tokens, std::size_t cols, std::mt19937& rng) {
+  const int k = 1 + static_cast<int>(rng() % 4);
+  const auto r = route(tokens, 8, 4, k, rng);
+  const auto ori = special_rows<T>(tokens, cols, rng);
+  const auto rows = static_cast<std::size_t>(r.plan.rows());
+  const auto epd_rows = static_cast<std::size_t>(r.experts.epd_rows());
+  weave::host_matrix<T> sfd(rows, cols), want_sfd(rows, cols);
+  weave::dispatch_gather(r.plan, ori.view(), sfd.view());
+  weave::gather_rows(ori.view(), want_sfd.view(), r.plan.row_token());
+  CHECK(same_bits(sfd, want_sfd));
+  for (const bool scaled : {false, true}) {
+    weave::host_matrix<T> epd(epd_rows, cols), want_epd(epd_rows, cols);
+    weave::expert_scatter(r.experts, sfd.view(), epd.view(), scaled);
+    weave::gather_rows(sfd.view(), want_epd.view(), r.experts.epd_row_source(),
+                       scaled ? r.experts.epd_weight() : std::span<const float>{});
+    CAPTURE(scaled);
+    CHECK(same_bits(epd, want_epd));
+  }
+  // The merges back, against the scalar kernels.
+  const auto epd_out = special_rows<T>(epd_rows, cols, rng);
+  weave::host_matrix<T> back(rows, cols), want_back(rows, cols), out(tokens, cols),
+      want_out(tokens, cols);
+  weave::expert_merge(r.experts, epd_out.view(), back.view());
+  weave::combine_merge(r.plan, back.view(), out.view());
+  const auto kk = static_cast<std::size_t>(k);
+  const auto inputs = [&](const weave::host_matrix<T>& src, std::span<const std::int64_t> index,
+                          std::size_t i) {
+    std::vector<const T*> in(kk, nullptr);
+    for (std::size_t j = 0; j < kk; ++j)
+      if (index[i * kk + j] >= 0)
+        in[j] = src.row(static_cast<std::size_t>(index[i * kk + j])).data();
+    return in;
+  };
+  for (std::size_t i = 0; i < rows; ++i)
+    scalar::merge_row(inputs(epd_out, r.experts.row_epd(), i), want_back.row(i).data(), cols,
+                      r.experts.row_weight().data() + i * kk);
+  for (std::size_t t = 0; t < tokens; ++t)
+    scalar::merge_row(inputs(back, r.plan.token_rows(), t), want_out.row(t).data(), cols, nullptr);
+  CHECK(same_bits(back, want_back));
+  CHECK(same_bits(out, want_out));
+}
+
+} // namespace
+
+TEST_CASE("layout moves done as scatters equal the gathers they replace, cached and streaming") {
+  std::mt19937 rng(8);
+  for (int trial = 0; trial < 10; ++trial) {
+    check_layout_moves<float>(1 + rng() % 300, 1 + rng() % 700, rng);
+    check_layout_moves<weave::bfloat16>(1 + rng() % 300, 1 + rng() % 700, rng);
+    check_layout_moves<weave::half>(1 + rng() % 300, 1 + rng() % 700, rng);
+  }
+  // Outputs past streaming_store_bytes take the non-temporal stores (rows of 2101 elements:
+  // destinations not 16-byte aligned).
+  const std::size_t cols = 2101;
+  const std::size_t tokens = weave::detail::streaming_store_bytes / (cols * sizeof(float)) + 7;
+  check_layout_moves<float>(tokens, cols, rng);
+  check_layout_moves<weave::bfloat16>(2 * tokens, cols, rng);
+}
+
+TEST_CASE("the branch-free bf16 rounding equals bfloat16(float) on every 2^-8-spaced pattern") {
+  // Every sign, exponent and top mantissa byte, with low bits that hit ties, NaN payloads and
+  // the carry into the exponent.
+  const std::uint32_t lows[] = {0x0000u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu, 0x4000u, 0xc000u};
+  for (std::uint32_t high = 0; high < (1u << 16); ++high)
+    for (const std::uint32_t low : lows) {
+      const float f = std::bit_cast<float>(high << 16 | low);
+      weave::bfloat16 got;
+      weave::detail::store_f32(&got, f);
+      REQUIRE(got.bits == weave::bfloat16(f).bits);
+    }
 }
 
 TEST_CASE("kernels read and write strided views and run in order on a host_stream") {

@@ -27,11 +27,13 @@ struct device_buffer {
     if (!host.empty())
       WEAVE_CUDA_CHECK(
           cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    WEAVE_CUDA_CHECK(cudaDeviceSynchronize()); // the test streams are non-blocking
   }
   ~device_buffer() { (void)cudaFree(ptr); }
   device_buffer(const device_buffer&) = delete;
   std::vector<T> to_host() const {
     std::vector<T> out(size);
+    WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
     if (size)
       WEAVE_CUDA_CHECK(cudaMemcpy(out.data(), ptr, size * sizeof(T), cudaMemcpyDeviceToHost));
     return out;
@@ -99,7 +101,7 @@ void compare_raw(std::mt19937& rng, cudaStream_t raw) {
 
 TEST_CASE("CUDA gather_rows and merge_rows equal the host path bitwise") {
   cudaStream_t raw = nullptr;
-  WEAVE_CUDA_CHECK(cudaStreamCreate(&raw));
+  WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
   std::mt19937 rng(3);
   compare_raw<float>(rng, raw);
   compare_raw<weave::bfloat16>(rng, raw);
@@ -109,7 +111,7 @@ TEST_CASE("CUDA gather_rows and merge_rows equal the host path bitwise") {
 
 TEST_CASE("CUDA layout moves over uploaded plans equal the host layout moves") {
   cudaStream_t raw = nullptr;
-  WEAVE_CUDA_CHECK(cudaStreamCreate(&raw));
+  WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
   const weave::cuda_stream_ref stream(raw);
   std::mt19937 rng(9);
   const int E = 16, D = 4, k = 4;

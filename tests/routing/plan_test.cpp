@@ -39,12 +39,11 @@ source_batch route(std::size_t T, int E, int k, std::size_t hidden, double facto
   options.renormalize = true;
   b.ids.resize(T * static_cast<std::size_t>(k));
   b.weights.resize(b.ids.size());
-  weave::top_k_gate(logits.view(), options, b.ids, b.weights);
+  std::vector<float> priority(T); // the top gate score, Tutel's batch priority
+  weave::top_k_gate(logits.view(), options, b.ids, b.weights, priority);
   for (std::size_t q = 0; q < b.ids.size(); ++q)
     if (rng() % 23 == 0)
       b.ids[q] = -1; // padding entries are allowed
-  std::vector<float> priority(T);
-  weave::max_weight_priority(b.weights, k, priority);
   weave::capacity_filter filter(E, k, T, {factor, static_cast<weave::drop_order>(order)});
   b.keep.resize(b.ids.size());
   filter.decide(b.ids, priority, b.keep);
@@ -73,7 +72,7 @@ TEST_CASE("dispatch_plan equals the mask-based SFD layout over random shapes and
     const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
     const auto p = ref::random_placement(E, D, static_cast<int>(rng() % 3), rng);
     const double factor = factors_pick(rng);
-    auto b = route(T, E, k, 1, factor, static_cast<int>(rng() % 3), rng);
+    auto b = route(T, E, k, 1, factor, static_cast<int>(rng() % 4), rng);
     weave::dispatch_plan plan(p, k, source);
     plan.build(b.ids, b.weights, b.keep, offset);
     const auto expect = ref::naive_dispatch(b.ids, b.weights, b.keep, k, p, source, offset);
@@ -146,7 +145,7 @@ TEST_CASE("round trip through SFD and EPD equals the dense per-(token, expert) r
     const auto p = ref::random_placement(E, D, static_cast<int>(rng() % 2), rng);
     const int L = p.slots_per_device();
     const double factor = factors_pick(rng);
-    const int order = static_cast<int>(rng() % 3);
+    const int order = static_cast<int>(rng() % 4);
     const bool gate_scaled = trial % 2 == 1; // linear experts: scaling before equals after
     std::vector<source_batch> batches;
     std::vector<weave::dispatch_plan> plans;
@@ -251,7 +250,7 @@ TEST_CASE("chunked plans reproduce the whole batch's combined output bitwise") {
     const int k = 1 + static_cast<int>(rng() % static_cast<unsigned>(std::min(E, 4)));
     const std::size_t T = 1 + rng() % 80, hidden = 1 + rng() % 40;
     const auto p = ref::random_placement(E, D, 1, rng);
-    const int order = static_cast<int>(rng() % 3);
+    const int order = static_cast<int>(rng() % 4);
     auto b = route(T, E, k, hidden, 1.0, order, rng);
     const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
     const int L = p.slots_per_device();

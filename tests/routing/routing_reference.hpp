@@ -42,52 +42,63 @@ inline weave::placement random_placement(int E, int D, int extra_per_device, std
   return weave::placement(E, D, std::move(slots));
 }
 
-// Tutel-style capacity decision with one-hot masks and cumulative sums: pairs are laid out in
-// priority order as rows of an [N, E] one-hot matrix, the cumsum down each column is the
-// location of a pair in its expert, and a pair is kept when its location < capacity.
-// order: 0 token-major, 1 rank-major, 2 by descending priority (stable) then rank.
+// Tutel-style capacity decision with one-hot masks and cumulative sums, one pass per choice r
+// as Tutel's extract_critical: the [T, E] one-hot mask of every token's r-th choice, its rows
+// visited in token order or (prioritized) by descending priority, stable; the cumsum down each
+// column is a pair's location among that choice's pairs, plus the pairs every earlier choice
+// sent to the expert (acc_base); a pair is kept when its location < capacity.
+// order: 0 token-major, 1 rank-major, 2 rank-major over prioritized tokens (Tutel's batch
+// prioritized routing), 3 prioritized tokens, each token's choices in rank order.
 inline std::vector<std::uint8_t> mask_keep(const std::vector<std::int32_t>& ids, int k, int E,
                                            long long capacity, int order,
                                            const std::vector<float>& priority) {
   const std::size_t T = ids.size() / static_cast<std::size_t>(k);
-  std::vector<std::size_t> pairs; // pair indices in priority order
-  if (order == 0) {
-    for (std::size_t p = 0; p < ids.size(); ++p)
-      pairs.push_back(p);
-  } else if (order == 1) {
-    for (int r = 0; r < k; ++r)
-      for (std::size_t t = 0; t < T; ++t)
-        pairs.push_back(t * static_cast<std::size_t>(k) + static_cast<std::size_t>(r));
-  } else {
-    std::vector<std::size_t> tokens(T);
-    std::iota(tokens.begin(), tokens.end(), 0);
-    std::stable_sort(tokens.begin(), tokens.end(),
+  const auto EE = static_cast<std::size_t>(E);
+  std::vector<std::size_t> rows(T); // token of each mask row
+  std::iota(rows.begin(), rows.end(), 0);
+  if (order >= 2)
+    std::stable_sort(rows.begin(), rows.end(),
                      [&](std::size_t a, std::size_t b) { return priority[a] > priority[b]; });
-    for (const std::size_t t : tokens)
-      for (int r = 0; r < k; ++r)
-        pairs.push_back(t * static_cast<std::size_t>(k) + static_cast<std::size_t>(r));
-  }
-  const std::size_t N = pairs.size();
-  std::vector<long long> mask(N * static_cast<std::size_t>(E), 0);
-  for (std::size_t n = 0; n < N; ++n)
-    if (ids[pairs[n]] >= 0)
-      mask[n * static_cast<std::size_t>(E) + static_cast<std::size_t>(ids[pairs[n]])] = 1;
-  std::vector<long long> cumsum(mask.size(), 0);
-  for (int e = 0; e < E; ++e) {
-    long long run = 0;
-    for (std::size_t n = 0; n < N; ++n) {
-      run += mask[n * static_cast<std::size_t>(E) + static_cast<std::size_t>(e)];
-      cumsum[n * static_cast<std::size_t>(E) + static_cast<std::size_t>(e)] = run;
-    }
-  }
   std::vector<std::uint8_t> keep(ids.size(), 0);
-  for (std::size_t n = 0; n < N; ++n) {
-    const int e = ids[pairs[n]];
-    if (e < 0)
-      continue;
-    const long long location =
-        cumsum[n * static_cast<std::size_t>(E) + static_cast<std::size_t>(e)] - 1;
-    keep[pairs[n]] = capacity < 0 || location < capacity ? 1 : 0;
+  auto kept = [&](long long location) { return capacity < 0 || location < capacity; };
+  if (order == 1 || order == 2) {
+    std::vector<long long> acc_base(EE, 0);
+    for (int r = 0; r < k; ++r) {
+      std::vector<long long> mask(T * EE, 0);
+      for (std::size_t n = 0; n < T; ++n) {
+        const int e = ids[rows[n] * static_cast<std::size_t>(k) + static_cast<std::size_t>(r)];
+        if (e >= 0)
+          mask[n * EE + static_cast<std::size_t>(e)] = 1;
+      }
+      for (std::size_t e = 0; e < EE; ++e) {
+        long long run = 0;
+        for (std::size_t n = 0; n < T; ++n) {
+          run += mask[n * EE + e];
+          if (mask[n * EE + e] == 1)
+            keep[rows[n] * static_cast<std::size_t>(k) + static_cast<std::size_t>(r)] =
+                kept(acc_base[e] + run - 1) ? 1 : 0;
+        }
+        acc_base[e] += run;
+      }
+    }
+    return keep;
+  }
+  // Token-major orders: one mask row per pair, pairs of a token together.
+  std::vector<std::size_t> pairs;
+  for (const std::size_t t : rows)
+    for (int r = 0; r < k; ++r)
+      pairs.push_back(t * static_cast<std::size_t>(k) + static_cast<std::size_t>(r));
+  std::vector<long long> mask(pairs.size() * EE, 0);
+  for (std::size_t n = 0; n < pairs.size(); ++n)
+    if (ids[pairs[n]] >= 0)
+      mask[n * EE + static_cast<std::size_t>(ids[pairs[n]])] = 1;
+  for (std::size_t e = 0; e < EE; ++e) {
+    long long run = 0;
+    for (std::size_t n = 0; n < pairs.size(); ++n) {
+      run += mask[n * EE + e];
+      if (mask[n * EE + e] == 1)
+        keep[pairs[n]] = kept(run - 1) ? 1 : 0;
+    }
   }
   return keep;
 }

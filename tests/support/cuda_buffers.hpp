@@ -1,5 +1,10 @@
 // Device buffers and streams for the CUDA tests: poisoned device memory freed at scope exit, a
 // copy back to the host, and an owned stream.
+//
+// The streams are non-blocking, so the legacy-stream copies other rank threads issue never add
+// implicit device-wide ordering that could hide a missing dependency in the code under test.
+// In exchange, every host-side upload, poison and read here synchronizes the whole device
+// (a pageable cudaMemcpy/cudaMemset is not ordered with non-blocking streams).
 #pragma once
 
 #include <weave/core/cuda_error.hpp>
@@ -28,10 +33,14 @@ struct dev {
     if (!host.empty())
       WEAVE_CUDA_CHECK(
           cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
   }
   ~dev() { (void)cudaFree(ptr); }
   dev(const dev&) = delete;
-  void poison() { WEAVE_CUDA_CHECK(cudaMemset(ptr, 0xFF, size * sizeof(T) + 256)); }
+  void poison() {
+    WEAVE_CUDA_CHECK(cudaMemset(ptr, 0xFF, size * sizeof(T) + 256));
+    WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   std::span<T> span() { return {ptr, size}; }
   std::span<const T> cspan() const { return {ptr, size}; }
 };
@@ -39,6 +48,7 @@ struct dev {
 template <class T>
 std::vector<T> to_host(std::span<const T> d) {
   std::vector<T> out(d.size());
+  WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
   if (!d.empty())
     WEAVE_CUDA_CHECK(cudaMemcpy(out.data(), d.data(), d.size_bytes(), cudaMemcpyDeviceToHost));
   return out;
@@ -46,7 +56,7 @@ std::vector<T> to_host(std::span<const T> d) {
 
 struct stream_holder {
   cudaStream_t raw = nullptr;
-  stream_holder() { WEAVE_CUDA_CHECK(cudaStreamCreate(&raw)); }
+  stream_holder() { WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking)); }
   ~stream_holder() { (void)cudaStreamDestroy(raw); }
   weave::cuda_stream_ref ref() const { return weave::cuda_stream_ref(raw); }
 };

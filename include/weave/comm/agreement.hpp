@@ -44,7 +44,7 @@ enum class field_format : std::uint8_t {
   boolean, //!< false / true
   hash,    //!< a digest, in hex
   real,    //!< a double stored by its bits
-  label,   //!< an index into the field's names (dtype, drop order, ...)
+  label,   //!< an enumerator, named by the field's naming function (dtype, drop order, ...)
 };
 
 //! The first field on which ranks disagree (`field`: its index, or `config_fingerprint::max_fields`
@@ -76,11 +76,11 @@ class config_fingerprint {
   config_fingerprint& add_real(std::string_view name, double value) {
     return push(name, std::bit_cast<std::int64_t>(value), field_format::real);
   }
-  //! Adds a field whose value `v` reads as `labels[v]`.
+  //! Adds a field whose value `v` reads as `label(v)` (the number itself where that is null).
   config_fingerprint& add_label(std::string_view name, std::int64_t value,
-                                std::span<const char* const> labels) {
+                                const char* (*label)(std::int64_t)) {
     push(name, value, field_format::label);
-    fields_.back().labels = labels;
+    fields_.back().label = label;
     return *this;
   }
   //! Adds the FNV-1a digest of `table`'s bytes.
@@ -108,7 +108,7 @@ class config_fingerprint {
     std::string name;
     std::int64_t value = 0;
     field_format format = field_format::integer;
-    std::span<const char* const> labels;
+    const char* (*label)(std::int64_t) = nullptr;
   };
 
   config_fingerprint& push(std::string_view name, std::int64_t value, field_format format) {
@@ -173,9 +173,9 @@ inline std::string config_fingerprint::format(const field& f, std::int64_t value
   case field_format::real:
     return detail::concat(std::bit_cast<double>(value));
   case field_format::label:
-    return value >= 0 && static_cast<std::size_t>(value) < f.labels.size()
-               ? f.labels[static_cast<std::size_t>(value)]
-               : std::to_string(value);
+    if (const char* name = f.label(value))
+      return name;
+    break;
   case field_format::integer:
     break;
   }

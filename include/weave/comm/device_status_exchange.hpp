@@ -4,20 +4,20 @@
 //! as the device exchange's do.
 //!
 //! Beside its count for every peer, each rank sends its status, built where the data is:
-//! - a failure its stream holds (host space), or a call it rejected on the host (`fail_call`),
-//!   as a `failure_record`;
+//! - a failure its stream holds (host space), or a call it rejected on the host (CUDA: a
+//!   record copied to memory of the space, see `report`), as a `failure_record`;
 //! - else the error flags its device steps set before the exchange (bad expert ids, non-finite
 //!   weights, an overflowing static slot), which the receiver turns into a record with the
 //!   owner's `describe`;
 //! - else nothing.
 //! With dynamic shapes (`raise_flags`) every rank fails at the exchange of the chunk where a
-//! rank failed: on host streams there, with CUDA where the host reads the counts (`raise`).
+//! rank failed: on host streams there, with CUDA where the host reads the counts (`failure`).
 //! With static shapes nothing waits on the host: flagged failures of peers are reported by
-//! `check_peers` (the owner's `check_errors`), failures on host streams fail the streams.
+//! `peer_failure` after `take` (the owner's `check_errors`), failures on host streams fail the
+//! streams.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
-#include "weave/comm/fail_stop.hpp"
 #include "weave/comm/status_exchange.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -74,8 +74,17 @@ struct unpack_counts_step {
 
 } // namespace detail
 
+//! The buffers of one status-carrying count exchange of an execution space (one per exchange
+//! that may be in flight, e.g. per chunk of a call): per peer a count and a status, sent and
+//! received in memory of the space (carved from the owner's workspace), and the host's copy.
+struct device_status_block {
+  std::int64_t *send = nullptr, *recv = nullptr;
+  std::vector<std::int64_t> host; // what the host read of `recv`
+  std::exception_ptr stashed;     // host streams: this rank's failure while an exchange runs
+};
+
 //! The count exchange of an algorithm in `Space`, carrying each rank's status (see the file
-//! comment). Its buffers are carved from the owner's workspace (`carve`).
+//! comment).
 template <execution_space Space>
 class device_counts_with_status {
  public:
@@ -84,136 +93,108 @@ class device_counts_with_status {
   //! that set them inside `record_of_call`).
   using describe_fn = std::function<failure_record(int rank, std::uint32_t flags)>;
 
-  device_counts_with_status() = default;
-
-  //! For rank `rank` of `ranks`, `slots` exchanges in flight at once; `raise_flags`: fail every
-  //! rank at the exchange when a rank's flags are set (dynamic shapes); `what` names the owner
-  //! in peers' errors.
-  device_counts_with_status(int ranks, int rank, std::size_t slots, bool raise_flags,
-                            std::string what, describe_fn describe)
+  //! For rank `rank` of `ranks`; `raise_flags`: fail every rank at the exchange when a rank's
+  //! flags are set (dynamic shapes); `what` names the owner in peers' errors.
+  device_counts_with_status(int ranks, int rank, bool raise_flags, std::string what,
+                            describe_fn describe)
       : ranks_(ranks)
       , rank_(rank)
       , raise_flags_(raise_flags)
       , what_(std::move(what))
-      , describe_(std::move(describe))
-      , protocol_(slots)
-      , slots_(slots)
-      , reported_host_(failure_words, 0) {
-    for (slot& s : slots_)
-      s.host.assign(words(), 0);
-  }
+      , describe_(std::move(describe)) {}
 
-  //! Carves the buffers: `set(pointer, count)` as in `carve_into`.
+  //! 64-bit words of each buffer of a block (and of a reported record: `failure_words`).
+  std::size_t words() const noexcept {
+    return static_cast<std::size_t>(ranks_) * detail::status_stride;
+  }
+  //! Sizes `b`'s host copy (allocates: at construction of its owner); `carve` its buffers.
+  void size_block(device_status_block& b) const { b.host.assign(words(), 0); }
+  //! Carves `b`'s buffers: `set(pointer, count)` as in `carve_into`.
   template <class Set>
-  void carve(Set&& set) const {
-    for (const slot& s : slots_) {
-      set(s.send, words());
-      set(s.recv, words());
-    }
-    set(reported_, failure_words);
+  void carve(const device_status_block& b, Set&& set) const {
+    set(b.send, words());
+    set(b.recv, words());
   }
 
   //! Enqueues on `s` the exchange of `counts` (one per peer, memory of the space) into
-  //! `recv_counts`, and of every rank's status; this rank's flags are the words at `flags_low`
-  //! (bits 0-15) and `flags_high` (bits 16-31), either may be null.
+  //! `recv_counts`, and of every rank's status, through `b`; this rank's flags are the words at
+  //! `flags_low` (bits 0-15) and `flags_high` (bits 16-31), either may be null. `reported`
+  //! (memory of the space, `failure_words`, or null): a rejected call's record (see `report`),
+  //! sent instead of the flags.
   template <communicator Comm>
-  void exchange(Comm& comm, stream_arg s, std::size_t slot_index, const std::int64_t* counts,
+  void exchange(Comm& comm, stream_arg s, device_status_block& b, const std::int64_t* counts,
                 std::int64_t* recv_counts, const std::uint32_t* flags_low,
-                const std::uint32_t* flags_high) {
-    slot* sl = &slots_.at(slot_index);
+                const std::uint32_t* flags_high, const std::int64_t* reported) {
+    device_status_block* block = &b;
     const auto D = static_cast<std::int64_t>(ranks_);
-    const std::span<const std::int64_t> send(sl->send, words());
-    const std::span<std::int64_t> recv(sl->recv, words());
+    const std::span<const std::int64_t> send(b.send, words());
+    const std::span<std::int64_t> recv(b.recv, words());
     if constexpr (Space::runs_later) { // host streams: the protocol of `counts_with_status`
       const auto pack = [=, this](const std::exception_ptr& pending) {
         const failure_record record = pending ? record_of(pending, rank_) : failure_record{};
         std::int64_t words_of[failure_words];
         encode_failure(pending ? &record : nullptr, words_of);
         const detail::pack_status_step step{
-            counts, flags_low, flags_high, pending ? words_of : nullptr, flags_tag(), sl->send};
+            counts, flags_low, flags_high, pending ? words_of : nullptr, flags_tag(), block->send};
         for (std::int64_t j = 0; j < D; ++j)
           step(j);
       };
       const auto decide = [=, this](std::exception_ptr own) {
         for (std::int64_t j = 0; j < D; ++j)
-          detail::unpack_counts_step{sl->recv, recv_counts}(j);
-        return own ? own : failure_in(std::span<const std::int64_t>(sl->recv, words()), true);
+          detail::unpack_counts_step{block->recv, recv_counts}(j);
+        return own ? own : failure_in(std::span<const std::int64_t>(block->recv, words()), true);
       };
       if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
         protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(send, recv), decide);
       else
         protocol_.enqueue(
-            s, slot_index, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
+            s, &b.stashed, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
     } else {
-      if (reporting_)
-        Space::copy_from_host(s, reported_, reported_host_.data(),
-                              failure_words * sizeof(std::int64_t));
-      Space::for_each(s, D,
-                      detail::pack_status_step{counts, flags_low, flags_high,
-                                               reporting_ ? reported_ : nullptr, flags_tag(),
-                                               sl->send});
+      Space::for_each(
+          s, D,
+          detail::pack_status_step{counts, flags_low, flags_high, reported, flags_tag(), b.send});
       comm.exchange_counts(s, send, recv);
-      Space::for_each(s, D, detail::unpack_counts_step{sl->recv, recv_counts});
+      Space::for_each(s, D, detail::unpack_counts_step{b.recv, recv_counts});
       if (raise_flags_)
-        Space::copy_to_host(s, sl->host.data(), sl->recv, words() * sizeof(std::int64_t));
+        Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));
     }
   }
 
-  //! Dynamic shapes, on the host once the stream passed slot `slot_index`'s exchange (CUDA:
-  //! inside `on_host`): throws this rank's flagged error, or a `peer_error` for a peer's
-  //! failure. Host streams decide on the stream instead: a no-op there.
-  void raise(std::size_t slot_index) const {
-    if constexpr (!Space::runs_later)
-      if (std::exception_ptr f =
-              failure_in(std::span<const std::int64_t>(slots_.at(slot_index).host), true))
-        std::rethrow_exception(f);
+  //! Dynamic shapes, on the host once the stream passed `b`'s exchange (CUDA: inside
+  //! `on_host`): this rank's flagged error, or a `peer_error` for a peer's failure, or null.
+  //! Host streams decide on the stream instead: always null there.
+  std::exception_ptr failure(const device_status_block& b) const {
+    if constexpr (!Space::runs_later) {
+      return failure_in(std::span<const std::int64_t>(b.host), true);
+    } else {
+      (void)b;
+      return nullptr;
+    }
   }
 
-  //! Waits for `s` (through `comm`) after reading the statuses every exchange received since
-  //! the last check, clears them, and throws a `peer_error` for a peer's failure among them
-  //! (static shapes report flagged failures of peers only here).
-  template <communicator Comm>
-  void check_peers(Comm& comm, stream_arg s) {
-    for (slot& sl : slots_) {
-      Space::copy_to_host(s, sl.host.data(), sl.recv, words() * sizeof(std::int64_t));
-      Space::fill(s, sl.recv, 0, words() * sizeof(std::int64_t));
-    }
-    wait_watched(comm, s);
-    for (const slot& sl : slots_)
-      if (std::exception_ptr f = failure_in(std::span<const std::int64_t>(sl.host), false))
-        std::rethrow_exception(f);
+  //! Enqueues on `s` the copy of what `b` received since the last `take` to the host, and clears
+  //! it; `peer_failure(b)` reads the copy once `s` is waited for.
+  void take(stream_arg s, device_status_block& b) const {
+    Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));
+    Space::fill(s, b.recv, 0, words() * sizeof(std::int64_t));
   }
 
-  //! A call rejected on the host (bad arguments) still takes its turn: `run()` enqueues the call
-  //! with no tokens; its exchanges carry `failure` to the peers, who fail as at any other
-  //! failure (host streams: see `enqueue_failed_call`). Whatever `run` throws is dropped: the
-  //! caller rethrows `failure`.
-  template <communicator Comm, class Run>
-  void fail_call(Comm& comm, stream_arg compute, stream_arg comm_stream,
-                 const std::exception_ptr& failure, Run&& run) {
-    try {
-      if constexpr (Space::runs_later) {
-        enqueue_failed_call(comm, compute, comm_stream, failure, std::forward<Run>(run));
-      } else {
-        const failure_record record = record_of(failure, rank_);
-        encode_failure(&record, reported_host_);
-        reporting_ = true;
-        std::forward<Run>(run)();
-      }
-    } catch (...) {
-    }
-    reporting_ = false;
+  //! A `peer_error` for a peer's failure (a record, or flags) in what `take` copied, or null.
+  std::exception_ptr peer_failure(const device_status_block& b) const {
+    return failure_in(std::span<const std::int64_t>(b.host), false);
+  }
+
+  //! Enqueues on `s` the copy of `failure`'s record (as this rank's) from `host_words` (kept
+  //! alive and unchanged until `s` ran the copy) to `device_words` (memory of the space), for
+  //! `exchange`'s `reported`: a call rejected on the host still takes its turn, carrying it.
+  void report(stream_arg s, const std::exception_ptr& failure, std::span<std::int64_t> host_words,
+              std::int64_t* device_words) const {
+    const failure_record record = record_of(failure, rank_);
+    encode_failure(&record, host_words);
+    Space::copy_from_host(s, device_words, host_words.data(), failure_words * sizeof(std::int64_t));
   }
 
  private:
-  struct slot {
-    std::int64_t *send = nullptr, *recv = nullptr; // memory of the space, from the workspace
-    std::vector<std::int64_t> host;                // what the host read of `recv`
-  };
-
-  std::size_t words() const noexcept {
-    return static_cast<std::size_t>(ranks_) * detail::status_stride;
-  }
   std::int64_t flags_tag() const noexcept {
     return (static_cast<std::int64_t>(rank_) + 1) << 32 | detail::device_flags_status;
   }
@@ -247,13 +228,10 @@ class device_counts_with_status {
   }
 
   int ranks_ = 0, rank_ = 0;
-  bool raise_flags_ = false, reporting_ = false;
+  bool raise_flags_ = false;
   std::string what_;
   describe_fn describe_;
   detail::status_protocol protocol_;
-  std::vector<slot> slots_;
-  std::int64_t* reported_ = nullptr; // a rejected call's record, memory of the space
-  std::vector<std::int64_t> reported_host_;
 };
 
 WEAVE_NAMESPACE_END

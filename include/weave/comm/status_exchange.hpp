@@ -10,9 +10,10 @@
 //!
 //! Host streams: the status is the stream's pending failure (the work before the exchange
 //! failed, e.g. planning a chunk with a bad expert id); the exchange runs even on a failed
-//! stream. After a failure the peers already learnt, later exchanges of the same call move
-//! nothing. A call rejected before it enqueued anything (bad arguments) still takes its turn,
-//! with `enqueue_failed_call`, so the peers learn it at the same exchange.
+//! stream. After a failure the peers already learnt, later exchanges move nothing (every rank
+//! skips them alike) until the streams are synchronized. A call rejected before it enqueued
+//! anything (bad arguments) still takes its turn, with `enqueue_failed_call`, so the peers learn
+//! it at the same exchange.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -38,15 +39,12 @@ WEAVE_NAMESPACE_BEGIN
 namespace detail {
 
 // The protocol around a status-carrying exchange on a host stream, shared by the host and the
-// device (host space) forms. Per slot it stashes this rank's failure while the exchange runs;
-// across slots it remembers the last failure every rank learnt, so that later exchanges of the
-// same call, which every rank skips alike, move nothing.
+// device (host space) forms: it remembers the last failure every rank learnt, so that later
+// exchanges, which every rank skips alike while its stream holds that failure, move nothing.
 class status_protocol {
  public:
-  status_protocol() = default;
-  explicit status_protocol(std::size_t slots)
-      : stashed_(std::make_shared<std::vector<std::exception_ptr>>(slots))
-      , agreed_(std::make_shared<agreed_failure>()) {}
+  status_protocol()
+      : agreed_(std::make_shared<agreed_failure>()) {}
 
   // Enqueues on `s`, as one task: `pack(pending)` (writes this rank's status for the failure
   // `pending`, null when healthy), the exchange (`exchange(failure)`, a deferred count exchange:
@@ -74,23 +72,23 @@ class status_protocol {
   }
 
   // As above, for communicators that only enqueue: `exchange()` enqueues the exchange, which
-  // then runs between a packing task and a deciding task, on a cleared stream.
+  // then runs between a packing task and a deciding task, on a cleared stream; `stash` holds this
+  // rank's failure in between.
   template <class Stream, class Pack, class Exchange, class Decide>
-  void enqueue(Stream& s, std::size_t slot, Pack pack, Exchange&& exchange, Decide decide) {
-    WEAVE_EXPECT(stashed_ && slot < stashed_->size(), errc::out_of_range, "status exchange slot ",
-                 slot, " of ", stashed_ ? stashed_->size() : 0);
-    s.submit_always([stashed = stashed_, agreed = agreed_, slot,
-                     pack = std::move(pack)](std::exception_ptr pending) mutable {
+  void enqueue(Stream& s, std::exception_ptr* stash, Pack pack, Exchange&& exchange,
+               Decide decide) {
+    s.submit_always([agreed = agreed_, stash, pack = std::move(pack)](
+                        std::exception_ptr pending) mutable -> std::exception_ptr {
       if (pending && pending == agreed->get())
         return pending; // every rank knows it and skips this exchange too
-      (*stashed)[slot] = pending;
+      *stash = pending;
       pack(pending);
-      return std::exception_ptr{};
+      return nullptr;
     });
     std::forward<Exchange>(exchange)();
-    s.submit_always([stashed = stashed_, agreed = agreed_, slot,
+    s.submit_always([agreed = agreed_, stash,
                      decide = std::move(decide)](std::exception_ptr failed) mutable {
-      std::exception_ptr own = std::exchange((*stashed)[slot], nullptr);
+      std::exception_ptr own = std::exchange(*stash, nullptr);
       std::exception_ptr result = failed ? (own ? own : failed) : decide(own);
       if (result)
         agreed->set(result);
@@ -112,87 +110,102 @@ class status_protocol {
     }
   };
 
-  std::shared_ptr<std::vector<std::exception_ptr>> stashed_;
   std::shared_ptr<agreed_failure> agreed_;
 };
 
 } // namespace detail
 
+//! The buffers of one status-carrying count exchange in host memory (one per exchange that may
+//! be in flight, e.g. per chunk of a call): per peer, its counts and then a status.
+struct status_block {
+  std::vector<std::int64_t> send, recv;
+  std::exception_ptr stashed; // this rank's failure while an enqueued exchange runs
+};
+
 //! A count exchange carrying every rank's status, on host streams (see the file comment).
-//! Holds one send and one receive block per slot (an exchange in flight); `exchange`
-//! allocates nothing.
+//! `exchange` allocates nothing: it uses the `status_block` it is given.
 template <communicator Comm>
 requires host_executor<typename Comm::stream_type> && has_exchange_counts<Comm>
 class counts_with_status {
  public:
   using stream_type = typename Comm::stream_type;
 
-  counts_with_status() = default;
-
-  //! For rank `rank` of `ranks`, `k` counts per peer, `slots` exchanges that may be in flight
-  //! at once; `what` names the owner in peers' errors ("moe_exchange").
-  counts_with_status(int ranks, int rank, std::size_t k, std::size_t slots, std::string what)
+  //! For rank `rank` of `ranks`, `k` counts per peer; `what` names the owner in peers' errors
+  //! ("moe_exchange").
+  counts_with_status(int ranks, int rank, std::size_t k, std::string what)
       : ranks_(ranks)
       , rank_(rank)
       , k_(k)
-      , what_(std::move(what))
-      , protocol_(slots)
-      , blocks_(slots) {
-    for (block& b : blocks_) {
-      b.send.assign(static_cast<std::size_t>(ranks) * (k + failure_words), 0);
-      b.recv.assign(b.send.size(), 0);
-    }
+      , what_(std::move(what)) {}
+
+  //! The buffers of one exchange (allocates: make them when their owner is built).
+  status_block make_block() const {
+    status_block b;
+    b.send.assign(static_cast<std::size_t>(ranks_) * (k_ + failure_words), 0);
+    b.recv.assign(b.send.size(), 0);
+    return b;
   }
 
   //! Enqueues on `s` the exchange of `send` (`k` counts per peer, peer-major) into `recv` and
-  //! of every rank's status. Afterwards `s` holds this rank's own failure if it had one (its
-  //! peers now know it), else a `peer_error` if a peer had one, else nothing, on every rank
-  //! alike. `send` and `recv` are read and written when the stream gets there.
-  void exchange(Comm& comm, stream_type& s, std::size_t slot, std::span<const std::int64_t> send,
+  //! of every rank's status, through `b` (which must not be in use by another exchange in
+  //! flight). Afterwards `s` holds this rank's own failure if it had one (its peers now know
+  //! it), else a `peer_error` if a peer had one, else nothing, on every rank alike. `send` and
+  //! `recv` are read and written when the stream gets there.
+  void exchange(Comm& comm, stream_type& s, status_block& b, std::span<const std::int64_t> send,
                 std::span<std::int64_t> recv) {
-    WEAVE_EXPECT(slot < blocks_.size(), errc::out_of_range, what_, ": status exchange slot ", slot,
-                 " of ", blocks_.size());
-    WEAVE_EXPECT(send.size() == k_ * std::size_t(ranks_) && recv.size() == send.size(),
+    WEAVE_EXPECT(send.size() == k_ * std::size_t(ranks_) && recv.size() == send.size() &&
+                     b.send.size() == std::size_t(ranks_) * (k_ + failure_words) &&
+                     b.recv.size() == b.send.size(),
                  errc::size_mismatch, what_, ": ", send.size(), " counts to send and ", recv.size(),
                  " to receive for ", ranks_, " ranks with ", k_, " per peer");
-    block* b = &blocks_[slot];
-    const std::size_t stride = k_ + failure_words;
-    const auto pack = [this, b, send, stride](const std::exception_ptr& pending) {
-      const failure_record record = pending ? record_of(pending, rank_) : failure_record{};
-      for (std::size_t j = 0; j < static_cast<std::size_t>(ranks_); ++j) {
-        const std::span<std::int64_t> to = std::span(b->send).subspan(j * stride, stride);
-        std::copy_n(send.begin() + static_cast<std::ptrdiff_t>(j * k_), k_, to.begin());
-        encode_failure(pending ? &record : nullptr, to.subspan(k_));
-      }
-    };
-    const auto decide = [this, b, recv, stride](std::exception_ptr own) {
-      for (std::size_t j = 0; j < static_cast<std::size_t>(ranks_); ++j)
-        std::copy_n(b->recv.begin() + static_cast<std::ptrdiff_t>(j * stride), k_,
-                    recv.begin() + static_cast<std::ptrdiff_t>(j * k_));
-      return own ? own
-                 : detail::peer_failure_in(std::span<const std::int64_t>(b->recv), k_, ranks_,
-                                           rank_, what_ + " count exchange", detail::decode_status);
-    };
-    const std::span<const std::int64_t> wire_send(b->send);
-    const std::span<std::int64_t> wire_recv(b->recv);
+    block_io io{this, &b, send, recv};
+    const auto pack = [io](const std::exception_ptr& pending) { io.pack(pending); };
+    const auto decide = [io](std::exception_ptr own) { return io.decide(std::move(own)); };
+    const std::span<const std::int64_t> wire_send(b.send);
+    const std::span<std::int64_t> wire_recv(b.recv);
     if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
       protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(wire_send, wire_recv),
                                  decide);
     else
       protocol_.enqueue(
-          s, slot, pack, [&] { comm.exchange_counts(s, wire_send, wire_recv); }, decide);
+          s, &b.stashed, pack, [&] { comm.exchange_counts(s, wire_send, wire_recv); }, decide);
   }
 
  private:
-  struct block {
-    std::vector<std::int64_t> send, recv; // per peer: k counts, then the status words
+  // What the stream tasks of one exchange read and write.
+  struct block_io {
+    const counts_with_status* self;
+    status_block* b;
+    std::span<const std::int64_t> send;
+    std::span<std::int64_t> recv;
+
+    std::size_t stride() const noexcept { return self->k_ + failure_words; }
+
+    void pack(const std::exception_ptr& pending) const {
+      const failure_record record = pending ? record_of(pending, self->rank_) : failure_record{};
+      for (std::size_t j = 0; j < static_cast<std::size_t>(self->ranks_); ++j) {
+        const std::span<std::int64_t> to = std::span(b->send).subspan(j * stride(), stride());
+        std::copy_n(send.begin() + static_cast<std::ptrdiff_t>(j * self->k_), self->k_,
+                    to.begin());
+        encode_failure(pending ? &record : nullptr, to.subspan(self->k_));
+      }
+    }
+
+    std::exception_ptr decide(std::exception_ptr own) const {
+      for (std::size_t j = 0; j < static_cast<std::size_t>(self->ranks_); ++j)
+        std::copy_n(b->recv.begin() + static_cast<std::ptrdiff_t>(j * stride()), self->k_,
+                    recv.begin() + static_cast<std::ptrdiff_t>(j * self->k_));
+      return own ? own
+                 : detail::peer_failure_in(std::span<const std::int64_t>(b->recv), self->k_,
+                                           self->ranks_, self->rank_,
+                                           self->what_ + " count exchange", detail::decode_status);
+    }
   };
 
   int ranks_ = 0, rank_ = 0;
   std::size_t k_ = 0;
   std::string what_;
   detail::status_protocol protocol_;
-  std::vector<block> blocks_;
 };
 
 //! Enqueues a call that was rejected on the host (bad arguments) in its place in the collective

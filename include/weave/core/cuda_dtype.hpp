@@ -1,6 +1,6 @@
 //! \file
-//! `dtype_of` for CUDA's 16-bit float types (component `weave::cuda`), and the guarantee that
-//! they share layout with weave's host storage types.
+//! `dtype_of` for CUDA's 16-bit and 8-bit float types (component `weave::cuda`), and the
+//! guarantee that they share layout with weave's host storage types.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -8,6 +8,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 WEAVE_NAMESPACE_BEGIN
 
@@ -20,6 +21,17 @@ struct dtype_of<__nv_bfloat16> {
   static constexpr dtype value = dtype::bf16;
 };
 
+template <>
+struct dtype_of<__nv_fp8_e4m3> {
+  static constexpr dtype value = dtype::e4m3;
+};
+template <>
+struct dtype_of<__nv_fp8_e5m2> {
+  static constexpr dtype value = dtype::e5m2;
+};
+
 static_assert(sizeof(__half) == sizeof(half) && sizeof(__nv_bfloat16) == sizeof(bfloat16));
+static_assert(sizeof(__nv_fp8_e4m3) == sizeof(fp8_e4m3) &&
+              sizeof(__nv_fp8_e5m2) == sizeof(fp8_e5m2));
 
 WEAVE_NAMESPACE_END

@@ -3,10 +3,12 @@
 //!
 //! `bfloat16` and `half` are storage types: two bytes, bit-compatible with CUDA's
 //! `__nv_bfloat16` and `__half`, converted to and from `float` with round-to-nearest-even.
-//! weave does its arithmetic in fp32; these types only move and store.
+//! weave does its arithmetic in fp32; these types only move and store. The 8-bit types
+//! `fp8_e4m3` and `fp8_e5m2` are in `weave/core/fp8.hpp`.
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/fp8.hpp"
 
 #include <bit>
 #include <cstddef>
@@ -16,8 +18,19 @@
 
 WEAVE_NAMESPACE_BEGIN
 
-//! Element type of a tensor.
-enum class dtype : std::uint8_t { f32, f16, bf16, f64, i8, u8, i32, i64 };
+//! Element type of a tensor. (Values are stable: new types are appended.)
+enum class dtype : std::uint8_t {
+  f32,
+  f16,
+  bf16,
+  f64,
+  i8,
+  u8,
+  i32,
+  i64,
+  e4m3, //!< OFP8 E4M3 (`fp8_e4m3`)
+  e5m2, //!< OFP8 E5M2 (`fp8_e5m2`)
+};
 
 //! Bytes per element.
 constexpr std::size_t size_of(dtype t) noexcept {
@@ -38,6 +51,9 @@ constexpr std::size_t size_of(dtype t) noexcept {
     return 4;
   case dtype::i64:
     return 8;
+  case dtype::e4m3:
+  case dtype::e5m2:
+    return 1;
   }
   return 0;
 }
@@ -60,6 +76,10 @@ constexpr const char* to_string(dtype t) noexcept {
     return "i32";
   case dtype::i64:
     return "i64";
+  case dtype::e4m3:
+    return "e4m3";
+  case dtype::e5m2:
+    return "e5m2";
   }
   return "?";
 }
@@ -68,9 +88,15 @@ inline std::ostream& operator<<(std::ostream& out, dtype t) {
   return out << to_string(t);
 }
 
-//! True for the floating-point types weave can read as gate logits and accumulate.
+//! True for the floating-point types weave can read as gate logits and accumulate (the 8-bit
+//! floats are storage for block-quantised rows only: see `is_fp8`).
 constexpr bool is_floating(dtype t) noexcept {
   return t == dtype::f32 || t == dtype::f16 || t == dtype::bf16 || t == dtype::f64;
+}
+
+//! True for the 8-bit float types (`e4m3`, `e5m2`).
+constexpr bool is_fp8(dtype t) noexcept {
+  return t == dtype::e4m3 || t == dtype::e5m2;
 }
 
 //! Brain float: the upper 16 bits of an IEEE binary32.
@@ -93,10 +119,10 @@ struct bfloat16 {
  private:
   static constexpr std::uint16_t from_float(float value) noexcept {
     const auto x = std::bit_cast<std::uint32_t>(value);
-    if ((x & 0x7fffffffu) > 0x7f800000u) // NaN: keep the sign, force a quiet payload
-      return static_cast<std::uint16_t>((x >> 16) | 0x40u);
     const std::uint32_t rounding = 0x7fffu + ((x >> 16) & 1u); // ties to even
-    return static_cast<std::uint16_t>((x + rounding) >> 16);
+    // NaN keeps its sign with a quiet payload. A select, so that row loops vectorise.
+    return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? (x >> 16) | 0x40u
+                                                                      : (x + rounding) >> 16);
   }
 };
 
@@ -183,6 +209,14 @@ struct dtype_of<bfloat16> {
   static constexpr dtype value = dtype::bf16;
 };
 template <>
+struct dtype_of<fp8_e4m3> {
+  static constexpr dtype value = dtype::e4m3;
+};
+template <>
+struct dtype_of<fp8_e5m2> {
+  static constexpr dtype value = dtype::e5m2;
+};
+template <>
 struct dtype_of<std::int8_t> {
   static constexpr dtype value = dtype::i8;
 };
@@ -221,6 +255,10 @@ inline float load_as_float(const void* row, std::size_t i, dtype t) noexcept {
     return static_cast<float>(static_cast<const std::int32_t*>(row)[i]);
   case dtype::i64:
     return static_cast<float>(static_cast<const std::int64_t*>(row)[i]);
+  case dtype::e4m3:
+    return static_cast<float>(static_cast<const fp8_e4m3*>(row)[i]);
+  case dtype::e5m2:
+    return static_cast<float>(static_cast<const fp8_e5m2*>(row)[i]);
   }
   return 0.0f;
 }

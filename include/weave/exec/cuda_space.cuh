@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 WEAVE_NAMESPACE_BEGIN
@@ -102,10 +103,26 @@ struct cuda_space {
     std::forward<F>(f)();
   }
 
+  //! True while `s` is being captured into a CUDA graph (work that waits for the GPU on the
+  //! host cannot be captured).
+  static bool is_capturing(stream_arg s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    WEAVE_CUDA_CHECK(cudaStreamIsCapturing(s.get(), &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+
   //! Calls `f(s)` now; `f` enqueues its work on `s`.
   template <class F>
   static void launch(stream_arg s, F f) {
     f(s);
+  }
+
+  // CUB picks its offset type from the type of the item count: a 32-bit count selects the
+  // cheaper 32-bit-offset kernels, which every caller's sizes fit (plans check n < 2^31).
+  static int cub_items(std::int64_t n) {
+    WEAVE_EXPECT(n >= 0 && n <= std::numeric_limits<int>::max(), errc::size_overflow, n,
+                 " items exceed the 32-bit item counts of the device sorts and scans");
+    return static_cast<int>(n);
   }
 
   static std::size_t sort_temp_bytes(std::int64_t n) {
@@ -113,15 +130,15 @@ struct cuda_space {
     WEAVE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
         nullptr, bytes, static_cast<const std::uint32_t*>(nullptr),
         static_cast<std::uint32_t*>(nullptr), static_cast<const std::int32_t*>(nullptr),
-        static_cast<std::int32_t*>(nullptr), n));
+        static_cast<std::int32_t*>(nullptr), cub_items(n)));
     return bytes;
   }
 
   static std::size_t scan_temp_bytes(std::int64_t n) {
     std::size_t bytes = 0;
-    WEAVE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes,
-                                                   static_cast<const std::int64_t*>(nullptr),
-                                                   static_cast<std::int64_t*>(nullptr), n));
+    WEAVE_CUDA_CHECK(
+        cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<const std::int64_t*>(nullptr),
+                                      static_cast<std::int64_t*>(nullptr), cub_items(n)));
     return bytes;
   }
 
@@ -134,7 +151,7 @@ struct cuda_space {
     WEAVE_EXPECT(sort_temp_bytes(n) <= bytes, errc::invalid_state, "sort scratch of ", bytes,
                  " bytes is too small for ", n, " pairs");
     WEAVE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, bytes, keys_in, keys_out, values_in,
-                                                     values_out, n, 0, bits, s.get()));
+                                                     values_out, cub_items(n), 0, bits, s.get()));
   }
 
   static void exclusive_scan(stream_arg s, const std::int64_t* in, std::int64_t* out,
@@ -142,7 +159,7 @@ struct cuda_space {
     if (n <= 0)
       return;
     std::size_t bytes = temp_bytes;
-    WEAVE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, bytes, in, out, n, s.get()));
+    WEAVE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp, bytes, in, out, cub_items(n), s.get()));
   }
 };
 

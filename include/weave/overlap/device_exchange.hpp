@@ -3,25 +3,28 @@
 //! experts, with every plan built where the data lives (`cuda_moe_exchange` is this class in
 //! `cuda_space` over NCCL; in `host_space` it runs on host streams, which is how CI checks it).
 //!
-//! The stages and guarantees are `moe_exchange`'s (Occult's exact mode, one row per (token,
-//! device) both ways, pipelined over `chunks` by `chunk_pipeline`, results bitwise identical
-//! for every chunk count, capacity decided once per batch so drops equal the unchunked
-//! batch's), with two shapes:
+//! The stages, the handle API and the guarantees are `moe_exchange`'s (Occult's exact mode, one
+//! row per (token, device) both ways, chunks pipelined as `moe_exchange_base` describes,
+//! results bitwise identical for every chunk count, capacity decided once per batch so drops
+//! equal the unchunked batch's), with two shapes:
 //! - dynamic (default): rows are packed; the exchanged counts are copied to the host once per
 //!   chunk (on CUDA, the comm stream synchronizes there), which the all-to-all needs.
 //! - static (`moe_options::static_shape`): every peer gets a slot of `slot_rows()` rows per
 //!   chunk, counts stay in memory of the space and ride beside the rows. No call waits for the
 //!   GPU, and a call can be captured in a CUDA graph; the price is sending whole slots.
 //! Replicas are chosen as `moe_exchange` chooses them (`placement::slot_for`). Construct,
-//! allocate `workspace_size()` bytes of memory of the space (256-byte aligned), `initialize`
-//! once; calls then allocate nothing. Bad ids, weights and slot overflows are flagged in
-//! memory of the space and reported by `check_errors`.
+//! allocate `workspace_size()` bytes of memory of the space (256-byte aligned; it grows with
+//! `max_in_flight`), `initialize` once; calls then allocate nothing. Bad ids, weights and slot
+//! overflows are flagged in memory of the space and reported by `check_errors`. A chunk's
+//! `experts()` are views of the workspace (capacity rows, of which `expert_offsets[L]` are
+//! valid) and device-side offsets, valid in stream order: the caller's work reads them on
+//! `batch.stream`.
 //!
 //! Fail-stop (docs/faults.md): the ranks agree on the configuration at construction; each
-//! chunk's count exchange carries every rank's status (its flags, or a rejected call), so with
-//! dynamic shapes every rank fails at that exchange, and with static shapes `check_errors`
-//! reports the peers' failures; host waits go through the communicator (NCCL: its timeout and
-//! abort). `synchronize` is the one wait that reports the root cause.
+//! chunk's count exchange carries every rank's status (its flags, or a call rejected on the
+//! host), so with dynamic shapes every rank fails at that exchange, and with static shapes
+//! `check_errors` reports the peers' failures; host waits go through the communicator (NCCL:
+//! its timeout and abort). `synchronize` is the one wait that reports the root cause.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -33,14 +36,11 @@
 #include "weave/core/tensor.hpp"
 #include "weave/core/workspace.hpp"
 #include "weave/exec/space.hpp"
+#include "weave/overlap/device_exchange_state.hpp"
 #include "weave/overlap/device_exchange_steps.hpp"
-#include "weave/overlap/layer_agreement.hpp"
+#include "weave/overlap/moe_exchange_base.hpp"
 #include "weave/overlap/moe_options.hpp"
-#include "weave/overlap/pipeline.hpp"
 #include "weave/placement/placement.hpp"
-#include "weave/routing/device_capacity.hpp"
-#include "weave/routing/device_dispatch_plan.hpp"
-#include "weave/routing/device_expert_plan.hpp"
 #include "weave/routing/row_moves.hpp"
 
 #include <algorithm>
@@ -48,26 +48,41 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <span>
-#include <string>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
 
+namespace detail {
+template <class Space, class Comm>
+struct device_exchange_traits {
+  using comm_type = Comm;
+  using stream_type = typename Space::stream_type;
+  using stream_arg = typename Space::stream_arg;
+  using hooks_type = device_chunk_hooks<Space>;
+  using experts_fn = std::function<void(const device_expert_batch<Space>&)>;
+  using experts_grad_fn = std::function<void(const device_expert_grad_batch<Space>&)>;
+  using state_type = device_call_state<Space>;
+  static constexpr bool runs_later = Space::runs_later;
+};
+} // namespace detail
+
 template <execution_space Space, communicator Comm>
 requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
     has_exchange_counts<Comm> && has_all_to_all_v<Comm>
-class basic_device_exchange {
+class basic_device_exchange
+    : public moe_exchange_base<basic_device_exchange<Space, Comm>,
+                               detail::device_exchange_traits<Space, Comm>> {
+  using base = moe_exchange_base<basic_device_exchange<Space, Comm>,
+                                 detail::device_exchange_traits<Space, Comm>>;
+
  public:
   using space = Space;
-  using stream_type = typename Space::stream_type;
-  using stream_arg = typename Space::stream_arg;
-  using experts_fn = std::function<void(const device_expert_batch<Space>&)>;
-  using experts_grad_fn = std::function<void(const device_expert_grad_batch<Space>&)>;
+  using typename base::handle;
+  using typename base::stream_arg;
+  using typename base::stream_type;
 
   //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Collective:
   //! checks that every rank builds the layer alike (`agree_on_layer`: `errc::config_mismatch`
@@ -75,52 +90,43 @@ class basic_device_exchange {
   //! of another size (and its peers a `peer_error` naming this rank). With `cuda_space` it
   //! needs a current device (it sizes CUB's scratch).
   basic_device_exchange(Comm& comm, placement where, moe_options options)
-      : comm_(&agree_on_layer(comm, "device_exchange", where, options, [] {}))
-      , placement_(std::move(where))
-      , options_(options)
-      , pipeline_(options.chunks) {
-    rank_ = comm.rank();
+      : base(comm, std::move(where), options, "device_exchange", [] {})
+      , status_(comm.size(), comm.rank(), !options.static_shape, "device exchange",
+                [this](int rank, std::uint32_t flags) {
+                  return record_of_call(rank,
+                                        [&] { throw_sender_errors(flags & 0xFFFFu, flags >> 16); });
+                }) {
     D_ = comm.size();
-    k_ = options_.k;
-    const int spd = placement_.slots_per_device();
+    k_ = options.k;
+    const int spd = this->placement_.slots_per_device();
     for (int l = 0; l < spd; ++l)
-      local_experts_.push_back(placement_.expert_of_slot(rank_ * spd + l));
+      local_experts_.push_back(this->placement_.expert_of_slot(this->rank_ * spd + l));
     const auto D = static_cast<std::size_t>(D_), k = static_cast<std::size_t>(k_);
-    const auto chunks = static_cast<std::size_t>(options_.chunks);
-    chunk_tokens_ = (options_.max_tokens + chunks - 1) / chunks;
-    if (options_.capacity.factor != 0.0)
-      filter_.emplace(placement_.num_experts(), k_, options_.max_tokens, options_.capacity);
-    slot_rows_ = options_.static_shape ? static_slot_rows() : 0;
-    send_cap_ = options_.static_shape ? checked_mul(D, slot_rows_, "send rows")
-                                      : checked_mul(chunk_tokens_, std::min(k, D), "send rows");
-    recv_cap_ = options_.static_shape ? send_cap_ : checked_mul(chunk_tokens_, D, "receive rows");
+    const auto chunks = static_cast<std::size_t>(options.chunks);
+    chunk_tokens_ = (options.max_tokens + chunks - 1) / chunks;
+    slot_rows_ = options.static_shape ? static_slot_rows() : 0;
+    send_cap_ = options.static_shape ? checked_mul(D, slot_rows_, "send rows")
+                                     : checked_mul(chunk_tokens_, std::min(k, D), "send rows");
+    recv_cap_ = options.static_shape ? send_cap_ : checked_mul(chunk_tokens_, D, "receive rows");
     uniform_counts_.assign(D, static_cast<std::int64_t>(slot_rows_));
     uniform_displs_.resize(D);
     for (std::size_t d = 0; d < D; ++d)
       uniform_displs_[d] = static_cast<std::int64_t>(d * slot_rows_);
-    chunks_.reserve(chunks);
-    for (std::size_t c = 0; c < chunks; ++c)
-      chunks_.emplace_back(placement_, k_, rank_, chunk_tokens_, spd, D_, recv_cap_);
-    status_ = device_counts_with_status<Space>(
-        D_, rank_, chunks, !options_.static_shape, "device exchange",
-        [this](int rank, std::uint32_t flags) {
-          return record_of_call(rank, [&] { throw_sender_errors(flags & 0xFFFF, flags >> 16); });
-        });
+    for (const auto& s : this->slots()) {
+      s->state.construct(this->placement_, options, this->rank_, chunk_tokens_, recv_cap_);
+      for (chunk_state& ch : s->state.chunks)
+        status_.size_block(ch.status);
+    }
+    last_forward_ = this->slots().front().get();
   }
 
-  basic_device_exchange(const basic_device_exchange&) = delete;
-  basic_device_exchange& operator=(const basic_device_exchange&) = delete;
-
-  const moe_options& options() const noexcept { return options_; }
-  const placement& where() const noexcept { return placement_; }
-  const chunk_pipeline<stream_type>& pipeline() const noexcept { return pipeline_; }
-  bool static_shape() const noexcept { return options_.static_shape; }
+  bool static_shape() const noexcept { return this->options_.static_shape; }
   //! Rows of each peer's slot per chunk (static shapes; 0 otherwise).
   std::size_t slot_rows() const noexcept { return slot_rows_; }
   //! Rows a chunk's send buffer holds (static: peers * slot rows).
   std::size_t send_rows_capacity() const noexcept { return send_cap_; }
 
-  //! Bytes of memory of the space `initialize` needs.
+  //! Bytes of memory of the space `initialize` needs (for `max_in_flight` calls).
   std::size_t workspace_size() const {
     workspace_carver measure;
     return carve(*this, measure).used();
@@ -131,78 +137,29 @@ class basic_device_exchange {
     WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
     workspace_carver carver(workspace, bytes);
     carve(*this, carver);
-    for (chunk_state& ch : chunks_) {
-      ch.plan.initialize(ch.plan_ws, ch.plan.workspace_size(), stream);
-      ch.experts.initialize(ch.experts_ws, ch.experts.workspace_size(), stream);
+    for (const auto& s : this->slots()) {
+      auto& st = s->state;
+      for (chunk_state& ch : st.chunks) {
+        ch.plan.initialize(ch.plan_ws, ch.plan.workspace_size(), stream);
+        ch.experts.initialize(ch.experts_ws, ch.experts.workspace_size(), stream);
+        Space::fill(stream, ch.error, 0, sizeof(std::uint32_t));
+        Space::fill(stream, ch.status.recv, 0, status_.words() * sizeof(std::int64_t));
+      }
+      if (st.filter)
+        st.filter->initialize(st.filter_ws, st.filter->workspace_size(), stream);
+      Space::fill(stream, st.counters, 0, counter_count * sizeof(std::int64_t));
     }
-    if (filter_)
-      filter_->initialize(filter_ws_, filter_->workspace_size(), stream);
-    Space::fill(stream, error_, 0, chunks_.size() * sizeof(std::uint32_t));
-    Space::fill(stream, counters_, 0, counter_count * sizeof(std::int64_t));
     Space::copy_from_host(stream, static_displs_, uniform_displs_.data(),
                           uniform_displs_.size() * sizeof(std::int64_t));
-    wait_watched(*comm_, stream); // the uploads read host vectors of this object
+    wait_watched(*this->comm_, stream); // the uploads read host vectors of this object
     initialized_ = true;
   }
 
-  //! Enqueues the forward of `x` routed by `ids` / `weights` (k per token, -1 = none) into `y`,
-  //! all in memory of the space. Throws `errc::size_mismatch` / `errc::invalid_argument` for
-  //! shapes or memory that disagree with the options; bad values are flagged (`check_errors`).
-  //! `hooks` (optional, borrowed) partitions the operators around the layer into the same
-  //! chunks (see `moe_chunk_hooks`).
-  void forward(const_token_view x, std::span<const std::int32_t> ids,
-               std::span<const float> weights, token_view y, experts_fn experts, stream_arg compute,
-               stream_arg comm, const device_chunk_hooks<Space>* hooks = nullptr) {
-    abort_peers_on_failure(*comm_, [&] { check_initialized(); }); // nothing can be enqueued
-    try {
-      check_call(x, y, ids.size(), weights.size());
-      detail::check_hooks(hooks, options_);
-    } catch (
-        ...) { // fail-stop: the rejected call takes its turn with no tokens, carrying the error
-      status_.fail_call(*comm_, compute, comm, std::current_exception(), [&] {
-        begin_call(0);
-        calls_[0] = {rows_view(nullptr, 0), rows_view(nullptr, 0), {}, {}, {}, {}, {}, 0, nullptr};
-        direction_ = false;
-        pipeline_.run(compute, comm, *this);
-        end_call(0, compute);
-      });
-      throw;
-    }
-    begin_call(0);
-    calls_[0] = {x, y, ids, weights, {}, std::move(experts), {}, x.rows(), hooks};
-    direction_ = false;
-    pipeline_.run(compute, comm, *this);
-    end_call(0, compute);
-  }
-
-  //! Enqueues the backward of the last forward (needs `save_for_backward`): from `dy` it writes
-  //! `dx` and the gate gradients `dw` (k per token; 0 for dropped or absent choices).
-  void backward(const_token_view dy, token_view dx, std::span<float> dw,
-                experts_grad_fn experts_grad, stream_arg compute, stream_arg comm) {
-    const std::size_t T = calls_[0].tokens;
-    abort_peers_on_failure(*comm_, [&] { // no count exchange to carry it
-      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                   "backward needs moe_options.save_for_backward");
-      check_call(dy, dx, T * static_cast<std::size_t>(k_), dw.size());
-      WEAVE_EXPECT(dy.rows() == T, errc::size_mismatch, "backward: ", dy.rows(),
-                   " rows for a forward of ", T, " tokens");
-    });
-    begin_call(1);
-    calls_[1] = {dy, dx, calls_[0].ids, calls_[0].weights, dw, {}, std::move(experts_grad), T};
-    direction_ = true;
-    pipeline_.run(compute, comm, *this);
-    end_call(1, compute);
-  }
-
   //! What the last forward moved; waits for `stream` (enqueue it after the forward's work).
-  moe_stats read_stats(stream_arg stream) const {
-    std::int64_t c[counter_count] = {};
-    Space::copy_to_host(stream, c, counters_, sizeof(c));
-    wait_watched(*comm_, stream);
-    return {calls_[0].tokens,       c[counter_routed],
-            c[counter_dropped],     c[counter_sent],
-            c[counter_received],    c[counter_local],
-            c[counter_expert_rows], options_.hidden * size_of(options_.element)};
+  moe_stats read_stats(stream_arg stream) const { return read_counters(*last_forward_, stream); }
+  //! What `h`'s forward moved; waits for `stream`.
+  moe_stats read_stats(const handle& h, stream_arg stream) const {
+    return read_counters(this->slot(this->slot_of(h)), stream);
   }
 
   //! Waits for `stream`, then throws for what the device flagged since the last check: bad ids
@@ -210,41 +167,60 @@ class basic_device_exchange {
   //! an overflowing static slot (`errc::size_overflow`), else a peer's failure its count
   //! exchanges reported (`peer_error`), else bad received rows. Clears the flags.
   void check_errors(stream_arg stream) {
-    std::vector<std::uint32_t> words(3 * chunks_.size(), 0);
-    for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      take_error_word<Space>(stream, &words[3 * c], error_ + c);
-      take_error_word<Space>(stream, &words[1 + 3 * c], chunks_[c].plan.error_word());
-      take_error_word<Space>(stream, &words[2 + 3 * c], chunks_[c].experts.error_word());
-    }
-    std::exception_ptr peers; // waits for the stream (through the communicator) too
-    try {
-      status_.check_peers(*comm_, stream);
-    } catch (...) {
-      peers = std::current_exception();
-    }
+    std::size_t n = 0;
+    for (const auto& s : this->slots())
+      n += 3 * s->state.chunks.size();
+    std::vector<std::uint32_t> words(n, 0); // the copies land here when the stream runs them
+    std::size_t at = 0;
+    for (const auto& s : this->slots())
+      for (chunk_state& ch : s->state.chunks) {
+        take_error_word<Space>(stream, &words[at++], ch.error);
+        take_error_word<Space>(stream, &words[at++], ch.plan.error_word());
+        take_error_word<Space>(stream, &words[at++], ch.experts.error_word());
+        status_.take(stream, ch.status);
+      }
+    wait_watched(*this->comm_, stream);
     std::uint32_t own = 0, plan = 0, experts = 0;
-    for (std::size_t c = 0; c < chunks_.size(); ++c) {
-      own |= words[3 * c];
-      plan |= words[1 + 3 * c];
-      experts |= words[2 + 3 * c];
+    for (std::size_t i = 0; i < words.size(); i += 3) {
+      own |= words[i];
+      plan |= words[i + 1];
+      experts |= words[i + 2];
     }
     throw_sender_errors(plan, own);
-    if (peers) // a peer's failure explains what this rank received
-      std::rethrow_exception(peers);
-    device_expert_plan<Space>::throw_expert_errors(experts, placement_.slots_per_device());
+    for (const auto& s : this->slots()) // a peer's failure explains what this rank received
+      for (const chunk_state& ch : s->state.chunks)
+        if (std::exception_ptr peer = status_.peer_failure(ch.status))
+          std::rethrow_exception(peer);
+    device_expert_plan<Space>::throw_expert_errors(experts, this->placement_.slots_per_device());
   }
 
-  //! The one wait: waits for both streams (through the communicator), then checks the flags
-  //! (`check_errors`, unless the communicator was aborted) and rethrows the root cause: this
-  //! rank's own error, else a peer's failure naming its rank, code and message.
-  void synchronize(stream_arg compute, stream_arg comm) {
+ private:
+  friend base;
+  friend struct detail::moe_access;
+  using moves = row_moves<Space>;
+  using slot_type = typename base::slot_type;
+  using chunk_state = detail::device_chunk<Space>;
+  using call_state = detail::device_call_state<Space>;
+
+  // Throws for a sender's flags: the chunk plans' (`device_plan_error`) and this exchange's own
+  // (`device_exchange_error`); used for this rank's and, through the status, for the peers'.
+  void throw_sender_errors(std::uint32_t plan, std::uint32_t exchange) const {
+    device_dispatch_plan<Space>::throw_plan_errors(plan, this->placement_.num_experts());
+    WEAVE_EXPECT((exchange & device_exchange_slot_overflow) == 0, errc::size_overflow,
+                 "a chunk sent more rows to a peer than its static slot of ", slot_rows_,
+                 " rows (moe_options.static_rows_per_peer)");
+  }
+
+  // The one wait (`moe_exchange_base::synchronize`): both streams through the communicator,
+  // then the device flags unless the communicator was aborted; rethrows the root cause.
+  void synchronize_layer(stream_arg compute, stream_arg comm) {
     std::exception_ptr waited, flagged;
     try {
-      synchronize_streams(*comm_, compute, comm);
+      synchronize_streams(*this->comm_, compute, comm);
     } catch (...) {
       waited = std::current_exception();
     }
-    if (!communicator_aborted(*comm_)) {
+    if (!communicator_aborted(*this->comm_)) {
       try {
         check_errors(compute);
       } catch (...) {
@@ -255,66 +231,28 @@ class basic_device_exchange {
       std::rethrow_exception(root);
   }
 
-  //! False once the communicator was aborted (a failure after a dispatch, a timeout): every
-  //! later call fails; rebuild the communicator and the layer.
-  bool usable() const { return !communicator_aborted(*comm_); }
-
-  //! The stage hook `chunk_pipeline` calls (not for direct use).
-  void enqueue(pipeline_stage stage, int c, stream_type& s) {
-    chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
-    const bool bwd = direction_;
-    switch (stage) {
-    case pipeline_stage::prepare:
-      bwd ? gather_send(ch, s, calls_[1].x.subrows(ch.first, ch.count)) : prepare(c, s);
-      break;
-    case pipeline_stage::dispatch:
-      dispatch(c, s, bwd);
-      break;
-    case pipeline_stage::experts:
-      bwd ? experts_backward(c, s) : experts_forward(c, s);
-      break;
-    case pipeline_stage::combine:
-      exchange_back(ch, s, ch.back, ch.returned, options_.hidden * size_of(options_.element));
-      if (bwd)
-        exchange_back(ch, s, reinterpret_cast<std::byte*>(ch.send_dw),
-                      reinterpret_cast<std::byte*>(ch.returned_dw),
-                      static_cast<std::size_t>(k_) * sizeof(float));
-      break;
-    case pipeline_stage::finish:
-      finish(c, s, bwd);
-      break;
+  // A rejected call's turn (see `moe_exchange_base::reject`): on host streams both streams
+  // carry `failure` while `issue` enqueues it; on CUDA its record is copied to the device and
+  // sent by the call's count exchanges instead of the flags.
+  template <class Issue>
+  void enqueue_rejected(slot_type& s, const std::exception_ptr& failure, stream_arg compute,
+                        stream_arg comm, Issue&& issue) {
+    s.args.x = rows_view(nullptr, 0);
+    s.args.y = rows_view(nullptr, 0);
+    if constexpr (Space::runs_later) {
+      enqueue_failed_call(*this->comm_, compute, comm, failure, std::forward<Issue>(issue));
+    } else {
+      status_.report(comm, failure, s.state.reported_h, s.state.reported);
+      s.state.rejected = true;
+      try {
+        std::forward<Issue>(issue)();
+      } catch (...) {
+        s.state.rejected = false;
+        throw;
+      }
+      s.state.rejected = false;
     }
   }
-
- private:
-  using moves = row_moves<Space>;
-
-  struct chunk_state {
-    chunk_state(const placement& where, int k, int rank, std::size_t tokens, int local, int peers,
-                std::size_t recv_rows)
-        : plan(where, k, rank, tokens)
-        , experts(local, k, peers, recv_rows)
-        , send_counts_h(static_cast<std::size_t>(peers))
-        , send_displs_h(static_cast<std::size_t>(peers))
-        , recv_counts_h(static_cast<std::size_t>(peers))
-        , recv_displs_h(static_cast<std::size_t>(peers)) {}
-
-    device_dispatch_plan<Space> plan;  // sender half (ORI <-> SFD)
-    device_expert_plan<Space> experts; // receiver half (SFD <-> EPD)
-    std::size_t first = 0, count = 0;  // token range of the chunk
-    std::byte *plan_ws = nullptr, *experts_ws = nullptr;
-    std::byte *send = nullptr, *recv = nullptr, *back = nullptr, *returned = nullptr;
-    std::byte *epd_in = nullptr, *epd_out = nullptr;
-    route_entry *send_routes = nullptr, *recv_routes = nullptr; // send: static shapes only
-    std::int64_t *slot_row_token = nullptr, *layout_rows = nullptr, *slot_counts = nullptr;
-    std::int64_t *recv_counts = nullptr, *recv_displs = nullptr, *recv_total = nullptr;
-    float *send_dw = nullptr, *returned_dw = nullptr; // backward: gate gradients per entry
-    // Dynamic shapes: the counts the all-to-alls read on the host.
-    std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
-  };
-
-  using call_arguments =
-      detail::moe_call_arguments<experts_fn, experts_grad_fn, device_chunk_hooks<Space>>;
 
   // Space::launch for the caller's code. A failure before the dispatch on host streams travels
   // with the count exchange; any other one aborts the communicator, as the peers would
@@ -325,31 +263,23 @@ class basic_device_exchange {
       Space::launch(s, std::move(f));
     else
       Space::launch(s, [this, f = std::move(f)](stream_arg ls) mutable {
-        abort_peers_on_failure(*comm_, [&] { f(ls); });
+        abort_peers_on_failure(*this->comm_, [&] { f(ls); });
       });
-  }
-
-  // Throws for a sender's flags: the chunk plans' (`device_plan_error`) and this exchange's own
-  // (`device_exchange_error`); used for this rank's and, through the status, for the peers'.
-  void throw_sender_errors(std::uint32_t plan, std::uint32_t exchange) const {
-    device_dispatch_plan<Space>::throw_plan_errors(plan, placement_.num_experts());
-    WEAVE_EXPECT((exchange & device_exchange_slot_overflow) == 0, errc::size_overflow,
-                 "a chunk sent more rows to a peer than its static slot of ", slot_rows_,
-                 " rows (moe_options.static_rows_per_peer)");
   }
 
   // The worst case of a peer's rows per chunk: every token of the chunk, or fewer when a
   // capacity factor bounds what the experts of one device take from a batch.
   std::size_t static_slot_rows() const {
-    if (options_.static_rows_per_peer != 0)
-      return options_.static_rows_per_peer;
+    if (this->options_.static_rows_per_peer != 0)
+      return this->options_.static_rows_per_peer;
     std::size_t rows = chunk_tokens_;
-    if (options_.capacity.factor > 0.0) {
-      const std::int64_t cap = expert_capacity(options_.capacity.factor, options_.max_tokens, k_,
-                                               placement_.num_experts());
-      rows = std::min(rows, checked_mul(static_cast<std::size_t>(cap),
-                                        static_cast<std::size_t>(placement_.slots_per_device()),
-                                        "slot rows"));
+    if (this->options_.capacity.factor > 0.0) {
+      const std::int64_t cap = expert_capacity(this->options_.capacity, this->options_.max_tokens,
+                                               k_, this->placement_.num_experts());
+      rows =
+          std::min(rows, checked_mul(static_cast<std::size_t>(cap),
+                                     static_cast<std::size_t>(this->placement_.slots_per_device()),
+                                     "slot rows"));
     }
     return std::max<std::size_t>(rows, 1);
   }
@@ -364,190 +294,254 @@ class basic_device_exchange {
     };
     const auto D = static_cast<std::size_t>(self.D_), k = static_cast<std::size_t>(self.k_);
     const bool fixed = self.options_.static_shape, grads = self.options_.save_for_backward;
-    set(self.error_, self.chunks_.size()); // one word per chunk: read while the next is planned
-    set(self.counters_, counter_count);
     set(self.static_displs_, D);
-    self.status_.carve(set);
-    if (self.filter_) {
-      set(self.filter_ws_, self.filter_->workspace_size());
-      set(self.keep_, std::max<std::size_t>(self.options_.max_tokens * k, 1));
-    }
-    std::size_t epd = 0;
-    for (auto& ch : self.chunks_) {
-      epd = ch.experts.max_epd_rows();
-      set(ch.plan_ws, ch.plan.workspace_size());
-      set(ch.experts_ws, ch.experts.workspace_size());
-      rows(ch.send, self.send_cap_);
-      rows(ch.returned, self.send_cap_);
-      rows(ch.recv, self.recv_cap_);
-      rows(ch.back, self.recv_cap_);
-      rows(ch.epd_in, epd);
-      rows(ch.epd_out, epd);
-      set(ch.recv_routes, self.recv_cap_ * k);
-      set(ch.recv_counts, D);
-      set(ch.recv_displs, D);
-      set(ch.recv_total, 1);
-      if (fixed) {
-        set(ch.send_routes, self.send_cap_ * k);
-        set(ch.slot_row_token, self.send_cap_);
-        set(ch.layout_rows, self.chunk_tokens_ * k);
-        set(ch.slot_counts, D);
+    for (const auto& s : self.slots()) {
+      call_state& st = s->state;
+      set(st.counters, counter_count);
+      set(st.reported, failure_words);
+      if (st.filter) {
+        set(st.filter_ws, st.filter->workspace_size());
+        set(st.keep, std::max<std::size_t>(self.options_.max_tokens * k, 1));
       }
-      if (grads) {
-        set(ch.send_dw, self.recv_cap_ * k);
-        set(ch.returned_dw, self.send_cap_ * k);
+      std::size_t epd = 0;
+      for (chunk_state& ch : st.chunks) {
+        epd = ch.experts.max_epd_rows();
+        set(ch.plan_ws, ch.plan.workspace_size());
+        set(ch.experts_ws, ch.experts.workspace_size());
+        rows(ch.send, self.send_cap_);
+        rows(ch.returned, self.send_cap_);
+        rows(ch.recv, self.recv_cap_);
+        rows(ch.back, self.recv_cap_);
+        rows(ch.epd_in, epd);
+        rows(ch.epd_out, epd);
+        set(ch.recv_routes, self.recv_cap_ * k);
+        set(ch.recv_counts, D);
+        set(ch.recv_displs, D);
+        set(ch.recv_total, 1);
+        set(ch.expert_rows, std::max<std::size_t>(self.chunk_tokens_ * k, 1));
+        set(ch.error, 1);
+        self.status_.carve(ch.status, set);
+        if (fixed) {
+          set(ch.send_routes, self.send_cap_ * k);
+          set(ch.slot_row_token, self.send_cap_);
+          set(ch.layout_rows, self.chunk_tokens_ * k);
+          set(ch.slot_counts, D);
+        }
+        if (grads) {
+          set(ch.send_dw, self.recv_cap_ * k);
+          set(ch.returned_dw, self.send_cap_ * k);
+        }
       }
-    }
-    if (grads) {
-      rows(self.grad_dy_, epd);
-      rows(self.grad_scaled_, epd);
-      set(self.grad_dot_, epd);
+      if (grads) { // shared by the chunks of a call: its backward runs them in compute order
+        rows(st.grad_dy, epd);
+        rows(st.grad_scaled, epd);
+        set(st.grad_dot, epd);
+      }
     }
     return c;
   }
 
   token_view rows_view(std::byte* p, std::size_t n) const {
-    return token_view(p, n, options_.hidden, options_.element, Space::memory);
+    return token_view(p, n, this->options_.hidden, this->options_.element, Space::memory);
   }
 
-  void check_initialized() const {
+  moe_stats read_counters(const slot_type& s, stream_arg stream) const {
+    std::int64_t c[counter_count] = {};
+    Space::copy_to_host(stream, c, s.state.counters, sizeof(c));
+    wait_watched(*this->comm_, stream);
+    return {s.tokens,
+            c[counter_routed],
+            c[counter_dropped],
+            c[counter_sent],
+            c[counter_received],
+            c[counter_local],
+            c[counter_expert_rows],
+            this->options_.hidden * size_of(this->options_.element)};
+  }
+
+  // --- checks and accessors (called by the base and by moe_chunk) ---------------------------
+
+  void check_rows(const const_token_view& v, const char* what) const {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device exchange is not initialised");
+    WEAVE_EXPECT(v.cols() == this->options_.hidden && v.element_type() == this->options_.element,
+                 errc::size_mismatch, "device exchange ", what, " rows of ", v.cols(), " ",
+                 v.element_type(), " for an exchange of ", this->options_.hidden, " ",
+                 this->options_.element);
+    WEAVE_EXPECT(Space::memory == memory_space::host ? host_accessible(v.space())
+                                                     : device_accessible(v.space()),
+                 errc::invalid_argument, "device exchange ", what, " rows in ", v.space(),
+                 " memory for a space of ", Space::memory, " memory");
   }
 
-  void check_call(const const_token_view& x, const const_token_view& y, std::size_t ids,
-                  std::size_t weights) const {
-    check_initialized();
-    for (const const_token_view* v : {&x, &y}) {
-      WEAVE_EXPECT(v->cols() == options_.hidden && v->element_type() == options_.element,
-                   errc::size_mismatch, "device exchange rows of ", v->cols(), " ",
-                   v->element_type(), " for an exchange of ", options_.hidden, " ",
-                   options_.element);
-      WEAVE_EXPECT(Space::memory == memory_space::host ? host_accessible(v->space())
-                                                       : device_accessible(v->space()),
-                   errc::invalid_argument, "device exchange rows in ", v->space(),
-                   " memory for a space of ", Space::memory, " memory");
-    }
-    const std::size_t T = x.rows(), k = static_cast<std::size_t>(k_);
-    WEAVE_EXPECT(T <= options_.max_tokens, errc::invalid_argument, "device exchange call of ", T,
-                 " tokens exceeds max_tokens = ", options_.max_tokens);
-    WEAVE_EXPECT(y.rows() == T && ids == T * k && weights == T * k, errc::size_mismatch,
-                 "device exchange: ", T, " input rows, ", y.rows(), " output rows, ", ids,
-                 " ids and ", weights, " weights (or gate gradients) with k = ", k);
+  device_expert_batch<Space> experts_of(const slot_type& s, int c) const {
+    const chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const std::size_t epd = ch.experts.max_epd_rows();
+    return {c,
+            this->rank_,
+            ch.experts.expert_offsets(),
+            local_experts_,
+            rows_view(ch.epd_in, epd),
+            rows_view(ch.epd_out, epd),
+            base::arg_of(s.phase_compute[0])};
   }
 
-  // Host spaces run the stages later and read the call's arguments then: a new call of the
-  // same direction waits until the previous one has run (its end event completes even if a
-  // stream failed; the failure surfaces at the caller's synchronize).
-  void begin_call(int direction) {
-    if constexpr (Space::runs_later) {
-      try {
-        call_done_[direction].synchronize();
-      } catch (...) {
-      }
-    }
-  }
-  void end_call(int direction, stream_type& compute) {
-    if constexpr (Space::runs_later)
-      compute.record(call_done_[direction]);
+  device_expert_grad_batch<Space> experts_grad_of(const slot_type& s, int c) const {
+    const chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const std::size_t epd = ch.experts.max_epd_rows();
+    return {c,
+            this->rank_,
+            ch.experts.expert_offsets(),
+            local_experts_,
+            rows_view(ch.epd_in, epd),
+            rows_view(s.state.grad_scaled, epd),
+            rows_view(ch.epd_out, epd),
+            base::arg_of(s.phase_compute[1])};
   }
 
-  std::pair<std::size_t, std::size_t> chunk_range(int c) const noexcept {
-    const std::size_t T = calls_[0].tokens, C = chunks_.size(), i = static_cast<std::size_t>(c);
-    return {T * i / C, T * (i + 1) / C - T * i / C};
+  device_expert_batch<Space> chunk_experts(int slot, int c) const {
+    return experts_of(this->slot(slot), c);
+  }
+  device_expert_grad_batch<Space> chunk_experts_grad(int slot, int c) const {
+    return experts_grad_of(this->slot(slot), c);
+  }
+  std::span<const std::int64_t> chunk_expert_rows(int slot, int c) const {
+    const chunk_state& ch = this->slot(slot).state.chunks[static_cast<std::size_t>(c)];
+    return {ch.expert_rows, ch.count * static_cast<std::size_t>(k_)};
   }
 
-  void prepare(int c, stream_type& s) {
-    chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
-    const call_arguments& call = calls_[0];
+  // --- stages (issued by the base) ----------------------------------------------------------
+
+  void on_dispatch(slot_type& s) { last_forward_ = &s; }
+
+  // Dynamic shapes wait for the GPU once per chunk, which a CUDA graph cannot hold.
+  void on_start(slot_type& s, stream_type& compute) {
+    bool capturing = false;
+    if constexpr (requires { Space::is_capturing(compute); })
+      capturing = Space::is_capturing(compute);
+    WEAVE_EXPECT(!capturing || this->options_.static_shape, errc::invalid_state,
+                 "a call with dynamic shapes cannot be captured in a CUDA graph (it waits for the "
+                 "GPU once per chunk): set moe_options::static_shape");
+    s.pipeline().set_captured(capturing);
+  }
+
+  void enqueue_prepare(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    if (s.backward)
+      gather_send(ch, st, s.args.dy.subrows(ch.first, ch.count));
+    else
+      prepare(s, c, st);
+  }
+
+  void prepare(slot_type& s, int c, stream_type& st) {
+    call_state& cs = s.state;
+    chunk_state& ch = cs.chunks[static_cast<std::size_t>(c)];
+    const auto& args = s.args;
     const auto k = static_cast<std::size_t>(k_);
-    std::tie(ch.first, ch.count) = chunk_range(c);
-    const bool produced = call.hooks != nullptr && static_cast<bool>(call.hooks->produce);
+    std::tie(ch.first, ch.count) = this->chunk_range(s.tokens, c);
+    const bool produced = args.hooks != nullptr && static_cast<bool>(args.hooks->produce);
     if (produced)
-      launch_fail_stop(s, true,
-                       [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+      launch_fail_stop(st, true,
+                       [hooks = args.hooks, first = ch.first, count = ch.count](stream_arg ls) {
                          hooks->produce(first, count, ls);
                        });
     const std::span<std::uint8_t> keep =
-        filter_ ? std::span<std::uint8_t>(keep_ + ch.first * k, ch.count * k)
-                : std::span<std::uint8_t>{};
+        cs.filter ? std::span<std::uint8_t>(cs.keep + ch.first * k, ch.count * k)
+                  : std::span<std::uint8_t>{};
     if (c == 0)
-      Space::fill(s, counters_, 0, counter_count * sizeof(std::int64_t));
-    if (filter_ && produced) { // choices arrive chunk by chunk: admit them in position order
+      Space::fill(st, cs.counters, 0, counter_count * sizeof(std::int64_t));
+    if (cs.filter && produced) { // choices arrive chunk by chunk: admit them in position order
       if (c == 0)
-        filter_->reset(s, call.tokens);
-      filter_->admit(s, call.ids.subspan(ch.first * k, ch.count * k), keep);
-    } else if (filter_ && c == 0) { // the whole batch at once: every chunk reads its slice
-      filter_->decide(s, call.ids, call.weights, std::span(keep_, call.tokens * k));
+        cs.filter->reset(st, s.tokens);
+      cs.filter->admit(st, args.ids.subspan(ch.first * k, ch.count * k), keep);
+    } else if (cs.filter && c == 0) { // the whole batch at once: every chunk reads its slice
+      cs.filter->decide(st, args.ids, args.weights, std::span(cs.keep, s.tokens * k));
     }
-    if (filter_)
-      Space::copy(s, counters_ + counter_dropped, filter_->dropped_count(), sizeof(std::int64_t));
-    ch.plan.build(s, call.ids.subspan(ch.first * k, ch.count * k),
-                  call.weights.subspan(ch.first * k, ch.count * k),
+    if (cs.filter)
+      Space::copy(st, cs.counters + counter_dropped, cs.filter->dropped_count(),
+                  sizeof(std::int64_t));
+    ch.plan.build(st, args.ids.subspan(ch.first * k, ch.count * k),
+                  args.weights.subspan(ch.first * k, ch.count * k),
                   std::span<const std::uint8_t>(keep), ch.first);
-    Space::for_each(s, static_cast<std::int64_t>(ch.count * k),
-                    detail::routed_pairs_step{ch.plan.kept_experts().data(), counters_});
-    Space::for_each(s, 1,
+    Space::for_each(st, static_cast<std::int64_t>(ch.count * k),
+                    detail::routed_pairs_step{ch.plan.kept_experts().data(), cs.counters});
+    Space::for_each(st, 1,
                     detail::sent_rows_step{ch.plan.send_counts().data(),
-                                           ch.plan.send_offsets().data(), D_, rank_, counters_});
-    if (options_.static_shape) {
+                                           ch.plan.send_offsets().data(), D_, this->rank_,
+                                           cs.counters});
+    if (this->options_.static_shape) {
       const auto S = static_cast<std::int64_t>(slot_rows_);
       Space::for_each(
-          s, static_cast<std::int64_t>(send_cap_),
+          st, static_cast<std::int64_t>(send_cap_),
           detail::slot_layout_step{ch.plan.send_counts().data(), ch.plan.send_offsets().data(),
                                    ch.plan.row_token().data(), ch.plan.row_routes().data(), S, k_,
                                    ch.slot_row_token, ch.send_routes});
       Space::for_each(
-          s, D_,
-          detail::slot_counts_step{ch.plan.send_counts().data(), S, ch.slot_counts, error_ + c});
-      Space::for_each(s, static_cast<std::int64_t>(ch.count * k),
+          st, D_,
+          detail::slot_counts_step{ch.plan.send_counts().data(), S, ch.slot_counts, ch.error});
+      Space::for_each(st, static_cast<std::int64_t>(ch.count * k),
                       detail::layout_token_rows_step{ch.plan.token_rows().data(),
                                                      ch.plan.send_offsets().data(), D_, S,
                                                      ch.layout_rows});
     }
-    gather_send(ch, s, call.x.subrows(ch.first, ch.count));
+    gather_send(ch, st, args.x.subrows(ch.first, ch.count));
   }
 
   // ORI -> the send layout (packed SFD rows, or fixed slots).
   void gather_send(chunk_state& ch, stream_type& s, const const_token_view& ori) {
-    if (options_.static_shape)
+    if (this->options_.static_shape)
       moves::gather(s, ori, rows_view(ch.send, send_cap_), ch.slot_row_token, nullptr, nullptr);
     else
       moves::gather(s, ori, rows_view(ch.send, send_cap_), ch.plan.row_token().data(), nullptr,
                     ch.plan.send_offsets().data() + D_);
   }
 
-  void dispatch(int c, stream_type& s, bool backward) {
-    chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
-    const std::size_t row = options_.hidden * size_of(options_.element);
+  void enqueue_dispatch(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const std::size_t row = this->options_.hidden * size_of(this->options_.element);
+    const bool fixed = this->options_.static_shape;
+    if (!s.backward) {
+      exchange_chunk_counts(s, ch, st);
+      if (fixed)
+        all_to_all_v(*this->comm_, st, ch.send_routes, uniform_counts_, uniform_displs_,
+                     ch.recv_routes, uniform_counts_, uniform_displs_,
+                     static_cast<std::size_t>(k_) * 8);
+      else
+        all_to_all_v(*this->comm_, st, ch.plan.row_routes().data(), ch.send_counts_h,
+                     ch.send_displs_h, ch.recv_routes, ch.recv_counts_h, ch.recv_displs_h,
+                     static_cast<std::size_t>(k_) * 8);
+    }
+    if (fixed)
+      all_to_all_v(*this->comm_, st, ch.send, uniform_counts_, uniform_displs_, ch.recv,
+                   uniform_counts_, uniform_displs_, row);
+    else
+      all_to_all_v(*this->comm_, st, ch.send, ch.send_counts_h, ch.send_displs_h, ch.recv,
+                   ch.recv_counts_h, ch.recv_displs_h, row);
+  }
+
+  // The count exchange of a chunk (every path's one place), carrying this rank's status.
+  // Static shapes keep the counts in memory of the space; dynamic ones copy them to the host
+  // and lay out the receive there, where every rank fails alike if a rank's status says so.
+  void exchange_chunk_counts(slot_type& s, chunk_state& ch, stream_type& st) {
     const auto D = static_cast<std::size_t>(D_);
-    if (options_.static_shape) {
-      if (!backward) {
-        status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.slot_counts, ch.recv_counts,
-                         ch.plan.error_word(), error_ + c);
-        all_to_all_v(*comm_, s, ch.send_routes, uniform_counts_, uniform_displs_, ch.recv_routes,
-                     uniform_counts_, uniform_displs_, static_cast<std::size_t>(k_) * 8);
-      }
-      all_to_all_v(*comm_, s, ch.send, uniform_counts_, uniform_displs_, ch.recv, uniform_counts_,
-                   uniform_displs_, row);
+    const std::int64_t* reported = s.state.rejected ? s.state.reported : nullptr;
+    if (this->options_.static_shape) {
+      status_.exchange(*this->comm_, st, ch.status, ch.slot_counts, ch.recv_counts,
+                       ch.plan.error_word(), ch.error, reported);
       return;
     }
-    if (!backward) {
-      status_.exchange(*comm_, s, static_cast<std::size_t>(c), ch.plan.send_counts().data(),
-                       ch.recv_counts, ch.plan.error_word(), error_ + c);
-      Space::copy_to_host(s, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
-      Space::copy_to_host(s, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
-      Space::copy_to_host(s, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
-      on_host_watched<Space>(*comm_, s, [this, &ch, c] {
-        status_.raise(static_cast<std::size_t>(c)); // every rank fails here alike
-        detail::abort_peers_on_failure(*comm_, [&] { plan_receive(ch); });
-      });
-      Space::copy_from_host(s, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
-      all_to_all_v(*comm_, s, ch.plan.row_routes().data(), ch.send_counts_h, ch.send_displs_h,
-                   ch.recv_routes, ch.recv_counts_h, ch.recv_displs_h,
-                   static_cast<std::size_t>(k_) * 8);
-    }
-    all_to_all_v(*comm_, s, ch.send, ch.send_counts_h, ch.send_displs_h, ch.recv, ch.recv_counts_h,
-                 ch.recv_displs_h, row);
+    status_.exchange(*this->comm_, st, ch.status, ch.plan.send_counts().data(), ch.recv_counts,
+                     ch.plan.error_word(), ch.error, reported);
+    Space::copy_to_host(st, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
+    Space::copy_to_host(st, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
+    Space::copy_to_host(st, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
+    on_host_watched<Space>(*this->comm_, st, [this, &ch, &s] {
+      if (std::exception_ptr failed = status_.failure(ch.status)) {
+        s.failed_together = true; // every rank raises it here
+        std::rethrow_exception(failed);
+      }
+      abort_peers_on_failure(*this->comm_, [&] { plan_receive(ch); });
+    });
+    Space::copy_from_host(st, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
   }
 
   // Dynamic shapes, on the host once the counts arrived: the receive layout.
@@ -559,121 +553,119 @@ class basic_device_exchange {
     }
     WEAVE_EXPECT(static_cast<std::size_t>(total) <= recv_cap_, errc::size_mismatch,
                  "a chunk would receive ", total, " rows, more than the ", recv_cap_,
-                 " planned from max_tokens = ", options_.max_tokens,
+                 " planned from max_tokens = ", this->options_.max_tokens,
                  " (a rank passed more tokens, or the ranks' options differ)");
   }
 
   // The all-to-all back: the receive layout returns to the send layout.
   void exchange_back(chunk_state& ch, stream_type& s, std::byte* from, std::byte* to,
                      std::size_t unit) {
-    if (options_.static_shape)
-      all_to_all_v(*comm_, s, from, uniform_counts_, uniform_displs_, to, uniform_counts_,
+    if (this->options_.static_shape)
+      all_to_all_v(*this->comm_, s, from, uniform_counts_, uniform_displs_, to, uniform_counts_,
                    uniform_displs_, unit);
     else
-      all_to_all_v(*comm_, s, from, ch.recv_counts_h, ch.recv_displs_h, to, ch.send_counts_h,
+      all_to_all_v(*this->comm_, s, from, ch.recv_counts_h, ch.recv_displs_h, to, ch.send_counts_h,
                    ch.send_displs_h, unit);
   }
 
-  std::size_t epd_capacity(const chunk_state& ch) const { return ch.experts.max_epd_rows(); }
+  const std::int64_t* receive_displs(const chunk_state& ch) const {
+    return this->options_.static_shape ? static_displs_ : ch.recv_displs;
+  }
 
-  // Builds the EPD plan of what arrived and scatters the received rows to it.
-  void build_experts(chunk_state& ch, stream_type& s) {
-    const std::int64_t* displs = options_.static_shape ? static_displs_ : ch.recv_displs;
+  void enqueue_open_experts(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const std::size_t epd = ch.experts.max_epd_rows();
+    const std::int64_t* count = ch.experts.epd_rows_count();
+    const auto received = rows_view(ch.recv, recv_cap_);
+    if (s.backward) {
+      call_state& cs = s.state;
+      moves::gather(st, received, rows_view(cs.grad_dy, epd), ch.experts.epd_row_source().data(),
+                    nullptr, count);
+      moves::gather(st, received, rows_view(cs.grad_scaled, epd),
+                    ch.experts.epd_row_source().data(), ch.experts.epd_weight().data(), count);
+      // dL/dw of each EPD row: <dy, expert output>, before the outputs make room for dL/dx.
+      moves::dot(st, rows_view(cs.grad_dy, epd), rows_view(ch.epd_out, epd), cs.grad_dot, count);
+      Space::for_each(st, static_cast<std::int64_t>(recv_cap_ * static_cast<std::size_t>(k_)),
+                      detail::entry_dw_step{ch.experts.row_epd().data(), cs.grad_dot, ch.send_dw});
+      return;
+    }
     const auto k = static_cast<std::size_t>(k_);
-    ch.experts.build(s, std::span<const route_entry>(ch.recv_routes, recv_cap_ * k), ch.recv_counts,
-                     displs);
-    Space::for_each(s, 1,
+    ch.experts.build(st, std::span<const route_entry>(ch.recv_routes, recv_cap_ * k),
+                     ch.recv_counts, receive_displs(ch));
+    Space::for_each(st, 1,
                     detail::received_rows_step{ch.recv_counts, D_, ch.experts.epd_rows_count(),
-                                               ch.recv_total, counters_});
+                                               ch.recv_total, s.state.counters});
+    moves::gather(st, received, rows_view(ch.epd_in, epd), ch.experts.epd_row_source().data(),
+                  nullptr, count);
+    Space::for_each(st, static_cast<std::int64_t>(ch.count * k),
+                    detail::pair_expert_rows_step{
+                        s.args.ids.data() + ch.first * k, ch.plan.kept_experts().data(),
+                        ch.plan.pair_devices().data(), ch.plan.token_rows().data(),
+                        ch.plan.send_offsets().data(), receive_displs(ch),
+                        ch.experts.row_epd().data(), k_, this->rank_,
+                        static_cast<std::int64_t>(slot_rows_), ch.expert_rows});
+  }
+
+  void enqueue_experts_callback(slot_type& s, int c, stream_type& st) {
+    const bool backward = s.backward; // host spaces run it later, maybe in the next phase
+    launch_fail_stop(st, false, [this, &s, c, backward](stream_arg) {
+      if (backward)
+        s.args.experts_grad(experts_grad_of(s, c));
+      else
+        s.args.experts(experts_of(s, c));
+    });
   }
 
   // EPD -> one row per received row (gate-weighted in the forward), back in received order.
-  void merge_back(chunk_state& ch, stream_type& s, bool weighted) {
-    moves::merge(s, rows_view(ch.epd_out, epd_capacity(ch)), rows_view(ch.back, recv_cap_),
-                 ch.experts.row_epd().data(), k_,
-                 weighted ? ch.experts.row_weight().data() : nullptr,
-                 options_.static_shape ? nullptr : ch.recv_total, options_.static_shape);
+  void enqueue_close_experts(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const bool fixed = this->options_.static_shape;
+    moves::merge(st, rows_view(ch.epd_out, ch.experts.max_epd_rows()),
+                 rows_view(ch.back, recv_cap_), ch.experts.row_epd().data(), k_,
+                 s.backward ? nullptr : ch.experts.row_weight().data(),
+                 fixed ? nullptr : ch.recv_total, fixed);
   }
 
-  void experts_forward(int c, stream_type& s) {
-    chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
-    build_experts(ch, s);
-    moves::gather(s, rows_view(ch.recv, recv_cap_), rows_view(ch.epd_in, epd_capacity(ch)),
-                  ch.experts.epd_row_source().data(), nullptr, ch.experts.epd_rows_count());
-    launch_fail_stop(s, false, [this, c](stream_arg ls) {
-      chunk_state& x = chunks_[static_cast<std::size_t>(c)];
-      calls_[0].experts(device_expert_batch<Space>{
-          c, rank_, x.experts.expert_offsets(), local_experts_,
-          rows_view(x.epd_in, epd_capacity(x)), rows_view(x.epd_out, epd_capacity(x)), ls});
-    });
-    merge_back(ch, s, true);
+  void enqueue_combine(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    exchange_back(ch, st, ch.back, ch.returned,
+                  this->options_.hidden * size_of(this->options_.element));
+    if (s.backward)
+      exchange_back(ch, st, reinterpret_cast<std::byte*>(ch.send_dw),
+                    reinterpret_cast<std::byte*>(ch.returned_dw),
+                    static_cast<std::size_t>(k_) * sizeof(float));
   }
 
-  void experts_backward(int c, stream_type& s) {
-    chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
-    const std::size_t epd = epd_capacity(ch);
-    const std::int64_t* count = ch.experts.epd_rows_count();
-    const auto received = rows_view(ch.recv, recv_cap_);
-    moves::gather(s, received, rows_view(grad_dy_, epd), ch.experts.epd_row_source().data(),
-                  nullptr, count);
-    moves::gather(s, received, rows_view(grad_scaled_, epd), ch.experts.epd_row_source().data(),
-                  ch.experts.epd_weight().data(), count);
-    // dL/dw of each EPD row: <dy, expert output>, before the outputs make room for dL/dx.
-    moves::dot(s, rows_view(grad_dy_, epd), rows_view(ch.epd_out, epd), grad_dot_, count);
-    Space::for_each(s, static_cast<std::int64_t>(recv_cap_ * static_cast<std::size_t>(k_)),
-                    detail::entry_dw_step{ch.experts.row_epd().data(), grad_dot_, ch.send_dw});
-    launch_fail_stop(s, false, [this, c, epd](stream_arg ls) {
-      chunk_state& x = chunks_[static_cast<std::size_t>(c)];
-      calls_[1].experts_grad(device_expert_grad_batch<Space>{
-          c, rank_, x.experts.expert_offsets(), local_experts_, rows_view(x.epd_in, epd),
-          rows_view(grad_scaled_, epd), rows_view(x.epd_out, epd), ls});
-    });
-    merge_back(ch, s, false);
-  }
-
-  void finish(int c, stream_type& s, bool backward) {
-    chunk_state& ch = chunks_[static_cast<std::size_t>(c)];
-    const call_arguments& call = calls_[backward ? 1 : 0];
+  void enqueue_finish(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const auto& args = s.args;
     const std::int64_t* token_rows =
-        options_.static_shape ? ch.layout_rows : ch.plan.token_rows().data();
-    moves::merge(s, rows_view(ch.returned, send_cap_), call.y.subrows(ch.first, ch.count),
-                 token_rows, k_, nullptr, nullptr, false);
-    if (!backward && call.hooks != nullptr && call.hooks->consume)
-      launch_fail_stop(s, false,
-                       [hooks = call.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+        this->options_.static_shape ? ch.layout_rows : ch.plan.token_rows().data();
+    moves::merge(st, rows_view(ch.returned, send_cap_),
+                 (s.backward ? args.dx : args.y).subrows(ch.first, ch.count), token_rows, k_,
+                 nullptr, nullptr, false);
+    if (!s.backward && args.hooks != nullptr && args.hooks->consume)
+      launch_fail_stop(st, false,
+                       [hooks = args.hooks, first = ch.first, count = ch.count](stream_arg ls) {
                          hooks->consume(first, count, ls);
                        });
-    if (backward)
+    if (s.backward)
       Space::for_each(
-          s, static_cast<std::int64_t>(ch.count),
+          st, static_cast<std::int64_t>(ch.count),
           detail::token_dw_step{ch.plan.kept_experts().data(), ch.plan.pair_devices().data(),
                                 ch.plan.token_rows().data(), ch.plan.send_offsets().data(), k_, D_,
                                 static_cast<std::int64_t>(slot_rows_), ch.returned_dw,
-                                call.dw.data() + ch.first * static_cast<std::size_t>(k_)});
+                                args.dw.data() + ch.first * static_cast<std::size_t>(k_)});
   }
 
-  Comm* comm_;
-  placement placement_;
-  moe_options options_;
-  chunk_pipeline<stream_type> pipeline_;
-  int rank_ = 0, D_ = 0, k_ = 0;
+  int D_ = 0, k_ = 0;
   std::size_t chunk_tokens_ = 0, slot_rows_ = 0, send_cap_ = 0, recv_cap_ = 0;
   std::vector<std::int32_t> local_experts_;
   std::vector<std::int64_t> uniform_counts_, uniform_displs_;
-  std::optional<device_capacity_filter<Space>> filter_;
-  std::vector<chunk_state> chunks_;
   bool initialized_ = false;
-  std::uint32_t* error_ = nullptr; // per chunk: this exchange's flags (device_exchange_error)
-  std::int64_t* counters_ = nullptr;
   std::int64_t* static_displs_ = nullptr;
-  std::byte* filter_ws_ = nullptr;
-  std::uint8_t* keep_ = nullptr;
-  std::byte *grad_dy_ = nullptr, *grad_scaled_ = nullptr;
-  float* grad_dot_ = nullptr;
-  call_arguments calls_[2];                       // [0] forward, [1] backward
-  typename stream_type::event_type call_done_[2]; // host spaces: end of each direction's call
-  bool direction_ = false;                        // of the call being enqueued
-  device_counts_with_status<Space> status_;       // the count exchange, carrying each rank's status
+  const slot_type* last_forward_ = nullptr;
+  device_counts_with_status<Space> status_; // the count exchanges, carrying each rank's status
 };
 
 WEAVE_NAMESPACE_END

@@ -146,8 +146,56 @@ struct entry_dw_step {
   }
 };
 
+// Where kept pair (t, j) travels: its device's SFD row (returned in `row`, -1 if none) and
+// its entry in that row (the row's entries are the token's kept choices on that device, in
+// rank order).
+WEAVE_HOST_DEVICE inline int pair_entry(const std::int32_t* kept, const std::int32_t* pair_device,
+                                        const std::int64_t* token_rows, const std::int64_t* offsets,
+                                        int k, std::int64_t t, int j, std::int64_t& row) {
+  const std::int32_t d = pair_device[t * k + j];
+  int entry = 0;
+  for (int i = 0; i < j; ++i)
+    entry += kept[t * k + i] >= 0 && pair_device[t * k + i] == d ? 1 : 0;
+  row = -1;
+  for (int m = 0; m < k; ++m) {
+    const std::int64_t r = token_rows[t * k + m];
+    if (r >= offsets[d] && r < offsets[d + 1]) {
+      row = r;
+      break;
+    }
+  }
+  return entry;
+}
+
+// Per pair of the chunk: its row in this device's EPD layout, or an expert_row_mark value (-1
+// no expert, -2 dropped, -3 on another device). A pair served here arrived in the rows this
+// rank sent itself: received row recv_displs[rank] + its position among them.
+struct pair_expert_rows_step {
+  const std::int32_t *ids, *kept, *pair_device;
+  const std::int64_t *token_rows, *offsets, *recv_displs, *row_epd;
+  int k, rank;
+  std::int64_t S; // 0: compact layout; else a slot holds S rows
+  std::int64_t* out;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t p) const {
+    if (kept[p] < 0) {
+      out[p] = ids[p] < 0 ? -1 : -2;
+      return;
+    }
+    if (pair_device[p] != rank) {
+      out[p] = -3;
+      return;
+    }
+    std::int64_t row = -1;
+    const int entry =
+        pair_entry(kept, pair_device, token_rows, offsets, k, p / k, static_cast<int>(p % k), row);
+    const std::int64_t pos = row - offsets[rank];
+    out[p] = S != 0 && pos >= S ? -2 : row_epd[(recv_displs[rank] + pos) * k + entry];
+  }
+};
+
 // Backward, per token of the chunk: each kept choice's gate gradient, read from the entry its
-// device returned (entries of a row are the token's choices on that device, in rank order).
+// device returned.
 struct token_dw_step {
   const std::int32_t *kept, *pair_device;
   const std::int64_t *token_rows, *offsets;
@@ -162,19 +210,11 @@ struct token_dw_step {
       dw[p] = 0.0f;
       if (kept[p] < 0)
         continue;
-      const std::int32_t d = pair_device[p];
-      int entry = 0;
-      for (int i = 0; i < j; ++i)
-        entry += kept[t * k + i] >= 0 && pair_device[t * k + i] == d ? 1 : 0;
-      for (int m = 0; m < k; ++m) {
-        const std::int64_t r = token_rows[t * k + m];
-        if (r >= offsets[d] && r < offsets[d + 1]) {
-          const std::int64_t at = layout_row(offsets, D, S, r);
-          if (at >= 0)
-            dw[p] = returned_dw[at * k + entry];
-          break;
-        }
-      }
+      std::int64_t row = -1;
+      const int entry = pair_entry(kept, pair_device, token_rows, offsets, k, t, j, row);
+      const std::int64_t at = layout_row(offsets, D, S, row);
+      if (at >= 0)
+        dw[p] = returned_dw[at * k + entry];
     }
   }
 };

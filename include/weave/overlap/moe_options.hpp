@@ -2,7 +2,6 @@
 //! Options, per-call statistics and the expert-callback vocabulary of `moe_exchange`.
 #pragma once
 
-#include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
@@ -20,12 +19,16 @@ WEAVE_NAMESPACE_BEGIN
 
 //! How a `moe_exchange` is shaped. Buffers are sized from these once, at construction.
 struct moe_options {
-  int k = 1;                      //!< experts chosen per token
-  std::size_t hidden = 0;         //!< elements per token row
-  dtype element = dtype::f32;     //!< element type of token rows (f32, f16, bf16)
-  std::size_t max_tokens = 0;     //!< the most tokens any rank passes to one call
-  int chunks = 1;                 //!< pipeline degree: token chunks in flight (1 = unpipelined)
-  capacity_policy capacity{};     //!< capacity factor and drop order (default: dropless)
+  int k = 1;                  //!< experts chosen per token
+  std::size_t hidden = 0;     //!< elements per token row
+  dtype element = dtype::f32; //!< element type of token rows (f32, f16, bf16)
+  std::size_t max_tokens = 0; //!< the most tokens any rank passes to one call
+  int chunks = 1;             //!< pipeline degree: token chunks in flight (1 = unpipelined)
+  //! Calls in flight at once: handles (`dispatch` to `combine`, or to `dispatch_backward`
+  //! for a call that has a backward) alive together, each holding one slot of buffers. 2 lets
+  //! one micro-batch's forward run while another's backward is pending (1F1B, DualPipe).
+  int max_in_flight = 1;
+  capacity_policy capacity{};     //!< capacity factor, drop order, rounding (default: dropless)
   bool save_for_backward = false; //!< keep plans and expert rows of the last forward
   //! Device exchange only: every peer gets a fixed-size slot per chunk and counts stay in
   //! device memory, so a call never waits for the GPU and can be captured in a CUDA graph.
@@ -99,25 +102,12 @@ inline void check_moe_options(const moe_options& o) {
   WEAVE_EXPECT(o.k >= 1, errc::invalid_argument, "moe_options.k = ", o.k);
   WEAVE_EXPECT(o.hidden >= 1, errc::invalid_argument, "moe_options.hidden = ", o.hidden);
   WEAVE_EXPECT(o.chunks >= 1, errc::invalid_argument, "moe_options.chunks = ", o.chunks);
+  WEAVE_EXPECT(o.max_in_flight >= 1, errc::invalid_argument,
+               "moe_options.max_in_flight = ", o.max_in_flight);
   WEAVE_EXPECT(o.element == dtype::f32 || o.element == dtype::f16 || o.element == dtype::bf16,
                errc::not_supported, "moe_exchange rows of ", o.element,
                " (f32, f16 and bf16 are supported)");
 }
-
-// The arguments of one call of an exchange, kept until its stages have run (forward: x, y,
-// ids, weights; backward: dy, dx, the forward's ids and weights, dw).
-template <class ExpertsFn, class ExpertsGradFn, class Hooks>
-struct moe_call_arguments {
-  const_token_view x; // forward input or backward dy
-  token_view y;       // forward output or backward dx
-  std::span<const std::int32_t> ids;
-  std::span<const float> weights;
-  std::span<float> dw;
-  ExpertsFn experts;
-  ExpertsGradFn experts_grad;
-  std::size_t tokens = 0;
-  const Hooks* hooks = nullptr; // forward only
-};
 
 // Producers write a chunk's choices only when its prepare stage runs: the batch-wide drop orders
 // cannot be decided before the first chunk.
@@ -128,10 +118,6 @@ void check_hooks(const Hooks* hooks, const moe_options& o) {
                errc::invalid_argument,
                "a chunk producer needs dropless capacity or drop_order::position");
 }
-
-// A step that fails on one rank would leave its peers waiting in the next collective: runs
-// the step and, on failure, aborts the communicator (where it can be) before rethrowing.
-using ::weave::abort_peers_on_failure;
 
 } // namespace detail
 

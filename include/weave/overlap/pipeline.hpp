@@ -80,6 +80,12 @@ class chunk_pipeline {
 
   int chunks() const noexcept { return chunks_; }
 
+  //! Marks the stages issued from now on as captured into a CUDA graph, or not: the events of
+  //! a captured run carry no times, so timings read none (`measure` returns zeros).
+  void set_captured(bool captured) noexcept { captured_ = captured; }
+  //! True when the last run was issued while its streams were being captured.
+  bool captured() const noexcept { return captured_; }
+
   //! Enqueues every stage of every chunk; returns once enqueued (work runs on the streams).
   //! `compute` and `comm` must be different streams.
   template <class Stages>
@@ -106,7 +112,39 @@ class chunk_pipeline {
     step_compute(pipeline_stage::finish, n - 1);
   }
 
-  //! The event recorded just before / after `stage` of `chunk` ran in the last `run`, for
+  //! Enqueues one stage of one chunk on `own`: waits for the stage it depends on (the one
+  //! before it in the chunk, on the other stream), records the stage's begin event, lets
+  //! `enqueue(own)` put the stage's work on `own`, and records its end event. `run` is these
+  //! calls in the queue orders of the file comment; callers that interleave other work (the
+  //! caller's own expert compute, another micro-batch) issue them one by one.
+  template <class Enqueue>
+  void stage(pipeline_stage s, int c, Stream& own, Enqueue&& enqueue) {
+    begin_stage(s, c, own);
+    enqueue(own);
+    end_stage(s, c, own);
+  }
+
+  //! The first half of `stage`: the dependency wait and the begin event. Work enqueued on `own`
+  //! until `end_stage` belongs to the stage (and to its timing).
+  void begin_stage(pipeline_stage s, int c, Stream& own) {
+    if (has_dependency(s))
+      own.wait(end_[index(dependency(s), c)]);
+    own.record(begin_[index(s, c)]);
+  }
+
+  //! The second half of `stage`: records the end event the next stage of the chunk waits for.
+  void end_stage(pipeline_stage s, int c, Stream& own) { own.record(end_[index(s, c)]); }
+
+  //! True for the stages that wait for another stage of their chunk (all but prepare).
+  static constexpr bool has_dependency(pipeline_stage s) noexcept {
+    return s != pipeline_stage::prepare;
+  }
+  //! The stage `s` waits for (the one before it in the chunk).
+  static constexpr pipeline_stage dependency(pipeline_stage s) noexcept {
+    return static_cast<pipeline_stage>(static_cast<int>(s) - 1);
+  }
+
+  //! The event recorded just before / after `stage` of `chunk` ran in the last run, for
   //! timing (host events carry timestamps; CUDA events need timing enabled at construction).
   const event_type& began(pipeline_stage stage, int chunk) const {
     return begin_[index(stage, chunk)];
@@ -129,22 +167,13 @@ class chunk_pipeline {
     return static_cast<std::size_t>(chunk) * pipeline_stage_count + static_cast<std::size_t>(stage);
   }
 
-  // The stage this one waits for on the other stream (none for prepare).
-  static bool has_dependency(pipeline_stage s) noexcept { return s != pipeline_stage::prepare; }
-  static pipeline_stage dependency(pipeline_stage s) noexcept {
-    return static_cast<pipeline_stage>(static_cast<int>(s) - 1);
-  }
-
   template <class Stages>
   void launch(pipeline_stage s, int c, Stream& own, Stages& stages) {
-    if (has_dependency(s))
-      own.wait(end_[index(dependency(s), c)]);
-    own.record(begin_[index(s, c)]);
-    stages.enqueue(s, c, own);
-    own.record(end_[index(s, c)]);
+    stage(s, c, own, [&](Stream& st) { stages.enqueue(s, c, st); });
   }
 
   int chunks_;
+  bool captured_ = false;
   std::vector<event_type> begin_;
   std::vector<event_type> end_;
 };

@@ -63,6 +63,51 @@ inline std::vector<double> overlap_matrix(const placement& current, const placem
   return w;
 }
 
+//! The migration from `current` to `next` with new device j on physical device
+//! `device_map[j]` (shapes already checked): staying experts keep their local slot, the other
+//! slots of a device take its incoming experts in ascending id order.
+inline migration_plan migrate_with(const placement& current, const placement& next,
+                                   const topology& topo, std::vector<std::int32_t> device_map) {
+  const int D = current.num_devices(), S = current.slots_per_device();
+  std::vector<std::int32_t> slots(current.slot_experts().begin(), current.slot_experts().end());
+  std::vector<expert_move> moves;
+  for (int j = 0; j < D; ++j) {
+    const int dev = device_map[static_cast<std::size_t>(j)];
+    std::vector<std::int32_t> incoming;
+    std::vector<char> keep(static_cast<std::size_t>(S), 0);
+    for (int ls = 0; ls < S; ++ls) {
+      const std::int32_t e = next.expert_of_slot(j * S + ls);
+      int here = -1;
+      for (int cs = 0; cs < S; ++cs)
+        if (current.expert_of_slot(dev * S + cs) == e)
+          here = cs;
+      if (here >= 0)
+        keep[static_cast<std::size_t>(here)] = 1;
+      else
+        incoming.push_back(e);
+    }
+    std::sort(incoming.begin(), incoming.end());
+    std::size_t next_in = 0;
+    for (int cs = 0; cs < S; ++cs) {
+      if (keep[static_cast<std::size_t>(cs)])
+        continue;
+      const std::int32_t e = incoming[next_in++];
+      // Copy from a current holder, preferring one on the destination's node.
+      int from = -1;
+      for (const std::int32_t s : current.slots_of(e)) {
+        const int d = current.device_of_slot(s);
+        if (from < 0 ||
+            (topo.node_of(d) == topo.node_of(dev) && topo.node_of(from) != topo.node_of(dev)))
+          from = d;
+      }
+      slots[static_cast<std::size_t>(dev * S + cs)] = e;
+      moves.push_back(expert_move{e, from, dev, dev * S + cs});
+    }
+  }
+  return migration_plan{placement(current.num_experts(), D, std::move(slots)),
+                        std::move(device_map), std::move(moves)};
+}
+
 } // namespace detail
 
 //! Plans the move from `current` to `next` (same experts, devices and slots per device) on
@@ -80,7 +125,7 @@ inline migration_plan plan_migration(const placement& current, const placement& 
       current.slots_per_device(), " slots to ", next.num_devices(), " x ", next.slots_per_device());
   WEAVE_EXPECT(topo.num_devices() == current.num_devices(), errc::size_mismatch, "topology has ",
                topo.num_devices(), " devices, placements ", current.num_devices());
-  const int D = current.num_devices(), S = current.slots_per_device();
+  const int D = current.num_devices();
   const int dpn = topo.devices_per_node;
   // device_map[j]: physical device for new device j. Nodes first, then devices inside nodes;
   // with one node this is a single assignment over all devices.
@@ -120,44 +165,7 @@ inline migration_plan plan_migration(const placement& current, const placement& 
     for (int j = 0; j < dpn; ++j)
       device_map[static_cast<std::size_t>(b * dpn + j)] = a * dpn + in[static_cast<std::size_t>(j)];
   }
-
-  std::vector<std::int32_t> slots(current.slot_experts().begin(), current.slot_experts().end());
-  std::vector<expert_move> moves;
-  for (int j = 0; j < D; ++j) {
-    const int dev = device_map[static_cast<std::size_t>(j)];
-    std::vector<std::int32_t> incoming;
-    std::vector<char> keep(static_cast<std::size_t>(S), 0);
-    for (int ls = 0; ls < S; ++ls) {
-      const std::int32_t e = next.expert_of_slot(j * S + ls);
-      int here = -1;
-      for (int cs = 0; cs < S; ++cs)
-        if (current.expert_of_slot(dev * S + cs) == e)
-          here = cs;
-      if (here >= 0)
-        keep[static_cast<std::size_t>(here)] = 1;
-      else
-        incoming.push_back(e);
-    }
-    std::sort(incoming.begin(), incoming.end());
-    std::size_t next_in = 0;
-    for (int cs = 0; cs < S; ++cs) {
-      if (keep[static_cast<std::size_t>(cs)])
-        continue;
-      const std::int32_t e = incoming[next_in++];
-      // Copy from a current holder, preferring one on the destination's node.
-      int from = -1;
-      for (const std::int32_t s : current.slots_of(e)) {
-        const int d = current.device_of_slot(s);
-        if (from < 0 ||
-            (topo.node_of(d) == topo.node_of(dev) && topo.node_of(from) != topo.node_of(dev)))
-          from = d;
-      }
-      slots[static_cast<std::size_t>(dev * S + cs)] = e;
-      moves.push_back(expert_move{e, from, dev, dev * S + cs});
-    }
-  }
-  return migration_plan{placement(current.num_experts(), D, std::move(slots)),
-                        std::move(device_map), std::move(moves)};
+  return detail::migrate_with(current, next, topo, std::move(device_map));
 }
 
 WEAVE_NAMESPACE_END

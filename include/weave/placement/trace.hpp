@@ -35,6 +35,16 @@ struct routing_trace {
   friend bool operator==(const routing_trace&, const routing_trace&) = default;
 };
 
+//! A recorded trace of several MoE layers over the same tokens (`trace_io.hpp` reads and writes
+//! it): one `routing_trace` per layer, all of one E, k and token count, and optionally the
+//! gate's score of each choice.
+struct layered_trace {
+  std::vector<routing_trace> layers;
+  //! Per layer, the score of each id (same layout as its `ids`); empty when not recorded.
+  std::vector<std::vector<float>> scores;
+  friend bool operator==(const layered_trace&, const layered_trace&) = default;
+};
+
 //! Parameters of `generate_trace`.
 struct trace_options {
   int num_experts = 64;      //!< E

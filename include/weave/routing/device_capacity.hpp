@@ -3,13 +3,12 @@
 //! where the choices live, for a whole batch at once (so every chunk of a pipelined layer reads
 //! its slice of one mask, and drops equal the unchunked batch's: Lancet's rule).
 //!
-//! Pairs claim capacity in the policy's order: `position` (token, then rank), `rank_major`
-//! (every first choice before any second) or `batch_prioritized` (tokens by descending
-//! priority = their best gate weight, ties to the earlier token, then rank). Steps: the token
-//! priorities and their stable descending order (batch-prioritized only), one step per pair
-//! writing (expert, pair) at the pair's position in the claiming order, a stable sort by
-//! expert, a scan of the per-expert counts, and one step per sorted pair: its rank within its
-//! expert decides it. The result equals the host filter's mask for the same batch.
+//! Pairs claim capacity in the policy's order (`drop_order`, see `weave/routing/capacity.hpp`),
+//! with the policy's rounding. Steps: for the prioritized orders, the token priorities and their
+//! stable descending order; one step per pair writing (expert, pair) at the pair's position in
+//! the claiming order; a stable sort by expert; a scan of the per-expert counts; and one step per
+//! sorted pair: its rank within its expert decides it. The result equals the host filter's mask
+//! for the same batch and priorities.
 #pragma once
 
 #include "weave/core/checked.hpp"
@@ -31,8 +30,10 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 
-// A sort key whose ascending order is the descending order of `p` (-0 counts as +0).
+// A sort key whose ascending order is the descending order of `p` (-0 counts as +0, NaN last).
 WEAVE_HOST_DEVICE inline std::uint32_t descending_key(float p) {
+  if (p != p)
+    return 0xffffffffu;
   if (p == 0.0f)
     p = 0.0f;
   std::uint32_t bits = 0;
@@ -41,15 +42,22 @@ WEAVE_HOST_DEVICE inline std::uint32_t descending_key(float p) {
   return ~ordered;
 }
 
-// Per token: its priority key (best weight over its valid choices, -inf without any).
+// Per token: its priority key (the given priority, or else the best weight over its valid
+// choices, -inf without any).
 struct priority_step {
   const std::int32_t* ids;
   const float* weights;
+  const float* priority; // null: from the weights
   int k, E;
   std::uint32_t* keys;
   std::int32_t* values;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    values[t] = static_cast<std::int32_t>(t);
+    if (priority != nullptr) {
+      keys[t] = descending_key(priority[t]);
+      return;
+    }
     const std::uint32_t minus_infinity = 0xff800000u;
     float best = 0.0f;
     memcpy(&best, &minus_infinity, sizeof(best));
@@ -60,7 +68,6 @@ struct priority_step {
         best = w;
     }
     keys[t] = descending_key(best);
-    values[t] = static_cast<std::int32_t>(t);
   }
 };
 
@@ -76,7 +83,7 @@ struct rank_of_token_step {
 // Per pair (t, j): (expert, pair) at the pair's position in the claiming order.
 struct claim_step {
   const std::int32_t* ids;
-  const std::int32_t* rank_of_token; // batch-prioritized only
+  const std::int32_t* rank_of_token; // prioritized orders only
   int k, E;
   std::int64_t tokens;
   int order; // drop_order
@@ -90,6 +97,8 @@ struct claim_step {
     if (order == static_cast<int>(drop_order::rank_major))
       at = j * tokens + t;
     else if (order == static_cast<int>(drop_order::batch_prioritized))
+      at = j * tokens + rank_of_token[t];
+    else if (order == static_cast<int>(drop_order::priority_token_major))
       at = static_cast<std::int64_t>(rank_of_token[t]) * k + j;
     const std::int32_t e = ids[p];
     const bool valid = e >= 0 && e < E;
@@ -154,7 +163,9 @@ class device_capacity_filter {
       , k_(k)
       , max_tokens_(max_tokens)
       , policy_(policy) {
-    (void)expert_capacity(policy.factor, max_tokens, k, num_experts); // validates
+    (void)expert_capacity(policy, max_tokens, k, num_experts); // validates
+    WEAVE_EXPECT(policy.order <= drop_order::priority_token_major, errc::invalid_argument,
+                 "drop order ", static_cast<int>(policy.order));
     const std::size_t n = checked_mul(max_tokens, static_cast<std::size_t>(k), "pairs");
     WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
                  errc::out_of_range, max_tokens, " tokens with k = ", k,
@@ -178,11 +189,14 @@ class device_capacity_filter {
   }
 
   //! Writes the keep mask (one flag per pair, 1 = kept) of a batch of `ids.size() / k` tokens
-  //! on `stream`; `ids`, `weights` and `keep` are in memory of the space. Ids outside [0, E)
-  //! are neither kept nor dropped (a dispatch plan flags the bad ones). Throws
-  //! `errc::size_mismatch` for other lengths or more than `max_tokens` tokens.
+  //! on `stream`; `ids`, `weights`, `keep` and `priority` are in memory of the space. The
+  //! prioritized orders rank tokens by `priority` (one value per token; for Tutel's order the
+  //! top gate score) or, when it is empty, by the best weight of the token's valid choices (as
+  //! `moe_exchange` does); a NaN priority ranks last. Ids outside [0, E) are neither kept nor
+  //! dropped (a dispatch plan flags the bad ones). Throws `errc::size_mismatch` for other
+  //! lengths or more than `max_tokens` tokens.
   void decide(stream_arg stream, std::span<const std::int32_t> ids, std::span<const float> weights,
-              std::span<std::uint8_t> keep) {
+              std::span<std::uint8_t> keep, std::span<const float> priority = {}) {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device capacity filter is not initialised");
     const auto kk = static_cast<std::size_t>(k_);
     WEAVE_EXPECT(ids.size() % kk == 0 && ids.size() / kk <= max_tokens_ &&
@@ -190,18 +204,23 @@ class device_capacity_filter {
                  errc::size_mismatch, "device capacity filter: ", ids.size(), " ids, ",
                  weights.size(), " weights, ", keep.size(), " flags with k = ", k_, " for up to ",
                  max_tokens_, " tokens");
+    WEAVE_EXPECT(priority.empty() || priority.size() == ids.size() / kk, errc::size_mismatch,
+                 "device capacity filter: ", priority.size(), " priorities for ", ids.size() / kk,
+                 " tokens");
     const auto T = static_cast<std::int64_t>(ids.size() / kk);
     const auto n = static_cast<std::int64_t>(ids.size());
-    capacity_ = expert_capacity(policy_.factor, static_cast<std::size_t>(T), k_, E_);
+    capacity_ = expert_capacity(policy_, static_cast<std::size_t>(T), k_, E_);
     Space::fill(stream, counts_, 0, (static_cast<std::size_t>(E_) + 1) * sizeof(std::int64_t));
     Space::fill(stream, dropped_, 0, sizeof(std::int64_t));
     if (n == 0)
       return;
-    const bool prioritized = policy_.order == drop_order::batch_prioritized;
+    const bool prioritized = policy_.order == drop_order::batch_prioritized ||
+                             policy_.order == drop_order::priority_token_major;
     if (prioritized) {
-      Space::for_each(
-          stream, T,
-          detail::priority_step{ids.data(), weights.data(), k_, E_, keys_in_, values_in_});
+      Space::for_each(stream, T,
+                      detail::priority_step{ids.data(), weights.data(),
+                                            priority.empty() ? nullptr : priority.data(), k_, E_,
+                                            keys_in_, values_in_});
       Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, T, 32, temp_,
                         temp_bytes_);
       Space::for_each(stream, T, detail::rank_of_token_step{values_out_, rank_of_token_});
@@ -228,7 +247,7 @@ class device_capacity_filter {
                  "chunk-by-chunk capacity needs drop_order::position");
     WEAVE_EXPECT(batch_tokens <= max_tokens_, errc::size_mismatch, batch_tokens,
                  " tokens in a device capacity filter for ", max_tokens_);
-    capacity_ = expert_capacity(policy_.factor, batch_tokens, k_, E_);
+    capacity_ = expert_capacity(policy_, batch_tokens, k_, E_);
     Space::fill(stream, used_, 0, static_cast<std::size_t>(E_) * sizeof(std::int64_t));
     Space::fill(stream, dropped_, 0, sizeof(std::int64_t));
   }

@@ -7,8 +7,10 @@
 //! optional renormalization in rank order). The softmax sum is a warp tree reduction rather
 //! than the host's sequential sum and `expf` may differ from the host's `std::exp` by an ulp,
 //! so weights agree with the host to about 1e-6 relative (tests allow 1e-5); ids agree exactly
-//! unless two selection scores are within that distance of each other. Not on the device: the
-//! device limit (`options.limit` must be null), the auxiliary loss and the `limited` count.
+//! unless two selection scores are within that distance of each other. The optional top score
+//! (largest unbiased score over all E experts) agrees to the same tolerance. Not on the device:
+//! the device and group limits (`options.limit` and `options.groups` must be null), the
+//! auxiliary loss and the `limited` count.
 //! Logits, bias, ids and weights are device memory.
 #pragma once
 
@@ -64,7 +66,8 @@ __device__ inline bool gate_better(float key, int id, float best, int best_id) {
 template <class T>
 __global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, std::int64_t tokens,
                                   int E, int k, bool sigmoid, bool renormalize, const float* bias,
-                                  std::int32_t* ids, float* weights, std::uint32_t* error) {
+                                  std::int32_t* ids, float* weights, float* top_score,
+                                  std::uint32_t* error) {
   extern __shared__ float gate_smem[];
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
@@ -104,10 +107,20 @@ __global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, s
       for (int e = lane; e < E; e += 32)
         score[e] = 1.0f / (1.0f + expf(-score[e]));
     }
+    float best_score = neg_inf;
     for (int e = lane; e < E; e += 32) {
       if (bias != nullptr && !isfinite(bias[e]))
         flags |= cuda_gate_bad_bias;
       key[e] = bias != nullptr ? score[e] + bias[e] : score[e];
+      best_score = score[e] > best_score ? score[e] : best_score;
+    }
+    if (top_score != nullptr) {
+      for (int off = 16; off > 0; off /= 2) {
+        const float o = __shfl_xor_sync(0xffffffffu, best_score, off);
+        best_score = o > best_score ? o : best_score;
+      }
+      if (lane == 0)
+        top_score[t] = best_score;
     }
     __syncwarp();
     std::int32_t* tid = ids + static_cast<std::size_t>(t) * static_cast<std::size_t>(k);
@@ -166,14 +179,16 @@ inline int gate_warps(int E) {
 inline constexpr int cuda_gate_max_experts = 48 * 1024 / (2 * static_cast<int>(sizeof(float)));
 
 //! CUDA `top_k_gate` on `stream`: writes k ids and weights per token of `logits` ([T, E], f32,
-//! f16, bf16 or f64, device memory) to `ids` / `weights` (T * k each). Input errors found on
+//! f16, bf16 or f64, device memory) to `ids` / `weights` (T * k each) and, when `top_score` is
+//! not empty (T values, device memory), each token's top score as the host gate does. Input
+//! errors found on
 //! the device are OR-ed into `*error` (`cuda_gate_error` bits; device memory, may be null) and
 //! leave that token's outputs unspecified. Throws `errc::invalid_argument` for k outside
 //! 1..E, E above `cuda_gate_max_experts`, logits not in device memory or of a non-floating type,
-//! `errc::not_supported` for a device limit, `errc::size_mismatch` as the host gate does.
+//! `errc::not_supported` for a device or group limit, `errc::size_mismatch` as the host gate does.
 inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const gate_options& options,
                        std::span<std::int32_t> ids, std::span<float> weights,
-                       std::uint32_t* error = nullptr) {
+                       std::uint32_t* error = nullptr, std::span<float> top_score = {}) {
   const std::size_t T = logits.rows();
   const std::size_t E = logits.cols();
   const int k = options.k;
@@ -188,11 +203,15 @@ inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const ga
                logits.space(), " memory");
   WEAVE_EXPECT(options.limit == nullptr, errc::not_supported,
                "device-limited routing on the GPU (use the host gate)");
+  WEAVE_EXPECT(options.groups == nullptr, errc::not_supported,
+               "group-limited routing on the GPU (use the host gate)");
   const std::size_t out = checked_mul(T, static_cast<std::size_t>(k), "gate outputs");
   WEAVE_EXPECT(ids.size() == out && weights.size() == out, errc::size_mismatch, "gate outputs of ",
                ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);
   WEAVE_EXPECT(options.bias.empty() || options.bias.size() == E, errc::size_mismatch, "bias of ",
                options.bias.size(), " values for ", E, " experts");
+  WEAVE_EXPECT(top_score.empty() || top_score.size() == T, errc::size_mismatch,
+               "gate top_score of ", top_score.size(), " values for ", T, " tokens");
   if (T == 0)
     return;
   const int Ei = static_cast<int>(E);
@@ -205,7 +224,8 @@ inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const ga
   auto launch = [&]<class L>(L*) {
     detail::top_k_gate_kernel<L><<<blocks, static_cast<unsigned>(32 * warps), smem, stream.get()>>>(
         logits.data(), logits.row_stride(), static_cast<std::int64_t>(T), Ei, k, sigmoid,
-        options.renormalize, bias, ids.data(), weights.data(), error);
+        options.renormalize, bias, ids.data(), weights.data(),
+        top_score.empty() ? nullptr : top_score.data(), error);
   };
   switch (logits.element_type()) {
   case dtype::f32:

@@ -4,8 +4,11 @@
 //! Scores are softmax probabilities or element-wise sigmoids of the logits. Experts are chosen
 //! by selection score = score + bias[e] (the additive per-expert bias of aux-loss-free
 //! balancing, DeepSeek-V3 style; empty bias = none), highest first, ties to the lower expert id,
-//! optionally restricted to M devices (`device_limit`, by score). The weight of a choice is its
-//! unbiased score, optionally renormalized over the token's k choices. The GShard/Tutel
+//! optionally restricted to M devices (`device_limit`, by score) and/or to the token's best
+//! expert groups (`group_limit`, DeepSeek-V3; applied first). The weight of a choice is its
+//! unbiased score, optionally renormalized over the token's k choices. Optionally the gate also
+//! writes each token's top score: its largest unbiased score over all E experts (Tutel's
+//! `scores.max(dim=1)`, the priority of its batch-prioritized routing). The GShard/Tutel
 //! load-balancing loss is returned beside: l_aux = E * sum_e mean_t(p[t, e]) * f[e], where
 //! p are the softmax probabilities (sigmoid scores divided by their token's sum) and f[e] the
 //! fraction of tokens whose first choice is e.
@@ -17,6 +20,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/device_limit.hpp"
+#include "weave/routing/group_limit.hpp"
 
 #include <cmath>
 #include <cstddef>
@@ -40,13 +44,14 @@ struct gate_options {
   bool renormalize = false;                     //!< divide the k weights by their sum
   std::span<const float> bias = {};             //!< per-expert selection bias (E values) or empty
   const device_limit* limit = nullptr;          //!< restrict each token to M devices (by score)
+  const group_limit* groups = nullptr;          //!< restrict each token to its best expert groups
 };
 
 //! What `top_k_gate` returns beside the choices.
 struct gate_summary {
   double aux_loss = 0.0;    //!< GShard load-balancing loss of the batch
   std::size_t tokens = 0;   //!< rows gated
-  std::int64_t limited = 0; //!< tokens whose unrestricted top-k was changed by the device limit
+  std::int64_t limited = 0; //!< tokens whose unrestricted top-k was changed by the limits
 };
 
 //! Reusable scratch of `top_k_gate`; keeping one across calls avoids allocating per call.
@@ -56,6 +61,7 @@ struct gate_scratch {
   std::vector<std::uint8_t> allowed;
   std::vector<std::int32_t> unlimited;
   device_select_scratch devices;
+  group_select_scratch groups;
 };
 
 namespace detail {
@@ -81,13 +87,16 @@ inline void top_k_insert(std::int32_t* ids, float* keys, int& filled, int k, std
 } // namespace detail
 
 //! Gates `logits` ([T, E], one row per token): writes k expert ids per token to `ids` and their
-//! weights to `weights` (token-major, rank order = descending selection score).
+//! weights to `weights` (token-major, rank order = descending selection score) and, when
+//! `top_score` is not empty, each token's largest unbiased score over all E experts (before bias,
+//! device limit and renormalization: the priority of Tutel's batch-prioritized routing).
 //! Throws `errc::invalid_argument` for k outside 1..E, NaN or +inf logits, a row of -inf
 //! logits (softmax), non-finite bias or a non-floating logit type; `errc::size_mismatch` for
-//! output spans that are not T * k long or a bias that is not E long.
+//! output spans that are not T * k long, a `top_score` that is neither empty nor T long, or a
+//! bias that is not E long.
 inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
                                std::span<std::int32_t> ids, std::span<float> weights,
-                               gate_scratch& scratch) {
+                               gate_scratch& scratch, std::span<float> top_score = {}) {
   const std::size_t T = logits.rows();
   const std::size_t E = logits.cols();
   const int k = options.k;
@@ -103,6 +112,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
   const std::size_t out = checked_mul(T, kk, "gate outputs");
   WEAVE_EXPECT(ids.size() == out && weights.size() == out, errc::size_mismatch, "gate outputs of ",
                ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);
+  WEAVE_EXPECT(top_score.empty() || top_score.size() == T, errc::size_mismatch,
+               "gate top_score of ", top_score.size(), " values for ", T, " tokens");
   WEAVE_EXPECT(options.bias.empty() || options.bias.size() == E, errc::size_mismatch, "bias of ",
                options.bias.size(), " values for ", E, " experts");
   for (std::size_t e = 0; e < options.bias.size(); ++e)
@@ -110,6 +121,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
                  "] = ", options.bias[e]);
   if (options.limit != nullptr)
     detail::validate_limit(*options.limit, static_cast<int>(E), k);
+  if (options.groups != nullptr)
+    detail::validate_group_limit(*options.groups, static_cast<int>(E), k);
 
   scratch.score.resize(E);
   scratch.selection.resize(E);
@@ -150,22 +163,32 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
         prob_sum += score[e];
       }
     }
+    float best_score = score[0];
     for (std::size_t e = 0; e < E; ++e) {
       selection[e] = options.bias.empty() ? score[e] : score[e] + options.bias[e];
       if (prob_sum > 0.0f)
         scratch.mean_prob[e] += static_cast<double>(score[e] / prob_sum);
+      best_score = score[e] > best_score ? score[e] : best_score;
     }
+    if (!top_score.empty())
+      top_score[t] = best_score;
 
     std::int32_t* tid = ids.data() + t * kk;
     float* tw = weights.data() + t * kk;
     int filled = 0;
-    if (options.limit != nullptr) {
-      // The unrestricted choice, only to count tokens the limit changed.
+    if (options.limit != nullptr || options.groups != nullptr) {
+      // The unrestricted choice, only to count tokens the limits changed.
       int free_filled = 0;
       for (std::size_t e = 0; e < E; ++e)
         detail::top_k_insert(scratch.unlimited.data(), tw, free_filled, k,
                              static_cast<std::int32_t>(e), selection[e]);
-      select_devices(*options.limit, scratch.selection, k, t, scratch.devices, scratch.allowed);
+      if (options.groups != nullptr) // masks other groups to -inf, which select_devices skips
+        select_groups(*options.groups, scratch.selection, !options.bias.empty(), scratch.groups);
+      if (options.limit != nullptr)
+        select_devices(*options.limit, scratch.selection, k, t, scratch.devices, scratch.allowed);
+      else
+        for (std::size_t e = 0; e < E; ++e)
+          scratch.allowed[e] = selection[e] != neg_inf ? 1 : 0;
       for (std::size_t e = 0; e < E; ++e)
         if (scratch.allowed[e])
           detail::top_k_insert(tid, tw, filled, k, static_cast<std::int32_t>(e), selection[e]);
@@ -199,12 +222,15 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
 
 //! `top_k_gate` with its own scratch (allocates; keep a `gate_scratch` to avoid that).
 inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
-                               std::span<std::int32_t> ids, std::span<float> weights) {
+                               std::span<std::int32_t> ids, std::span<float> weights,
+                               std::span<float> top_score = {}) {
   gate_scratch scratch;
-  return top_k_gate(logits, options, ids, weights, scratch);
+  return top_k_gate(logits, options, ids, weights, scratch, top_score);
 }
 
-//! Per-token priority for batch-prioritized dropping: the largest of its k weights.
+//! Per-token priority from the weights alone: the largest of its k weights. Equals the gate's
+//! `top_score` (Tutel's priority) only for unrenormalized weights without bias or device limit;
+//! prefer `top_score`.
 inline void max_weight_priority(std::span<const float> weights, int k, std::span<float> priority) {
   WEAVE_EXPECT(k >= 1 && weights.size() == priority.size() * static_cast<std::size_t>(k),
                errc::size_mismatch, weights.size(), " weights for ", priority.size(),

@@ -8,6 +8,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/host_space.hpp"
+#include "weave/routing/host_row_kernels.hpp"
 #include "weave/routing/kernels_host.hpp"
 #include "weave/routing/row_moves.hpp"
 
@@ -26,22 +27,7 @@ struct row_moves<host_space> {
     detail::check_host(src, dst, "row_moves::gather");
     if (scale != nullptr)
       detail::visit_float(src.element_type(), "gate-scaled gather", [](auto*) {});
-    s.submit([=] {
-      const std::size_t n = rows(count, dst.rows());
-      if (scale == nullptr) {
-        for (std::size_t i = 0; i < n; ++i)
-          if (index[i] >= 0)
-            std::memcpy(dst.row(i), src.row(static_cast<std::size_t>(index[i])), src.row_bytes());
-        return;
-      }
-      detail::visit_float(src.element_type(), "gate-scaled gather", [&]<class T>(T*) {
-        for (std::size_t i = 0; i < n; ++i)
-          if (index[i] >= 0)
-            detail::scale_row(
-                reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
-                reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i]);
-      });
-    });
+    s.submit([=] { detail::gather_rows_host(src, dst, index, scale, detail::counted_rows(count, dst.rows())); });
   }
 
   static void merge(host_stream& s, const_token_view src, token_view dst, const std::int64_t* index,
@@ -51,17 +37,8 @@ struct row_moves<host_space> {
     WEAVE_EXPECT(k >= 1, errc::invalid_argument, "row_moves::merge with k = ", k);
     detail::visit_float(src.element_type(), "merge", [](auto*) {});
     s.submit([=] {
-      const std::size_t n = rows(count, dst.rows());
-      const auto kk = static_cast<std::size_t>(k);
-      detail::visit_float(src.element_type(), "merge", [&]<class T>(T*) {
-        for (std::size_t i = 0; i < n; ++i) {
-          const std::int64_t* idx = index + i * kk;
-          if (skip_empty && std::none_of(idx, idx + kk, [](std::int64_t x) { return x >= 0; }))
-            continue;
-          detail::merge_row(src, reinterpret_cast<T*>(dst.row(i)), src.cols(), idx,
-                            weight == nullptr ? nullptr : weight + i * kk, kk);
-        }
-      });
+      detail::merge_rows_host(src, dst, index, static_cast<std::size_t>(k), weight,
+                              detail::counted_rows(count, dst.rows()), skip_empty);
     });
   }
 
@@ -71,7 +48,7 @@ struct row_moves<host_space> {
                  "row_moves::dot of rows of ", a.cols(), " ", a.element_type(), " and ", b.cols(),
                  " ", b.element_type());
     s.submit([=] {
-      const std::size_t n = rows(count, std::min(a.rows(), b.rows()));
+      const std::size_t n = detail::counted_rows(count, std::min(a.rows(), b.rows()));
       for (std::size_t i = 0; i < n; ++i) {
         float acc = 0.0f;
         for (std::size_t h = 0; h < a.cols(); ++h)
@@ -80,13 +57,6 @@ struct row_moves<host_space> {
         out[i] = acc;
       }
     });
-  }
-
- private:
-  static std::size_t rows(const std::int64_t* count, std::size_t capacity) {
-    if (count == nullptr)
-      return capacity;
-    return *count <= 0 ? 0 : std::min(static_cast<std::size_t>(*count), capacity);
   }
 };
 

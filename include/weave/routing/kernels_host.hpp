@@ -7,8 +7,9 @@
 //! - `gather_rows(src, dst, index, scale)`: dst[i] = src[index[i]], times scale[i] if given;
 //! - `merge_rows(src, dst, index, k, weight)`: dst[i] = sum over j < k with index[i*k+j] >= 0 of
 //!   weight[i*k+j] * src[index[i*k+j]] (or the plain sum), in j order, fp32 accumulation.
-//! Rows of f32, f16 and bf16 (and f64 for gathers) are supported; an unscaled gather copies
-//! bytes of any dtype. Results are bitwise deterministic: fixed order, one rounding per step.
+//! Rows of f32, f16 and bf16 are supported; an unscaled gather copies bytes of any dtype.
+//! Results are bitwise deterministic: fixed order, one rounding per step (the loops, at memory
+//! speed, are in `weave/routing/host_row_kernels.hpp`).
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -17,10 +18,10 @@
 #include "weave/core/tensor.hpp"
 #include "weave/routing/dispatch_plan.hpp"
 #include "weave/routing/expert_plan.hpp"
+#include "weave/routing/host_row_kernels.hpp"
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <span>
 
 WEAVE_NAMESPACE_BEGIN
@@ -49,55 +50,6 @@ inline void check_index(std::span<const std::int64_t> index, std::size_t rows, b
                  allow_pad ? "-1" : "0", ", ", rows, ")");
 }
 
-template <class F>
-void visit_float(dtype t, const char* what, F&& f) {
-  switch (t) {
-  case dtype::f32:
-    return f(static_cast<float*>(nullptr));
-  case dtype::f16:
-    return f(static_cast<half*>(nullptr));
-  case dtype::bf16:
-    return f(static_cast<bfloat16*>(nullptr));
-  default:
-    WEAVE_THROW(errc::not_supported, what, " of ", t, " rows (f32, f16 and bf16 are supported)");
-  }
-}
-
-template <class T>
-void scale_row(const T* in, T* out, std::size_t cols, float s) {
-  for (std::size_t c = 0; c < cols; ++c)
-    out[c] = T(s * static_cast<float>(in[c]));
-}
-
-template <class T>
-void merge_row(const const_token_view& src, T* out, std::size_t cols, const std::int64_t* index,
-               const float* weight, std::size_t k) {
-  constexpr std::size_t block = 256; // fp32 accumulators for a slice of the row, on the stack
-  for (std::size_t c0 = 0; c0 < cols; c0 += block) {
-    const std::size_t n = cols - c0 < block ? cols - c0 : block;
-    float acc[block];
-    for (std::size_t c = 0; c < n; ++c)
-      acc[c] = 0.0f;
-    for (std::size_t j = 0; j < k; ++j) {
-      if (index[j] < 0)
-        continue;
-      const T* in = reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[j]))) + c0;
-      if (weight != nullptr) {
-        const float w = weight[j];
-        for (std::size_t c = 0; c < n; ++c) {
-          const float product = w * static_cast<float>(in[c]);
-          acc[c] = acc[c] + product;
-        }
-      } else {
-        for (std::size_t c = 0; c < n; ++c)
-          acc[c] = acc[c] + static_cast<float>(in[c]);
-      }
-    }
-    for (std::size_t c = 0; c < n; ++c)
-      out[c0 + c] = T(acc[c]);
-  }
-}
-
 } // namespace detail
 
 //! dst[i] = src[index[i]] (times `scale[i]` when `scale` is not empty). Throws
@@ -113,17 +65,10 @@ inline void gather_rows(const_token_view src, token_view dst, std::span<const st
   WEAVE_EXPECT(scale.empty() || scale.size() == index.size(), errc::size_mismatch,
                "gather_rows: ", scale.size(), " scales for ", index.size(), " rows");
   detail::check_index(index, src.rows(), false, "gather_rows");
-  if (scale.empty()) {
-    const std::size_t bytes = src.row_bytes();
-    for (std::size_t i = 0; i < index.size(); ++i)
-      std::memcpy(dst.row(i), src.row(static_cast<std::size_t>(index[i])), bytes);
-    return;
-  }
-  detail::visit_float(src.element_type(), "gate-scaled gather_rows", [&]<class T>(T*) {
-    for (std::size_t i = 0; i < index.size(); ++i)
-      detail::scale_row(reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
-                        reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i]);
-  });
+  if (!scale.empty())
+    detail::visit_float(src.element_type(), "gate-scaled gather_rows", [](auto*) {});
+  detail::gather_rows_host(src, dst, index.data(), scale.empty() ? nullptr : scale.data(),
+                           index.size());
 }
 
 //! dst[i] = sum over j of weight[i*k+j] * src[index[i*k+j]] (plain sum if `weight` is empty),
@@ -141,29 +86,56 @@ inline void merge_rows(const_token_view src, token_view dst, std::span<const std
   WEAVE_EXPECT(weight.empty() || weight.size() == index.size(), errc::size_mismatch,
                "merge_rows: ", weight.size(), " weights for ", index.size(), " indices");
   detail::check_index(index, src.rows(), true, "merge_rows");
-  const auto kk = static_cast<std::size_t>(k);
-  detail::visit_float(src.element_type(), "merge_rows", [&]<class T>(T*) {
-    for (std::size_t i = 0; i < dst.rows(); ++i)
-      detail::merge_row(src, reinterpret_cast<T*>(dst.row(i)), src.cols(), index.data() + i * kk,
-                        weight.empty() ? nullptr : weight.data() + i * kk, kk);
-  });
+  detail::visit_float(src.element_type(), "merge_rows", [](auto*) {});
+  detail::merge_rows_host(src, dst, index.data(), static_cast<std::size_t>(k),
+                          weight.empty() ? nullptr : weight.data(), dst.rows(), false);
 }
 
+namespace detail {
+
+// The inverse map of a layout move as a scatter: `index` holds k destination rows per source
+// row (a plan's invariant, checked again here), so each destination row is written once.
+inline void scatter_move(const char* what, const_token_view src, token_view dst,
+                         std::span<const std::int64_t> index, std::size_t k,
+                         std::span<const float> scale) {
+  check_rows(src, dst, what);
+  check_host(src, dst, what);
+  WEAVE_EXPECT(index.size() == src.rows() * k && (scale.empty() || scale.size() == index.size()),
+               errc::size_mismatch, what, ": ", index.size(), " destinations and ", scale.size(),
+               " scales for ", src.rows(), " rows with k = ", k);
+  check_index(index, dst.rows(), true, what);
+  if (!scale.empty())
+    visit_float(src.element_type(), what, [](auto*) {});
+  scatter_rows_host(src, dst, index.data(), k, scale.empty() ? nullptr : scale.data(), src.rows());
+}
+
+} // namespace detail
+
 //! ORI -> SFD: the plan's tokens into its send rows (one per token and destination device).
+//! Equals `gather_rows(ori, sfd, plan.row_token())`, done as a scatter over `token_rows()`
+//! (each token read once).
 inline void dispatch_gather(const dispatch_plan& plan, const_token_view ori, token_view sfd) {
   WEAVE_EXPECT(ori.rows() == plan.tokens(), errc::size_mismatch, "dispatch_gather: ", ori.rows(),
                " ORI rows for a plan of ", plan.tokens(), " tokens");
-  gather_rows(ori, sfd, plan.row_token());
+  WEAVE_EXPECT(sfd.rows() == static_cast<std::size_t>(plan.rows()), errc::size_mismatch,
+               "dispatch_gather: ", sfd.rows(), " SFD rows for a plan of ", plan.rows());
+  detail::scatter_move("dispatch_gather", ori, sfd, plan.token_rows(),
+                       static_cast<std::size_t>(plan.k()), {});
 }
 
 //! SFD -> EPD: received rows into one row per local expert choice, grouped by local expert;
 //! `gate_scaled` multiplies each by its gate weight (then merge with `weighted = false`).
+//! Equals `gather_rows(received, epd, plan.epd_row_source(), [plan.epd_weight()])`, done as a
+//! scatter over `row_epd()` (each received row read once).
 inline void expert_scatter(const expert_plan& plan, const_token_view received, token_view epd,
                            bool gate_scaled = false) {
   WEAVE_EXPECT(received.rows() == static_cast<std::size_t>(plan.rows()), errc::size_mismatch,
                "expert_scatter: ", received.rows(), " received rows for a plan of ", plan.rows());
-  gather_rows(received, epd, plan.epd_row_source(),
-              gate_scaled ? plan.epd_weight() : std::span<const float>{});
+  WEAVE_EXPECT(epd.rows() == static_cast<std::size_t>(plan.epd_rows()), errc::size_mismatch,
+               "expert_scatter: ", epd.rows(), " EPD rows for a plan of ", plan.epd_rows());
+  detail::scatter_move("expert_scatter", received, epd, plan.row_epd(),
+                       static_cast<std::size_t>(plan.k()),
+                       gate_scaled ? plan.row_weight() : std::span<const float>{});
 }
 
 //! EPD -> SFD: per received row, the sum of its local experts' outputs times their gate

@@ -20,7 +20,24 @@
 
 #include "weave/core/config.hpp"
 
+#include <cstddef>
+#include <cstdint>
+
 WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+//! The rows a counted host step visits: `capacity`, or min(*count, capacity) when `count` is
+//! not null (a count of zero or less visits none).
+inline std::size_t counted_rows(const std::int64_t* count, std::size_t capacity) noexcept {
+  if (count == nullptr)
+    return capacity;
+  return *count <= 0                                   ? 0
+         : static_cast<std::size_t>(*count) < capacity ? static_cast<std::size_t>(*count)
+                                                       : capacity;
+}
+
+} // namespace detail
 
 //! Row primitives of an execution space (specialised per space).
 template <class Space>

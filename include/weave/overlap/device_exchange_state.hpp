@@ -1,0 +1,78 @@
+//! \file
+//! The per-call state of `basic_device_exchange` (one per in-flight slot): each chunk's device
+//! plans and the pointers into the workspace its buffers are carved at, the batch's capacity
+//! filter, statistics counters and backward scratch. Internal.
+#pragma once
+
+#include "weave/comm/device_status_exchange.hpp"
+#include "weave/core/config.hpp"
+#include "weave/overlap/moe_options.hpp"
+#include "weave/placement/placement.hpp"
+#include "weave/routing/capacity.hpp"
+#include "weave/routing/device_capacity.hpp"
+#include "weave/routing/device_dispatch_plan.hpp"
+#include "weave/routing/device_expert_plan.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+namespace detail {
+
+// One chunk of one call: plans, and where its buffers live in the workspace.
+template <class Space>
+struct device_chunk {
+  device_chunk(const placement& where, int k, int rank, std::size_t tokens, std::size_t recv_rows)
+      : plan(where, k, rank, tokens)
+      , experts(where.slots_per_device(), k, where.num_devices(), recv_rows)
+      , send_counts_h(static_cast<std::size_t>(where.num_devices()))
+      , send_displs_h(static_cast<std::size_t>(where.num_devices()))
+      , recv_counts_h(static_cast<std::size_t>(where.num_devices()))
+      , recv_displs_h(static_cast<std::size_t>(where.num_devices())) {}
+
+  device_dispatch_plan<Space> plan;  // sender half (ORI <-> SFD)
+  device_expert_plan<Space> experts; // receiver half (SFD <-> EPD)
+  std::size_t first = 0, count = 0;  // token range of the chunk
+  std::byte *plan_ws = nullptr, *experts_ws = nullptr;
+  std::byte *send = nullptr, *recv = nullptr, *back = nullptr, *returned = nullptr;
+  std::byte *epd_in = nullptr, *epd_out = nullptr;
+  route_entry *send_routes = nullptr, *recv_routes = nullptr; // send: static shapes only
+  std::int64_t *slot_row_token = nullptr, *layout_rows = nullptr, *slot_counts = nullptr;
+  std::int64_t *recv_counts = nullptr, *recv_displs = nullptr, *recv_total = nullptr;
+  std::int64_t* expert_rows = nullptr;              // (token, choice) -> EPD row here, or a mark
+  float *send_dw = nullptr, *returned_dw = nullptr; // backward: gate gradients per entry
+  // Dynamic shapes: the counts the all-to-alls read on the host.
+  std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
+  std::uint32_t* error = nullptr; // the exchange's own flags (a static slot overflowing)
+  device_status_block status;     // its count exchange with every rank's status
+};
+
+// Everything one call needs, reused by the calls of its slot.
+template <class Space>
+struct device_call_state {
+  std::vector<device_chunk<Space>> chunks;
+  std::optional<device_capacity_filter<Space>> filter; // none when dropless
+  std::byte* filter_ws = nullptr;
+  std::uint8_t* keep = nullptr;
+  std::int64_t* counters = nullptr; // moe_stats of the forward (device_exchange_counter)
+  std::byte *grad_dy = nullptr, *grad_scaled = nullptr;
+  float* grad_dot = nullptr;
+  // A call rejected on the host: its record, sent by the call's count exchanges (`rejected`).
+  std::int64_t* reported = nullptr;
+  std::vector<std::int64_t> reported_h = std::vector<std::int64_t>(failure_words, 0);
+  bool rejected = false;
+
+  void construct(const placement& where, const moe_options& o, int rank, std::size_t chunk_tokens,
+                 std::size_t recv_rows) {
+    if (o.capacity.factor != 0.0)
+      filter.emplace(where.num_experts(), o.k, o.max_tokens, o.capacity);
+    chunks.reserve(static_cast<std::size_t>(o.chunks));
+    for (int c = 0; c < o.chunks; ++c)
+      chunks.emplace_back(where, o.k, rank, chunk_tokens, recv_rows);
+  }
+};
+
+} // namespace detail
+WEAVE_NAMESPACE_END

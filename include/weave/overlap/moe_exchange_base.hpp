@@ -1,0 +1,753 @@
+//! \file
+//! `moe_exchange_base`: what the host exchange (`moe_exchange`) and the device exchange
+//! (`basic_device_exchange`) share. It owns the `max_in_flight` slots a handle leases, issues a
+//! call's chunk stages in pipeline order (`chunk_pipeline`'s events order them across the two
+//! streams), and offers the public API on top of the derived exchange's stages:
+//! - handles: `dispatch` -> `chunks` -> `combine`, and `combine_backward` -> `chunks` ->
+//!   `dispatch_backward` (DeepEP's dispatch/combine, Megatron's token_permutation /
+//!   token_unpermutation), with the caller computing the experts on its stream;
+//! - the callback form, a thin layer on top: `forward` / `backward` run an expert callback per
+//!   chunk and keep the last forward's handle for the backward;
+//! - overloads of all of them for any tensor type with `tensor_traits` (temporaries that would
+//!   dangle are deleted overloads).
+//!
+//! Issue order of one phase with C chunks (P prepare, D dispatch, X experts, B combine, F
+//! finish; X is opened by the library when the caller asks for the chunk, filled by the caller,
+//! closed by the library when the caller steps past it):
+//!   dispatch: P0 D0 P1 D1;   each chunk c of `chunks`: X(c) B(c) P(c+2) D(c+2) [F(c-1)];
+//!   combine: the finishes not issued yet
+//! so the streams run compute: P0 P1 X0 P2 X1 F0 P3 X2 F1 ... X(C-1) F(C-2) F(C-1), comm: D0 D1
+//! B0 D2 B1 ... B(C-1): chunk c + 1's dispatch under chunk c's experts, chunk c's combine under
+//! chunk c + 1's experts (Tutel's overlap degree). F(c-1) is issued during the iteration when
+//! the output was given to `chunks` (the callback form does); otherwise all finishes run at
+//! `combine`, under the last combine. Calls of different handles interleave freely:
+//! issuing handle B's dispatch before handle A's experts puts B's communication under A's
+//! computation (DeepSeek-V3's DualPipe overlap of two micro-batches).
+//!
+//! Fail-stop (docs/faults.md): the ranks agree on the layer's configuration at construction
+//! (`agree_on_layer`); a rank's failure before a chunk's dispatch (bad ids or weights, a call
+//! rejected for its arguments) travels in-band with that chunk's count exchange, so every rank
+//! fails at the same step and the layer stays usable; failures after a dispatch (an expert
+//! callback throwing, a half-issued handle released) abort the communicator. `synchronize` is
+//! the one wait that reports the root cause; `usable()` says whether the layer can go on.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/core/tensor_args.hpp"
+#include "weave/exec/stream.hpp"
+#include "weave/overlap/layer_agreement.hpp"
+#include "weave/overlap/moe_handle.hpp"
+#include "weave/overlap/moe_options.hpp"
+#include "weave/overlap/pipeline.hpp"
+#include "weave/placement/placement.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+// One in-flight call: its arguments, the stage events of each direction, where its phase
+// stands and the derived exchange's per-call state.
+template <class Traits>
+struct moe_slot {
+  using stream_type = typename Traits::stream_type;
+  using stream_arg = typename Traits::stream_arg;
+  // Streams are kept by address (host streams) or by value (CUDA stream references, which
+  // have no empty state); `*store` is the stream either way.
+  using stream_store =
+      std::conditional_t<std::is_reference_v<stream_arg>, std::remove_reference_t<stream_arg>*,
+                         std::optional<stream_type>>;
+
+  explicit moe_slot(int chunks)
+      : pipelines{chunk_pipeline<stream_type>(chunks), chunk_pipeline<stream_type>(chunks)} {}
+
+  chunk_pipeline<stream_type>& pipeline() noexcept { return pipelines[backward ? 1 : 0]; }
+
+  struct arguments {
+    const_token_view x; // forward input
+    std::span<const std::int32_t> ids;
+    std::span<const float> weights;
+    const typename Traits::hooks_type* hooks = nullptr;
+    token_view y;        // forward output
+    const_token_view dy; // backward: gradient of the output
+    token_view dx;       // backward: gradient of the input
+    std::span<float> dw; // backward: gate-weight gradients
+    typename Traits::experts_fn experts;
+    typename Traits::experts_grad_fn experts_grad;
+  };
+
+  typename Traits::state_type state;
+  arguments args;
+  chunk_pipeline<stream_type> pipelines[2]; // forward, backward: each phase records its own
+  typename stream_type::event_type compute_done, comm_done; // the slot's last work per stream
+  stream_store compute{}, comm{};                           // of the phase being issued
+  // The compute stream of each direction's last phase: read by its chunks' work when it runs,
+  // while the issuing thread may already start the next phase.
+  stream_store phase_compute[2]{};
+  moe_phase phase = moe_phase::finished;
+  bool held = false;
+  bool backward = false;     // direction of the phase being issued
+  int current = 0;           // the phase's next chunk to compute (chunks: every chunk closed)
+  bool opened = false;       // its experts stage is open (its rows will be ready in stream order)
+  int prepared = 0;          // chunks whose prepare and dispatch are issued
+  int finished = 0;          // chunks whose finish is issued
+  bool output_known = false; // the phase's output was given before its chunks were iterated
+  // Issuing the phase threw a failure every rank raises at the same step (a status-carrying
+  // count exchange read on the host): the phase ends there on every rank, nothing to abort.
+  bool failed_together = false;
+  std::size_t tokens = 0;
+};
+
+// A comm-stream stage waits for a compute-stream stage that may include the caller's work (its
+// producer, its expert tasks). On host streams a failure there would skip this rank's
+// collective and leave the peers waiting in it: wait in a task that tells the communicator.
+template <class Comm, class Stream, class Event>
+void wait_or_abort(Comm& comm, Stream& s, const Event& e) {
+  if constexpr (host_executor<Stream> && has_abort<Comm>) {
+    s.submit([&comm, e] { abort_peers_on_failure(comm, [&] { e.synchronize(); }); });
+  }
+}
+
+} // namespace detail
+
+//! The handle API, the callback form and the tensor-generic overloads of an MoE exchange
+//! (`Derived` is `moe_exchange<Comm>` or `basic_device_exchange<Space, Comm>`; see the file
+//! comment). All calls only enqueue: tensors, spans, hooks and callbacks are borrowed until the
+//! streams of the call are synchronized (or, on CUDA, until the streams have run the work).
+template <class Derived, class Traits>
+class moe_exchange_base {
+ public:
+  using stream_type = typename Traits::stream_type;
+  //! How streams are passed (`stream_type&` on the host, `cuda_stream_ref` by value on CUDA).
+  using stream_arg = typename Traits::stream_arg;
+  using hooks_type = typename Traits::hooks_type;
+  using experts_fn = typename Traits::experts_fn;
+  using experts_grad_fn = typename Traits::experts_grad_fn;
+  //! A call in flight (see `moe_handle`).
+  using handle = moe_handle<Derived>;
+  //! One chunk of a call (see `moe_chunk`).
+  using chunk = moe_chunk<Derived>;
+
+  moe_exchange_base(const moe_exchange_base&) = delete;
+  moe_exchange_base& operator=(const moe_exchange_base&) = delete;
+
+  const moe_options& options() const noexcept { return options_; }
+  const placement& where() const noexcept { return placement_; }
+  //! Handles that may be alive at once (`moe_options::max_in_flight`).
+  int max_in_flight() const noexcept { return static_cast<int>(slots_.size()); }
+  //! Handles alive now (the callback form's kept forward counts as one).
+  int handles_in_flight() const noexcept {
+    int n = 0;
+    for (const auto& s : slots_)
+      n += s->held ? 1 : 0;
+    return n;
+  }
+  //! The stage events of the most recently issued phase (forward or backward of any handle),
+  //! for timings (`measure`, `add_to_trace`) once its streams are synchronized.
+  const chunk_pipeline<stream_type>& pipeline() const noexcept { return *last_pipeline_; }
+  //! The stage events of `h`'s forward (`backward = false`) or backward.
+  const chunk_pipeline<stream_type>& pipeline(const handle& h, bool backward = false) const {
+    return slots_[static_cast<std::size_t>(slot_of(h))]->pipelines[backward ? 1 : 0];
+  }
+
+  // --- the handle API ---------------------------------------------------------------------
+
+  //! Enqueues the dispatch of `x` (T rows) routed by `ids` / `weights` (k per token, id -1 =
+  //! none) and returns its handle: the prepare and dispatch of the first two chunks are issued;
+  //! iterate `chunks(h)` to compute the experts, then `combine`. `hooks`
+  //! (optional, borrowed) partitions the operators around the layer into the same chunks (see
+  //! `moe_chunk_hooks`). Throws `errc::size_mismatch` / `errc::invalid_argument` for shapes or
+  //! memory that disagree with the options, `errc::invalid_state` when `max_in_flight`
+  //! handles are alive. A slot whose last call is still queued on host streams is first waited
+  //! for (with several slots, a free one whose work is done is preferred). A call rejected
+  //! here still takes its turn in the collective schedule, carrying the error to the peers
+  //! (they fail at its first count exchange with a `peer_error` naming this rank).
+  handle dispatch(const_token_view x, std::span<const std::int32_t> ids,
+                  std::span<const float> weights, stream_arg compute, stream_arg comm,
+                  const hooks_type* hooks = nullptr) {
+    handle h;
+    try {
+      check_dispatch(x, ids, weights, hooks, compute, comm);
+      h = acquire(x.rows());
+    } catch (...) {
+      reject(std::current_exception(), compute, comm);
+      throw;
+    }
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    s.args.x = x;
+    s.args.ids = ids;
+    s.args.weights = weights;
+    s.args.hooks = hooks;
+    self().on_dispatch(s);
+    start(i, false, compute, comm);
+    return h;
+  }
+
+  //! The expert chunks of `h`'s current phase, in pipeline order (see `moe_chunk_range`):
+  //! `for (auto chunk : layer.chunks(h)) enqueue the experts of chunk.experts() on compute`.
+  moe_chunk_range<Derived> chunks(handle& h) {
+    return detail::moe_access::make_range(self(), slot_of(h));
+  }
+
+  //! `chunks(h)` of a forward whose output `y` is given now: chunk c's finish (its rows of `y`,
+  //! and a chunk hook's consumer) is issued after chunk c + 1's experts, so it runs under the
+  //! next combine instead of after the last chunk (what Lancet's partitioning of the consumer
+  //! needs). `combine(h, y, ...)` must then name the same `y`.
+  moe_chunk_range<Derived> chunks(handle& h, token_view y) {
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    expect_phase(s, moe_phase::dispatched, "chunks with an output");
+    check_rows(y, "output", s.tokens);
+    s.args.y = y;
+    s.output_known = true;
+    return detail::moe_access::make_range(self(), i);
+  }
+
+  //! `chunks(h)` of a backward whose outputs `dx`, `dw` are given now (see the forward form);
+  //! `dispatch_backward` must then name the same ones.
+  moe_chunk_range<Derived> chunks(handle& h, token_view dx, std::span<float> dw) {
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    expect_phase(s, moe_phase::gradients_dispatched, "chunks with outputs");
+    check_backward_outputs(s, dx, dw);
+    s.args.dx = dx;
+    s.args.dw = dw;
+    s.output_known = true;
+    return detail::moe_access::make_range(self(), i);
+  }
+
+  //! Enqueues the combine of `h`'s forward into `y` (T rows): y[t] = sum over kept choices j
+  //! of weights[t, j] * expert(ids[t, j])(x[t]), from the expert outputs the caller wrote.
+  //! Every chunk must have been iterated (the last one at least opened). Throws
+  //! `errc::invalid_state` otherwise or in another phase, `errc::size_mismatch` for a `y` of
+  //! other rows.
+  void combine(handle& h, token_view y, stream_arg compute, stream_arg comm) {
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    expect_phase(s, moe_phase::dispatched, "combine");
+    check_rows(y, "output", s.tokens);
+    check_comm(s, comm, "combine");
+    check_same_output(s, s.args.y, y, "combine");
+    s.args.y = y;
+    finish_phase(i, compute, moe_phase::combined);
+  }
+
+  //! Enqueues the backward's dispatch of `dy` (T rows, the gradient of `combine`'s output) to
+  //! the expert devices (the backward of `combine`). Each chunk's `experts_grad()` then holds
+  //! the saved expert inputs and the gate-scaled output gradients; the caller writes the input
+  //! gradients. Needs `save_for_backward` and a combined handle (`errc::invalid_state`). Bad
+  //! arguments abort the communicator (no count exchange carries them).
+  void combine_backward(handle& h, const_token_view dy, stream_arg compute, stream_arg comm) {
+    int i = -1;
+    abort_peers_on_failure(*comm_, [&] { // the backward has no count exchange to carry it
+      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                   "the backward needs moe_options.save_for_backward");
+      i = slot_of(h);
+      expect_phase(slot(i), moe_phase::combined, "combine_backward");
+      check_rows(dy, "output gradient", slot(i).tokens);
+    });
+    slot_type& s = slot(i);
+    s.args.dy = dy;
+    start(i, true, compute, comm);
+  }
+
+  //! Enqueues the return of the experts' input gradients (the backward of `dispatch`): `dx`
+  //! (T rows) and the gate-weight gradients `dw` (k per token; 0 for dropped or absent
+  //! choices). Every chunk must have been iterated, as for `combine`.
+  void dispatch_backward(handle& h, token_view dx, std::span<float> dw, stream_arg compute,
+                         stream_arg comm) {
+    const int i = slot_of(h);
+    slot_type& s = slot(i);
+    expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
+    check_backward_outputs(s, dx, dw);
+    check_comm(s, comm, "dispatch_backward");
+    check_same_output(s, s.args.dx, dx, "dispatch_backward");
+    WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
+                 "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
+    s.args.dx = dx;
+    s.args.dw = dw;
+    finish_phase(i, compute, moe_phase::finished);
+  }
+
+  // --- the callback form ------------------------------------------------------------------
+
+  //! Enqueues a whole forward: `dispatch`, `experts` on every chunk (run as `Derived`
+  //! documents: on the compute stream's thread on the host, at enqueue time with a stream on
+  //! CUDA), `combine` into `y`. With `save_for_backward` it keeps the handle for `backward`
+  //! (so it holds one of the `max_in_flight` slots until the next `forward`). Results equal the
+  //! handle form's bitwise.
+  void forward(const_token_view x, std::span<const std::int32_t> ids,
+               std::span<const float> weights, token_view y, experts_fn experts, stream_arg compute,
+               stream_arg comm, const hooks_type* hooks = nullptr) {
+    try {
+      check_rows(y, "output", x.rows());
+    } catch (...) {
+      reject(std::current_exception(), compute, comm);
+      throw;
+    }
+    last_.reset(); // its backward will not come; its slot may serve this call
+    handle h = dispatch(x, ids, weights, compute, comm, hooks);
+    slot_type& s = slot(slot_of(h));
+    s.args.experts = std::move(experts);
+    for (const chunk c : chunks(h, y))
+      self().enqueue_experts_callback(s, c.index(), compute);
+    combine(h, y, compute, comm);
+    if (options_.save_for_backward)
+      last_ = std::move(h);
+  }
+
+  //! Enqueues the backward of the last `forward` (needs `save_for_backward`): `experts_grad`
+  //! computes each chunk's input gradients; writes `dx` and the gate gradients `dw`.
+  void backward(const_token_view dy, token_view dx, std::span<float> dw,
+                experts_grad_fn experts_grad, stream_arg compute, stream_arg comm) {
+    abort_peers_on_failure(*comm_, [&] {
+      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                   "backward needs moe_options.save_for_backward");
+      WEAVE_EXPECT(last_.valid(), errc::invalid_state,
+                   "backward needs a forward first (each forward has one backward)");
+      check_rows(dx, "input gradient", slot(slot_of(last_)).tokens);
+    });
+    slot_type& s = slot(slot_of(last_));
+    combine_backward(last_, dy, compute, comm);
+    s.args.experts_grad = std::move(experts_grad);
+    for (const chunk c : chunks(last_, dx, dw))
+      self().enqueue_experts_callback(s, c.index(), compute);
+    dispatch_backward(last_, dx, dw, compute, comm);
+    last_.reset();
+  }
+
+  // --- waiting and failures ---------------------------------------------------------------
+
+  //! The one wait: waits for both streams (through the communicator, see `wait_watched`) and
+  //! rethrows the root cause of a failure: this rank's own error, else a peer's failure naming
+  //! its rank, code and message. Observes the failures of both streams. The device exchange
+  //! also checks its device flags (`check_errors`).
+  void synchronize(stream_arg compute, stream_arg comm) { self().synchronize_layer(compute, comm); }
+
+  //! False once the communicator was aborted (a failure after a dispatch, a timeout, a
+  //! half-issued handle released): every later call fails; rebuild the communicator and the
+  //! layer. Failures that travelled in-band (bad input found before a dispatch, a rejected call)
+  //! leave it true: after `synchronize` reported them, the layer can be called again.
+  bool usable() const { return !communicator_aborted(*comm_); }
+
+  // --- any tensor type --------------------------------------------------------------------
+
+  //! `dispatch` for any tensor type with `tensor_traits` (`x`), and any span, contiguous range
+  //! or packed 2-D int32 / f32 tensor (`ids`, `weights`). Temporaries that own their memory are
+  //! rejected at compile time (the deleted overload below): name them, or pass a view.
+  template <class X, class Ids, class W>
+  requires(!dangling_tensor_arg<X> && !dangling_tensor_arg<Ids> && !dangling_tensor_arg<W>) handle
+      dispatch(X&& x, Ids&& ids, W&& weights, stream_arg compute, stream_arg comm,
+               const hooks_type* hooks = nullptr) {
+    return dispatch(detail::as_const_rows(x), detail::as_elements<const std::int32_t>(ids, "ids"),
+                    detail::as_elements<const float>(weights, "weights"), compute, comm, hooks);
+  }
+  //! Deleted: an argument is a temporary owning its memory, which would dangle while the call's
+  //! work is queued. Keep the tensor in a named variable (or pass a view of it).
+  template <class X, class Ids, class W>
+  requires(dangling_tensor_arg<X> || dangling_tensor_arg<Ids> || dangling_tensor_arg<W>) handle
+      dispatch(X&& x, Ids&& ids, W&& weights, stream_arg compute, stream_arg comm,
+               const hooks_type* hooks = nullptr)
+  = delete;
+
+  //! `combine` into any mutable tensor with `tensor_traits`.
+  template <class Y>
+  requires(!dangling_tensor_arg<Y>) void combine(handle& h, Y&& y, stream_arg compute,
+                                                 stream_arg comm) {
+    combine(h, detail::as_mutable_rows(y), compute, comm);
+  }
+  //! Deleted: a temporary output tensor would dangle (and its result be lost).
+  template <class Y>
+  requires dangling_tensor_arg<Y>
+  void combine(handle& h, Y&& y, stream_arg compute, stream_arg comm) = delete;
+
+  //! `chunks(h, y)` with any mutable tensor with `tensor_traits`.
+  template <class Y>
+  requires(!dangling_tensor_arg<Y>) moe_chunk_range<Derived> chunks(handle& h, Y&& y) {
+    return chunks(h, detail::as_mutable_rows(y));
+  }
+  //! Deleted: a temporary output tensor would dangle.
+  template <class Y>
+  requires dangling_tensor_arg<Y> moe_chunk_range<Derived> chunks(handle& h, Y&& y)
+  = delete;
+
+  //! `chunks(h, dx, dw)` with any mutable tensors with `tensor_traits`.
+  template <class Dx, class Dw>
+  requires(!dangling_tensor_arg<Dx> &&
+           !dangling_tensor_arg<Dw>) moe_chunk_range<Derived> chunks(handle& h, Dx&& dx, Dw&& dw) {
+    return chunks(h, detail::as_mutable_rows(dx), detail::as_elements<float>(dw, "dw"));
+  }
+  //! Deleted: a temporary output tensor would dangle.
+  template <class Dx, class Dw>
+  requires(dangling_tensor_arg<Dx> ||
+           dangling_tensor_arg<Dw>) moe_chunk_range<Derived> chunks(handle& h, Dx&& dx, Dw&& dw)
+  = delete;
+
+  //! `combine_backward` from any tensor with `tensor_traits`.
+  template <class Dy>
+  requires(!dangling_tensor_arg<Dy>) void combine_backward(handle& h, Dy&& dy, stream_arg compute,
+                                                           stream_arg comm) {
+    combine_backward(h, detail::as_const_rows(dy), compute, comm);
+  }
+  //! Deleted: a temporary gradient tensor would dangle.
+  template <class Dy>
+  requires dangling_tensor_arg<Dy>
+  void combine_backward(handle& h, Dy&& dy, stream_arg compute, stream_arg comm) = delete;
+
+  //! `dispatch_backward` into any mutable tensors with `tensor_traits` (`dw`: a span, a
+  //! contiguous range or a packed f32 tensor).
+  template <class Dx, class Dw>
+  requires(!dangling_tensor_arg<Dx> &&
+           !dangling_tensor_arg<Dw>) void dispatch_backward(handle& h, Dx&& dx, Dw&& dw,
+                                                            stream_arg compute, stream_arg comm) {
+    dispatch_backward(h, detail::as_mutable_rows(dx), detail::as_elements<float>(dw, "dw"), compute,
+                      comm);
+  }
+  //! Deleted: a temporary output tensor would dangle (and its result be lost).
+  template <class Dx, class Dw>
+  requires(dangling_tensor_arg<Dx> || dangling_tensor_arg<Dw>) void dispatch_backward(
+      handle& h, Dx&& dx, Dw&& dw, stream_arg compute, stream_arg comm) = delete;
+
+ protected:
+  using slot_type = detail::moe_slot<Traits>;
+  using comm_type = typename Traits::comm_type;
+
+  //! Checks the options and the placement against the communicator (`validate`: the derived
+  //! exchange's own checks), agrees on them with every rank (`agree_on_layer`, collective) and
+  //! creates the slots: the one construction step both exchanges share.
+  template <class Validate>
+  moe_exchange_base(comm_type& comm, placement where, moe_options options, const std::string& kind,
+                    Validate&& validate)
+      : comm_(&agree_on_layer(comm, kind, where, options, std::forward<Validate>(validate)))
+      , placement_(std::move(where))
+      , options_(options) {
+    rank_ = comm.rank();
+    for (int i = 0; i < options_.max_in_flight; ++i)
+      slots_.push_back(std::make_unique<slot_type>(options_.chunks));
+    last_pipeline_ = &slots_.front()->pipelines[0];
+  }
+
+  ~moe_exchange_base() = default;
+
+  slot_type& slot(int i) noexcept { return *slots_[static_cast<std::size_t>(i)]; }
+  const slot_type& slot(int i) const noexcept { return *slots_[static_cast<std::size_t>(i)]; }
+  std::span<const std::unique_ptr<slot_type>> slots() const noexcept { return slots_; }
+
+  int slot_of(const handle& h) const { return detail::moe_access::slot_of(h, self()); }
+
+  static stream_type& load(typename slot_type::stream_store& s) { return *s; }
+  //! A stored stream as it is passed (a reference to a host stream, a CUDA stream by value).
+  static stream_arg arg_of(const typename slot_type::stream_store& s) { return *s; }
+
+  //! Token range [first, first + count) of chunk `c` of a call of `tokens` tokens.
+  std::pair<std::size_t, std::size_t> chunk_range(std::size_t tokens, int c) const noexcept {
+    const auto C = static_cast<std::size_t>(options_.chunks), i = static_cast<std::size_t>(c);
+    return {tokens * i / C, tokens * (i + 1) / C - tokens * i / C};
+  }
+
+  comm_type* comm_;
+  placement placement_;
+  moe_options options_;
+  int rank_ = 0;
+
+ private:
+  friend struct detail::moe_access;
+
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+  const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
+
+  void check_rows(const const_token_view& v, const char* what, std::size_t tokens) const {
+    self().check_rows(v, what);
+    WEAVE_EXPECT(v.rows() == tokens, errc::size_mismatch, what, " of ", v.rows(),
+                 " rows for a call of ", tokens, " tokens");
+  }
+
+  void check_dispatch(const const_token_view& x, std::span<const std::int32_t> ids,
+                      std::span<const float> weights, const hooks_type* hooks,
+                      const stream_type& compute, const stream_type& comm) const {
+    self().check_rows(x, "input");
+    WEAVE_EXPECT(x.rows() <= options_.max_tokens, errc::invalid_argument, "a call of ", x.rows(),
+                 " tokens exceeds max_tokens = ", options_.max_tokens);
+    const std::size_t pairs = x.rows() * static_cast<std::size_t>(options_.k);
+    WEAVE_EXPECT(ids.size() == pairs && weights.size() == pairs, errc::size_mismatch,
+                 "dispatch: ", ids.size(), " ids and ", weights.size(), " weights for ", x.rows(),
+                 " tokens with k = ", options_.k);
+    detail::check_hooks(hooks, options_);
+    if constexpr (std::is_reference_v<stream_arg>)
+      WEAVE_EXPECT(&compute != &comm, errc::invalid_argument,
+                   "the compute and comm streams must differ");
+  }
+
+  // The comm stream of a phase carries its collectives in the order every rank issues them:
+  // a phase ends on the stream it started on.
+  void check_comm(const slot_type& s, const stream_type& comm, const char* call) const {
+    if constexpr (std::is_pointer_v<typename slot_type::stream_store>)
+      WEAVE_EXPECT(&comm == s.comm, errc::invalid_argument, call,
+                   ": another comm stream than the one the handle's phase started on");
+    else
+      (void)s, (void)comm, (void)call;
+  }
+
+  void check_backward_outputs(const slot_type& s, const token_view& dx, std::span<float> dw) const {
+    check_rows(dx, "input gradient", s.tokens);
+    WEAVE_EXPECT(dw.size() == s.tokens * static_cast<std::size_t>(options_.k), errc::size_mismatch,
+                 "dispatch_backward: ", dw.size(), " gate gradients for a call of ", s.tokens,
+                 " tokens with k = ", options_.k);
+  }
+
+  // An output given early (to `chunks`) is already being written: the end of the phase must
+  // name the same rows.
+  void check_same_output(const slot_type& s, const token_view& early, const token_view& now,
+                         const char* call) const {
+    WEAVE_EXPECT(!s.output_known || (early.data() == now.data() && early.rows() == now.rows()),
+                 errc::invalid_argument, call, ": another output than `chunks` was given");
+  }
+
+  void expect_phase(const slot_type& s, moe_phase want, const char* call) const {
+    WEAVE_EXPECT(s.phase == want, errc::invalid_state, call, " on a handle in phase ",
+                 to_string(s.phase), " (it needs ", to_string(want), ")");
+  }
+
+  // A free slot, preferring one whose last work has completed; on host streams a slot's last
+  // call must have run before its arguments and buffers are reused.
+  handle acquire(std::size_t tokens) {
+    int pick = -1;
+    const auto idle = [&](int i) {
+      return slot(i).compute_done.query() && slot(i).comm_done.query();
+    };
+    for (int i = 0; i < max_in_flight(); ++i)
+      if (!slot(i).held && (pick < 0 || (!idle(pick) && idle(i))))
+        pick = i;
+    WEAVE_EXPECT(pick >= 0, errc::invalid_state, "all ", max_in_flight(),
+                 " in-flight slots are held by live handles (moe_options.max_in_flight = ",
+                 max_in_flight(), "): combine and release one first, or raise max_in_flight");
+    slot_type& s = slot(pick);
+    if constexpr (Traits::runs_later) {
+      for (auto* e : {&s.compute_done, &s.comm_done}) {
+        try {
+          e->synchronize(); // a failure of the last call surfaced at its caller's synchronize
+        } catch (...) {
+        }
+        *e = {}; // a failed call's events must not fail the next call that waits for them
+      }
+    }
+    s.held = true;
+    s.phase = moe_phase::finished; // nothing issued yet: releasing it now aborts nothing
+    s.tokens = tokens;
+    s.args = {};
+    return detail::moe_access::make_handle(self(), pick);
+  }
+
+  // A call rejected on the host (bad arguments) takes its turn in the collective schedule: a
+  // call of no tokens is issued on a free slot with `failure` carried by its count exchanges
+  // (`Derived::enqueue_rejected`), so the peers fail at the same step and the layer stays
+  // usable. With no free slot (or one stream given twice) the communicator is aborted instead.
+  void reject(const std::exception_ptr& failure, stream_arg compute, stream_arg comm) {
+    bool free = false;
+    for (int i = 0; i < max_in_flight(); ++i)
+      free = free || !slot(i).held;
+    bool same_stream = false;
+    if constexpr (std::is_reference_v<stream_arg>)
+      same_stream = &compute == &comm;
+    if (!free || same_stream) {
+      abort_peers(*comm_, failure);
+      return;
+    }
+    try {
+      handle h = acquire(0);
+      const int i = slot_of(h);
+      slot_type& s = slot(i);
+      self().enqueue_rejected(s, failure, compute, comm, [&] {
+        start(i, false, compute, comm);
+        while (s.current < options_.chunks)
+          advance_slot(i);
+        finish_phase(i, compute, moe_phase::combined); // into an empty output
+      });
+    } catch (...) {
+      if (!communicator_aborted(*comm_) && !failed_together_last_)
+        abort_peers(*comm_, failure);
+    }
+    failed_together_last_ = false;
+  }
+
+  // Issues `f` (a step of slot `s`'s phase that enqueues collectives); if it throws, the phase
+  // ends here: a failure every rank raises alike (`failed_together`) leaves the communicator
+  // as it is, any other one aborts it, since the peers would wait for this rank's collectives.
+  template <class F>
+  void issue_or_end(slot_type& s, F&& f) {
+    try {
+      std::forward<F>(f)();
+    } catch (...) {
+      failed_together_last_ = s.failed_together;
+      if (!s.failed_together)
+        abort_peers(*comm_, std::current_exception());
+      try {
+        load(s.compute).record(s.compute_done);
+        load(s.comm).record(s.comm_done);
+      } catch (...) {
+      }
+      s.phase = moe_phase::finished;
+      throw;
+    }
+  }
+
+  void release_slot(int i) noexcept {
+    slot_type& s = slot(i);
+    if (s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched) {
+      try {
+        abort_peers(*comm_,
+                    std::make_exception_ptr(error(
+                        errc::invalid_state,
+                        detail::concat("a moe handle was released in phase ", to_string(s.phase),
+                                       ", with its collectives half enqueued"))));
+      } catch (...) {
+      }
+      try { // the next user of the slot waits for what was queued
+        load(s.compute).record(s.compute_done);
+        load(s.comm).record(s.comm_done);
+      } catch (...) {
+      }
+      s.phase = moe_phase::finished;
+    }
+    s.held = false;
+  }
+
+  // Opens a phase: waits for the slot's earlier work on the other stream, issues the
+  // prepare and dispatch of the first two chunks and opens chunk 0's experts.
+  void start(int i, bool backward, stream_arg compute, stream_arg comm) {
+    slot_type& s = slot(i);
+    s.backward = backward;
+    s.current = 0;
+    s.opened = false;
+    s.prepared = 0;
+    s.finished = 0;
+    s.output_known = false;
+    s.failed_together = false;
+    if constexpr (std::is_pointer_v<typename slot_type::stream_store>) {
+      s.compute = &compute;
+      s.comm = &comm;
+      s.phase_compute[backward ? 1 : 0] = &compute;
+    } else {
+      s.compute = compute;
+      s.comm = comm;
+      s.phase_compute[backward ? 1 : 0] = compute;
+    }
+    self().on_start(s, load(s.compute)); // may refuse the call: nothing is issued yet
+    s.phase = backward ? moe_phase::gradients_dispatched : moe_phase::dispatched;
+    last_pipeline_ = &s.pipeline();
+    load(s.compute).wait(s.comm_done);
+    load(s.comm).wait(s.compute_done);
+    issue_or_end(s, [&] {
+      prepare_next(s);
+      if (options_.chunks > 1)
+        prepare_next(s);
+    });
+  }
+
+  void prepare_next(slot_type& s) {
+    const int c = s.prepared++;
+    auto& pipe = s.pipeline();
+    pipe.stage(pipeline_stage::prepare, c, load(s.compute),
+               [&](stream_type& st) { self().enqueue_prepare(s, c, st); });
+    comm_stage(s, pipeline_stage::dispatch, c);
+  }
+
+  // Opens the next chunk's experts stage (its wait for the chunk's dispatch, the scatter to
+  // the expert layout) when the caller first asks for the chunk: issued then, it does not hold
+  // the compute stream back from work issued earlier (another micro-batch's producer).
+  void open_slot(int i) {
+    slot_type& s = slot(i);
+    if (s.opened || s.current >= options_.chunks)
+      return;
+    s.pipeline().begin_stage(pipeline_stage::experts, s.current, load(s.compute));
+    self().enqueue_open_experts(s, s.current, load(s.compute));
+    s.opened = true;
+  }
+
+  void comm_stage(slot_type& s, pipeline_stage stage, int c) {
+    auto& pipe = s.pipeline();
+    stream_type& comm = load(s.comm);
+    // A forward dispatch carries a failure before it in its count exchange; the other stages
+    // carry no status, so a failure of the work they wait for aborts the communicator.
+    if (stage != pipeline_stage::dispatch || s.backward)
+      detail::wait_or_abort(*comm_, comm,
+                            pipe.ended(chunk_pipeline<stream_type>::dependency(stage), c));
+    pipe.stage(stage, c, comm, [&](stream_type& st) {
+      if (stage == pipeline_stage::dispatch)
+        self().enqueue_dispatch(s, c, st);
+      else
+        self().enqueue_combine(s, c, st);
+    });
+  }
+
+  // Closes the current chunk (merge, then its combine all-to-all; opened first if the caller did
+  // not ask for it) and dispatches the chunk after next.
+  void advance_slot(int i) {
+    slot_type& s = slot(i);
+    WEAVE_EXPECT(s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched,
+                 errc::invalid_state, "no chunk to advance in phase ", to_string(s.phase));
+    WEAVE_EXPECT(s.current < options_.chunks, errc::invalid_state, "all ", options_.chunks,
+                 " chunks of the phase are already closed");
+    const int c = s.current;
+    issue_or_end(s, [&] {
+      open_slot(i);
+      self().enqueue_close_experts(s, c, load(s.compute));
+      s.pipeline().end_stage(pipeline_stage::experts, c, load(s.compute));
+      comm_stage(s, pipeline_stage::combine, c);
+      if (s.prepared < options_.chunks)
+        prepare_next(s);
+    });
+    if (s.output_known && c >= 1)
+      finish_chunk(s, c - 1, load(s.compute));
+    ++s.current;
+    s.opened = false;
+  }
+
+  void finish_chunk(slot_type& s, int c, stream_type& compute) {
+    s.pipeline().stage(pipeline_stage::finish, c, compute,
+                       [&](stream_type& st) { self().enqueue_finish(s, c, st); });
+    s.finished = c + 1;
+  }
+
+  // Ends a phase: closes the last chunk if it is still open, then issues every chunk's finish
+  // on `compute`.
+  void finish_phase(int i, stream_arg compute, moe_phase next) {
+    slot_type& s = slot(i);
+    const int C = options_.chunks;
+    if (s.current == C - 1 && s.opened)
+      advance_slot(i);
+    WEAVE_EXPECT(s.current == C, errc::invalid_state, "chunk ", s.current, " of ", C,
+                 " has not been computed: iterate chunks(handle) to the end first");
+    for (int c = s.finished; c < C; ++c)
+      finish_chunk(s, c, compute);
+    compute.record(s.compute_done);
+    load(s.comm).record(s.comm_done);
+    s.phase = next;
+  }
+
+  int current_chunk(int i) const { return slot(i).current; }
+  moe_phase slot_phase(int i) const { return slot(i).phase; }
+  std::size_t slot_tokens(int i) const { return slot(i).tokens; }
+
+  std::vector<std::unique_ptr<slot_type>> slots_;
+  const chunk_pipeline<stream_type>* last_pipeline_ = nullptr;
+  bool failed_together_last_ = false; // the last phase that ended early failed on every rank
+  handle last_; // the callback form's last forward (declared after the slots it holds)
+};
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,222 @@
+//! \file
+//! The row loops under the host kernels (`gather_rows`, `merge_rows` and the host-stream
+//! `row_moves<host_space>`), written to run at memory speed:
+//! - scattered source rows are prefetched ahead, in two stages (each starts with a TLB miss and a
+//!   cold hardware prefetcher);
+//! - rows are copied by a 16-byte vector loop, with non-temporal stores once a call writes more
+//!   than the caches hold (`streaming_store_bytes`), so the destination is not read first;
+//! - the layout moves that have the inverse map scatter instead of gather: each source row is
+//!   read once, in order, and written where it goes (writes do not stall; scattered reads do);
+//! - merges accumulate up to four input rows per pass in registers, fp32, in index order, and
+//!   round bf16 without branches, two columns per 32-bit word, so GCC and Clang vectorise the
+//!   loops (`weave/routing/host_merge_row.hpp`);
+//! - on x86-64 with GCC or Clang the converting loops are compiled a second time for AVX2
+//!   (without FMA, so every product and sum rounds as in the baseline build) and that copy runs
+//!   where the CPU has AVX2.
+//! Results equal the element-by-element definition bitwise (same operations, same order); only
+//! the payload and sign of a NaN result may differ (IEEE 754 leaves them open, and compilers may
+//! swap the operands of an addition).
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/routing/host_merge_row.hpp"
+#include "weave/routing/host_row_copy.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define WEAVE_HOST_AVX2_CLONE 1
+#define WEAVE_TARGET_AVX2 __attribute__((target("avx2")))
+#else
+#define WEAVE_HOST_AVX2_CLONE 0
+#define WEAVE_TARGET_AVX2
+#endif
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+template <class F>
+void visit_float(dtype t, const char* what, F&& f) {
+  switch (t) {
+  case dtype::f32:
+    return f(static_cast<float*>(nullptr));
+  case dtype::f16:
+    return f(static_cast<half*>(nullptr));
+  case dtype::bf16:
+    return f(static_cast<bfloat16*>(nullptr));
+  default:
+    WEAVE_THROW(errc::not_supported, what, " of ", t, " rows (f32, f16 and bf16 are supported)");
+  }
+}
+
+//! Instruction sets the converting loops are compiled for.
+enum class host_isa : std::uint8_t {
+  baseline, //!< what the translation unit is compiled for
+  avx2,     //!< x86-64 AVX2 (GCC and Clang builds only)
+};
+
+//! The best of `host_isa` this CPU runs.
+inline host_isa detected_host_isa() noexcept {
+#if WEAVE_HOST_AVX2_CLONE
+  static const host_isa isa = __builtin_cpu_supports("avx2") ? host_isa::avx2 : host_isa::baseline;
+  return isa;
+#else
+  return host_isa::baseline;
+#endif
+}
+
+template <class T>
+WEAVE_ALWAYS_INLINE void merge_loop(const const_token_view& src, const token_view& dst,
+                                    const std::int64_t* index, std::size_t k, const float* weight,
+                                    std::size_t rows, bool skip_empty) {
+  const bool streaming = rows * dst.row_bytes() >= streaming_store_bytes;
+  const auto sources = [&](std::size_t r, auto&& f) {
+    for (std::size_t j = 0; j < k; ++j)
+      if (index[r * k + j] >= 0)
+        f(src.row(static_cast<std::size_t>(index[r * k + j])));
+  };
+  for (std::size_t i = 0; i < rows; ++i) {
+    prefetch_sources(i, rows, src.row_bytes(), sources);
+    const std::int64_t* idx = index + i * k;
+    if (skip_empty && std::none_of(idx, idx + k, [](std::int64_t x) { return x >= 0; }))
+      continue;
+    merge_row<T>(src, reinterpret_cast<T*>(dst.row(i)), idx,
+                 weight != nullptr ? weight + i * k : nullptr, k, streaming);
+  }
+  end_streaming(streaming);
+}
+
+// Gathers (k = 1, index by destination row) or scatters (index by source row, k per row).
+template <class T, bool Scatter>
+WEAVE_ALWAYS_INLINE void scale_loop(const const_token_view& src, const token_view& dst,
+                                    const std::int64_t* index, std::size_t k, const float* scale,
+                                    std::size_t rows) {
+  const bool streaming = dst.rows() * dst.row_bytes() >= streaming_store_bytes;
+  const auto sources = [&](std::size_t r, auto&& f) {
+    if (index[r] >= 0)
+      f(src.row(static_cast<std::size_t>(index[r])));
+  };
+  for (std::size_t i = 0; i < rows; ++i) {
+    if constexpr (!Scatter) {
+      prefetch_sources(i, rows, src.row_bytes(), sources);
+      if (index[i] >= 0)
+        scale_row(reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
+                  reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i], streaming);
+    } else {
+      const T* in = reinterpret_cast<const T*>(src.row(i));
+      for (std::size_t j = 0; j < k; ++j)
+        if (index[i * k + j] >= 0)
+          scale_row(in, reinterpret_cast<T*>(dst.row(static_cast<std::size_t>(index[i * k + j]))),
+                    src.cols(), scale[i * k + j], streaming);
+    }
+  }
+  end_streaming(streaming);
+}
+
+// The converting loops, once per instruction set.
+template <class T>
+void merge_loop_baseline(const const_token_view& src, const token_view& dst,
+                         const std::int64_t* index, std::size_t k, const float* weight,
+                         std::size_t rows, bool skip_empty) {
+  merge_loop<T>(src, dst, index, k, weight, rows, skip_empty);
+}
+template <class T, bool Scatter>
+void scale_loop_baseline(const const_token_view& src, const token_view& dst,
+                         const std::int64_t* index, std::size_t k, const float* scale,
+                         std::size_t rows) {
+  scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
+}
+#if WEAVE_HOST_AVX2_CLONE
+template <class T>
+WEAVE_TARGET_AVX2 void merge_loop_avx2(const const_token_view& src, const token_view& dst,
+                                       const std::int64_t* index, std::size_t k,
+                                       const float* weight, std::size_t rows, bool skip_empty) {
+  merge_loop<T>(src, dst, index, k, weight, rows, skip_empty);
+}
+template <class T, bool Scatter>
+WEAVE_TARGET_AVX2 void scale_loop_avx2(const const_token_view& src, const token_view& dst,
+                                       const std::int64_t* index, std::size_t k, const float* scale,
+                                       std::size_t rows) {
+  scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
+}
+#endif
+
+template <bool Scatter>
+void scale_rows_host(const const_token_view& src, const token_view& dst, const std::int64_t* index,
+                     std::size_t k, const float* scale, std::size_t rows, host_isa isa) {
+  visit_float(src.element_type(), "gate-scaled gather", [&]<class T>(T*) {
+#if WEAVE_HOST_AVX2_CLONE
+    if constexpr (!std::is_same_v<T, half>) // f16 converts element by element
+      if (isa == host_isa::avx2)
+        return scale_loop_avx2<T, Scatter>(src, dst, index, k, scale, rows);
+#endif
+    (void)isa;
+    scale_loop_baseline<T, Scatter>(src, dst, index, k, scale, rows);
+  });
+}
+
+// dst[i] = src[index[i]] (times scale[i] when `scale` is not null) for i < rows; rows with a
+// negative index are left as they are.
+inline void gather_rows_host(const const_token_view& src, const token_view& dst,
+                             const std::int64_t* index, const float* scale, std::size_t rows,
+                             host_isa isa = detected_host_isa()) {
+  if (scale != nullptr)
+    return scale_rows_host<false>(src, dst, index, 1, scale, rows, isa);
+  const std::size_t bytes = src.row_bytes();
+  const bool streaming = dst.rows() * bytes >= streaming_store_bytes;
+  const auto sources = [&](std::size_t r, auto&& f) {
+    if (index[r] >= 0)
+      f(src.row(static_cast<std::size_t>(index[r])));
+  };
+  for (std::size_t i = 0; i < rows; ++i) {
+    prefetch_sources(i, rows, bytes, sources);
+    if (index[i] >= 0)
+      copy_row(dst.row(i), src.row(static_cast<std::size_t>(index[i])), bytes, streaming);
+  }
+  end_streaming(streaming);
+}
+
+// The inverse of a gather: dst[index[i*k + j]] = src[i] (times scale[i*k + j] when `scale` is
+// not null) for i < rows and j < k with index >= 0. Each source row is read once, in order, and
+// written where it goes; the writes need no reads, so with non-temporal stores this beats a
+// gather of scattered rows. Each destination row must appear at most once.
+inline void scatter_rows_host(const const_token_view& src, const token_view& dst,
+                              const std::int64_t* index, std::size_t k, const float* scale,
+                              std::size_t rows, host_isa isa = detected_host_isa()) {
+  if (scale != nullptr)
+    return scale_rows_host<true>(src, dst, index, k, scale, rows, isa);
+  const std::size_t bytes = src.row_bytes();
+  const bool streaming = dst.rows() * bytes >= streaming_store_bytes;
+  for (std::size_t i = 0; i < rows; ++i)
+    for (std::size_t j = 0; j < k; ++j)
+      if (index[i * k + j] >= 0)
+        copy_row(dst.row(static_cast<std::size_t>(index[i * k + j])), src.row(i), bytes, streaming);
+  end_streaming(streaming);
+}
+
+// dst[i] = the merge of src rows index[i*k .. i*k+k) (weights weight[i*k ..] when not null) for
+// i < rows; with `skip_empty`, rows without any index are left as they are, else zeroed.
+inline void merge_rows_host(const const_token_view& src, const token_view& dst,
+                            const std::int64_t* index, std::size_t k, const float* weight,
+                            std::size_t rows, bool skip_empty, host_isa isa = detected_host_isa()) {
+  visit_float(src.element_type(), "merge", [&]<class T>(T*) {
+#if WEAVE_HOST_AVX2_CLONE
+    if constexpr (!std::is_same_v<T, half>) // f16 converts element by element
+      if (isa == host_isa::avx2)
+        return merge_loop_avx2<T>(src, dst, index, k, weight, rows, skip_empty);
+#endif
+    (void)isa;
+    merge_loop_baseline<T>(src, dst, index, k, weight, rows, skip_empty);
+  });
+}
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,316 @@
+//! \file
+//! Block-scaled FP8 quantisation of token rows: per token, per block of `block` (128) elements,
+//! one f32 scale from the block's largest magnitude, as DeepSeek-V3 quantises activations (1 x
+//! 128 tiles) and DeepEP sends its FP8 dispatch.
+//!
+//! For row r, block b with elements x (f32, bf16 or f16, read as float) and an FP8 format of
+//! largest finite value M (448 for E4M3, 57344 for E5M2):
+//! - amax = max |x|, and a = max(amax, min_amax) (DeepEP's 1e-4 floor: an all-zero block gets a
+//!   finite scale and zero codes);
+//! - `scale_rounding::exact`: scale = a * fl(1/M), multiplier = M / a;
+//!   `scale_rounding::power_of_two`: scale = 2^ceil(log2(a * fl(1/M))), multiplier = 1 / scale
+//!   (DeepEP's `round_scale`, DeepSeek-V3.2's UE8M0 `scale_fmt`);
+//! - q = FP8(x * multiplier) rounded to nearest even, saturating (|x * multiplier| <= M up to
+//!   one f32 rounding, so saturation only absorbs that rounding);
+//! - scales[r][b] = scale, and dequantisation gives T(float(q) * scale).
+//!
+//! Every product and quotient is one IEEE f32 operation (the CUDA kernels use `__fmul_rn`,
+//! `__fdiv_rn`), so host and device results are identical bit for bit.
+//!
+//! Non-finite input: a block holding a NaN or an infinity gets scale NaN and every code NaN
+//! (0x7f), so it dequantises to NaN everywhere and is never silently finite; the row is
+//! reported: `quantize_rows` throws `errc::invalid_argument` naming the first such row and
+//! block (after writing every row), the stream forms (`quant_moves`) lower a status word.
+//!
+//! Scales are a separate f32 view of cols / block columns; views may be strided, so a packed
+//! wire layout (each row's codes followed by its scales, `quantized_row_layout`) is two views
+//! of one buffer.
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/fp8.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/routing/kernels_host.hpp"
+
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! How a block's scale is chosen from its largest magnitude.
+enum class scale_rounding : std::uint8_t {
+  exact,        //!< scale = amax * fl(1/M) (DeepEP's default)
+  power_of_two, //!< scale rounded up to a power of two (DeepEP `round_scale`, UE8M0)
+};
+
+//! Settings of block-scaled FP8 quantisation (see the file comment for the exact definition).
+struct block_quantization {
+  std::size_t block = 128;                         //!< elements per scale; must divide the row
+  scale_rounding rounding = scale_rounding::exact; //!< how scales are chosen
+  float min_amax = 1e-4f; //!< floor of a block's amax (DeepEP's margin); > 0
+};
+
+//! Bytes of one row's quantised form: codes, then scales, padded to 16 bytes.
+struct quantized_row_layout {
+  std::size_t code_bytes = 0;  //!< FP8 codes: cols bytes
+  std::size_t scale_bytes = 0; //!< f32 scales: 4 * cols / block bytes, at offset code_bytes
+  std::size_t stride = 0;      //!< code_bytes + scale_bytes rounded up to 16
+
+  //! Layout of a row of `cols` elements; throws `errc::invalid_argument` unless `block` divides
+  //! `cols`.
+  static quantized_row_layout of(std::size_t cols, std::size_t block = 128) {
+    WEAVE_EXPECT(block > 0 && cols % block == 0, errc::invalid_argument, "quantisation block of ",
+                 block, " elements does not divide rows of ", cols, " elements");
+    quantized_row_layout out;
+    out.code_bytes = cols;
+    out.scale_bytes = cols / block * sizeof(float);
+    out.stride = (out.code_bytes + out.scale_bytes + 15) / 16 * 16;
+    return out;
+  }
+
+  //! Views `rows` packed rows at `base` (16-byte aligned) as FP8 codes of `type` and f32 scales.
+  std::pair<token_view, token_view> views(std::byte* base, std::size_t rows, dtype type,
+                                          memory_space space = memory_space::host,
+                                          int device = -1) const {
+    WEAVE_EXPECT(is_fp8(type), errc::invalid_argument, "quantized rows of ", type,
+                 " (need e4m3 or e5m2)");
+    const std::size_t scales = scale_bytes / sizeof(float);
+    return {token_view(base, rows, code_bytes, type, space, device, stride),
+            token_view(base + code_bytes, rows, scales, dtype::f32, space, device, stride)};
+  }
+};
+
+namespace detail {
+
+//! The multiplier applied before rounding and the scale stored (its inverse).
+struct fp8_block_scale {
+  float multiplier;
+  float scale;
+};
+
+WEAVE_HOST_DEVICE constexpr float fmul_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b); // never contracted into an FMA, whatever the consumer's flags
+#else
+  return a * b;
+#endif
+}
+
+WEAVE_HOST_DEVICE constexpr float fdiv_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b); // IEEE division even under -use_fast_math
+#else
+  return a / b;
+#endif
+}
+
+//! The scale of a block whose finite largest magnitude is `amax`, for an FP8 format of largest
+//! finite value `max_finite`.
+WEAVE_HOST_DEVICE constexpr fp8_block_scale block_scale(float amax, float min_amax,
+                                                        scale_rounding rounding, float max_finite,
+                                                        float inverse_max) noexcept {
+  const float a = amax > min_amax ? amax : min_amax;
+  const float exact = fmul_rn(a, inverse_max);
+  if (rounding == scale_rounding::power_of_two) {
+    // ceil(log2(exact)) from the bits; `exact` is a normal float (min_amax is checked).
+    const std::uint32_t bits = float_bits(exact);
+    const int e = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+    return {bits_float(static_cast<std::uint32_t>(127 - e) << 23),
+            bits_float(static_cast<std::uint32_t>(127 + e) << 23)};
+  }
+  return {fdiv_rn(max_finite, a), exact};
+}
+
+template <class Fp8>
+struct fp8_traits {
+  static constexpr float max_finite = Fp8::max_finite;
+  static constexpr float inverse_max = 1.0f / Fp8::max_finite;
+};
+
+//! |x| as float bits (ordered like the magnitudes; NaN and inf compare above every finite).
+WEAVE_HOST_DEVICE constexpr std::uint32_t magnitude_bits(float x) noexcept {
+  return float_bits(x) & 0x7fffffffu;
+}
+
+//! Quantises one block of `n` elements into `out`; returns its scale (NaN for a non-finite
+//! block, whose codes are all NaN). Two passes over the block (amax, then codes), both
+//! vectorisable.
+template <class Fp8, class T>
+float quantize_block(const T* in, Fp8* out, std::size_t n, const block_quantization& q) {
+  std::uint32_t amax_bits = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::uint32_t m = magnitude_bits(static_cast<float>(in[j]));
+    amax_bits = m > amax_bits ? m : amax_bits;
+  }
+  if (amax_bits >= 0x7f800000u) {
+    for (std::size_t j = 0; j < n; ++j)
+      out[j] = Fp8::from_bits(0x7f);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const fp8_block_scale s = block_scale(bits_float(amax_bits), q.min_amax, q.rounding,
+                                        fp8_traits<Fp8>::max_finite, fp8_traits<Fp8>::inverse_max);
+  // |x * multiplier| <= M up to one f32 rounding, far below M + half an ulp: in range.
+  for (std::size_t j = 0; j < n; ++j)
+    out[j] = Fp8::from_bits(
+        fp8_encode_in_range<typename Fp8::format>(static_cast<float>(in[j]) * s.multiplier));
+  return s.scale;
+}
+
+//! Every code's value: on the host a table lookup beats decoding with baseline x86-64 vectors
+//! (and equals it with AVX-512).
+template <class Fp8>
+inline constexpr std::array<float, 256> fp8_values = [] {
+  std::array<float, 256> out{};
+  for (int i = 0; i < 256; ++i)
+    out[static_cast<std::size_t>(i)] = static_cast<float>(Fp8::from_bits(std::uint8_t(i)));
+  return out;
+}();
+
+template <class Fp8, class T>
+void dequantize_block(const Fp8* in, T* out, std::size_t n, float scale) {
+  const auto& values = fp8_values<Fp8>;
+  for (std::size_t j = 0; j < n; ++j)
+    out[j] = T(values[in[j].bits] * scale);
+}
+
+//! Calls f(Fp8*) for the FP8 dtype `t`.
+template <class F>
+void visit_fp8(dtype t, const char* what, F&& f) {
+  if (t == dtype::e4m3)
+    return f(static_cast<fp8_e4m3*>(nullptr));
+  WEAVE_EXPECT(t == dtype::e5m2, errc::invalid_argument, what, ": rows of ", t,
+               " (need e4m3 or e5m2)");
+  return f(static_cast<fp8_e5m2*>(nullptr));
+}
+
+//! Checks the shapes and types shared by quantisation and dequantisation: `wide` rows of f32,
+//! f16 or bf16, `codes` of an FP8 type with the same columns, `scales` f32 with cols / block
+//! columns and as many rows as `codes`, and a usable block and floor.
+inline void check_quantized(const const_token_view& wide, const const_token_view& codes,
+                            const const_token_view& scales, const block_quantization& q,
+                            const char* what) {
+  WEAVE_EXPECT(q.block > 0 && wide.cols() % q.block == 0, errc::invalid_argument, what,
+               ": rows of ", wide.cols(), " elements are not a multiple of the block of ", q.block);
+  visit_float(wide.element_type(), what, [](auto*) {});
+  WEAVE_EXPECT(is_fp8(codes.element_type()), errc::invalid_argument, what, ": FP8 rows of ",
+               codes.element_type(), " (need e4m3 or e5m2)");
+  WEAVE_EXPECT(scales.element_type() == dtype::f32, errc::invalid_argument, what, ": scales of ",
+               scales.element_type(), " (need f32)");
+  WEAVE_EXPECT(codes.cols() == wide.cols(), errc::size_mismatch, what, ": FP8 rows of ",
+               codes.cols(), " elements for rows of ", wide.cols());
+  WEAVE_EXPECT(scales.cols() == wide.cols() / q.block && scales.rows() == codes.rows(),
+               errc::size_mismatch, what, ": scales of ", scales.rows(), " x ", scales.cols(),
+               " for ", codes.rows(), " rows of ", wide.cols() / q.block, " blocks");
+  visit_fp8(codes.element_type(), what, [&]<class Fp8>(Fp8*) {
+    WEAVE_EXPECT(std::isfinite(q.min_amax) &&
+                     q.min_amax * fp8_traits<Fp8>::inverse_max >= std::numeric_limits<float>::min(),
+                 errc::invalid_argument, what, ": min_amax = ", q.min_amax,
+                 " (need a finite value with min_amax / ", Fp8::max_finite, " a normal float)");
+  });
+}
+
+inline void check_host_memory(const const_token_view& a, const const_token_view& b,
+                              const const_token_view& c, const char* what) {
+  WEAVE_EXPECT(host_accessible(a.space()) && host_accessible(b.space()) &&
+                   host_accessible(c.space()),
+               errc::invalid_argument, what, " on the host with ", a.space(), ", ", b.space(),
+               " and ", c.space(), " memory");
+}
+
+//! Quantises row `src` into row `dst` and its scales; returns false for a non-finite block
+//! (its index in `bad_block`).
+template <class Fp8, class T>
+bool quantize_row(const T* src, Fp8* dst, float* scales, std::size_t cols,
+                  const block_quantization& q, std::size_t& bad_block) {
+  bool finite = true;
+  for (std::size_t b = 0; b * q.block < cols; ++b) {
+    scales[b] = quantize_block(src + b * q.block, dst + b * q.block, q.block, q);
+    if (finite && std::isnan(scales[b])) {
+      finite = false;
+      bad_block = b;
+    }
+  }
+  return finite;
+}
+
+template <class Fp8, class T>
+void dequantize_row(const Fp8* src, const float* scales, T* dst, std::size_t cols,
+                    std::size_t block) {
+  for (std::size_t b = 0; b * block < cols; ++b)
+    dequantize_block(src + b * block, dst + b * block, block, scales[b]);
+}
+
+} // namespace detail
+
+//! Quantises every row of `src` (f32, f16 or bf16) into `dst` (e4m3 or e5m2, same shape) and
+//! `scales` (f32, src.rows() x src.cols() / q.block). Throws `errc::invalid_argument` when the
+//! block does not divide the rows or `min_amax` is unusable, `errc::size_mismatch` for shapes
+//! that disagree, `errc::not_supported` for other source types, and, after writing every row,
+//! `errc::invalid_argument` naming the first row and block holding a NaN or an infinity (those
+//! blocks are NaN: see the file comment).
+inline void quantize_rows(const_token_view src, token_view dst, token_view scales,
+                          const block_quantization& q = {}) {
+  detail::check_quantized(src, dst, scales, q, "quantize_rows");
+  detail::check_host_memory(src, dst, scales, "quantize_rows");
+  WEAVE_EXPECT(src.rows() == dst.rows(), errc::size_mismatch, "quantize_rows: ", src.rows(),
+               " source rows for ", dst.rows(), " destination rows");
+  std::int64_t bad_row = -1;
+  std::size_t bad_block = 0;
+  detail::visit_fp8(dst.element_type(), "quantize_rows", [&]<class Fp8>(Fp8*) {
+    detail::visit_float(src.element_type(), "quantize_rows", [&]<class T>(T*) {
+      for (std::size_t i = 0; i < src.rows(); ++i) {
+        std::size_t block = 0;
+        const bool finite = detail::quantize_row(
+            reinterpret_cast<const T*>(src.row(i)), reinterpret_cast<Fp8*>(dst.row(i)),
+            reinterpret_cast<float*>(scales.row(i)), src.cols(), q, block);
+        if (!finite && bad_row < 0) {
+          bad_row = static_cast<std::int64_t>(i);
+          bad_block = block;
+        }
+      }
+    });
+  });
+  WEAVE_EXPECT(bad_row < 0, errc::invalid_argument, "quantize_rows: row ", bad_row, " block ",
+               bad_block, " (columns ", bad_block * q.block, "..", (bad_block + 1) * q.block - 1,
+               ") holds a NaN or an infinity; its scale and codes are NaN");
+}
+
+//! dst[i] = T(float(src[i][c]) * scales[i][c / q.block]) for every row: `src` e4m3 or e5m2,
+//! `dst` f32, f16 or bf16 (same shape). Throws as `quantize_rows` does for bad shapes.
+inline void dequantize_rows(const_token_view src, const_token_view scales, token_view dst,
+                            const block_quantization& q = {}) {
+  detail::check_quantized(dst, src, scales, q, "dequantize_rows");
+  detail::check_host_memory(src, scales, dst, "dequantize_rows");
+  WEAVE_EXPECT(src.rows() == dst.rows(), errc::size_mismatch, "dequantize_rows: ", src.rows(),
+               " source rows for ", dst.rows(), " destination rows");
+  detail::visit_fp8(src.element_type(), "dequantize_rows", [&]<class Fp8>(Fp8*) {
+    detail::visit_float(dst.element_type(), "dequantize_rows", [&]<class T>(T*) {
+      for (std::size_t i = 0; i < src.rows(); ++i)
+        detail::dequantize_row(reinterpret_cast<const Fp8*>(src.row(i)),
+                               reinterpret_cast<const float*>(scales.row(i)),
+                               reinterpret_cast<T*>(dst.row(i)), src.cols(), q.block);
+    });
+  });
+}
+
+//! Row primitives of block quantisation in an execution space (specialised for `host_space` in
+//! `weave/routing/host_quant_moves.hpp` and `cuda_space` in `weave/routing/quantize.cuh`), in the
+//! form `row_moves` has, so an exchange can quantise the row ranges it sends:
+//! - `quantize(s, src, dst, scales, index, count, q, status)`: for i < n, dst[i] and scales[i]
+//!   quantise src[index[i]] (src[i] when `index` is null; rows with index -1 are left
+//!   untouched); a row holding a non-finite value lowers `*status` (if not null) to its source
+//!   row index, with -1 meaning none (initialise it to -1);
+//! - `dequantize(s, src, scales, dst, index, count, q)`: for i < n, dst[i] = the dequantised
+//!   src[index[i]] (src[i] when `index` is null; -1 leaves dst[i] untouched);
+//! where n = dst.rows(), or min(*count, dst.rows()) when `count` is not null. `index`, `count`
+//! and `status` are memory of the space; indices are not range-checked.
+template <class Space>
+struct quant_moves;
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,413 @@
+// The handle API (dispatch -> chunks -> combine, combine_backward -> chunks ->
+// dispatch_backward) of both exchanges on a local_world, written once for the host exchange and
+// the device exchange on host streams: bitwise equal to the callback form and to the dense
+// reference; the (token, choice) -> expert row map against the inputs; several handles in
+// flight (1F1B, DualPipe-style interleavings) bitwise equal to running the micro-batches one by
+// one; misuse and failures as typed errors.
+#include <doctest/doctest.h>
+
+#include "handle_support.hpp"
+
+#include <weave/comm/local_world.hpp>
+
+#include <algorithm>
+#include <random>
+
+using handle_test::mb_result;
+
+namespace {
+
+struct setup {
+  int ranks = 2, experts = 8, k = 2;
+  std::size_t hidden = 8;
+  int micro_batches = 4;
+  std::size_t max_tokens = 24;
+  weave::capacity_policy capacity{};
+  std::uint32_t seed = 11;
+};
+
+weave::moe_options options_of(const setup& s, int chunks, int in_flight) {
+  weave::moe_options o;
+  o.k = s.k;
+  o.hidden = s.hidden;
+  o.max_tokens = s.max_tokens;
+  o.chunks = chunks;
+  o.capacity = s.capacity;
+  o.save_for_backward = true;
+  o.max_in_flight = in_flight;
+  return o;
+}
+
+// Every rank's micro-batches (token counts vary, one may be empty).
+std::vector<std::vector<moe_test::rank_input<float>>> make_inputs(const setup& s) {
+  std::mt19937 rng(s.seed);
+  std::vector<std::vector<moe_test::rank_input<float>>> all(static_cast<std::size_t>(s.ranks));
+  for (auto& mbs : all)
+    for (int i = 0; i < s.micro_batches; ++i) {
+      const std::size_t T = (i == 2 && &mbs == &all.back()) ? 0 : s.max_tokens - 3 * i;
+      mbs.push_back(moe_test::random_input<float>(T, s.hidden, s.experts, s.k, rng));
+    }
+  return all;
+}
+
+// Runs `f(layer, comm, compute, stream)` on every rank of a fresh world.
+template <bool Device, class F>
+void on_every_rank(const setup& s, const weave::moe_options& o, F&& f) {
+  weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
+  world.run([&](weave::local_communicator& comm) {
+    weave::host_stream compute("compute"), stream("comm");
+    handle_test::layer<weave::local_communicator, Device> l(
+        comm, weave::placement::contiguous(s.experts, s.ranks), o, compute);
+    try {
+      f(l, comm, compute, stream);
+    } catch (...) { // the queued work refers to the layer: let it drain before the layer goes
+      handle_test::drain(compute, stream);
+      throw;
+    }
+  });
+}
+
+template <bool Device>
+void check_one_f_one_b(const setup& s, int chunks) {
+  const auto inputs = make_inputs(s);
+  const moe_test::linear_experts lin(s.experts, s.hidden, s.seed + 1);
+  const auto where = weave::placement::contiguous(s.experts, s.ranks);
+  std::vector<std::vector<mb_result>> want(inputs.size()), got(inputs.size());
+  on_every_rank<Device>(s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    want[r] = handle_test::run_one_by_one(l, inputs[r], lin, c, st);
+  });
+  on_every_rank<Device>(s, options_of(s, chunks, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    got[r] = handle_test::run_schedule(l, inputs[r], handle_test::one_f_one_b, lin, c, st);
+  });
+  for (std::size_t r = 0; r < inputs.size(); ++r)
+    for (std::size_t i = 0; i < inputs[r].size(); ++i) {
+      CAPTURE(r);
+      CAPTURE(i);
+      CHECK(handle_test::same(got[r][i], want[r][i]));
+      CHECK(got[r][i].stats.sent_rows == want[r][i].stats.sent_rows);
+      moe_test::check_rank_against_dense(static_cast<int>(r), where, s.k, s.experts, s.capacity,
+                                         inputs[r][i], lin, got[r][i].y, &got[r][i].dx,
+                                         &got[r][i].dw, got[r][i].stats, 1e-4);
+    }
+}
+
+} // namespace
+
+TEST_CASE_TEMPLATE("handles: 4 micro-batches in 1F1B order equal running them one by one", T,
+                   std::false_type, std::true_type) {
+  constexpr bool device = T::value;
+  setup s;
+  for (const int chunks : {1, 3}) {
+    CAPTURE(chunks);
+    check_one_f_one_b<device>(s, chunks);
+  }
+  s.ranks = 3;
+  s.experts = 6;
+  s.k = 3;
+  s.capacity = {1.0, weave::drop_order::batch_prioritized};
+  s.seed = 5;
+  check_one_f_one_b<device>(s, 2);
+}
+
+TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential calls", T,
+                   std::false_type, std::true_type) {
+  // Two micro-batches: both dispatches before either's experts (the second's dispatch under the
+  // first's compute), chunk by chunk alternation of two forwards, and a forward interleaved
+  // chunk by chunk with another micro-batch's backward.
+  constexpr bool device = T::value;
+  setup s;
+  s.micro_batches = 3;
+  const auto inputs = make_inputs(s);
+  const moe_test::linear_experts lin(s.experts, s.hidden, 3);
+  for (const int chunks : {1, 2, 4}) {
+    CAPTURE(chunks);
+    std::vector<std::vector<mb_result>> want(inputs.size()), got(inputs.size());
+    on_every_rank<device>(s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      want[r] = handle_test::run_one_by_one(l, inputs[r], lin, c, st);
+    });
+    on_every_rank<device>(s, options_of(s, chunks, 3), [&](auto& l, auto& comm, auto& c, auto& st) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      const auto& mb = inputs[r];
+      auto& out = got[r];
+      out.resize(mb.size());
+      for (std::size_t i = 0; i < mb.size(); ++i) {
+        out[i].y = weave::host_matrix<float>(mb[i].x.rows(), s.hidden);
+        out[i].dx = weave::host_matrix<float>(mb[i].x.rows(), s.hidden);
+        out[i].dw.assign(mb[i].ids.size(), -1.0f);
+      }
+      const auto step = [&](auto& range, auto& it, bool backward) { // one chunk's experts
+        const auto chunk = *it;
+        c.submit([chunk, &lin, backward] {
+          if (backward)
+            lin.backward<float>(handle_test::as_host_batch(chunk.experts_grad()));
+          else
+            lin.operator()<float>(handle_test::as_host_batch(chunk.experts()));
+        });
+        ++it;
+        (void)range;
+      };
+      // Two forwards: dispatch A, dispatch B, then their chunks alternately.
+      auto a = l.ex.dispatch(mb[0].x, mb[0].ids, mb[0].weights, c, st);
+      auto b = l.ex.dispatch(mb[1].x, mb[1].ids, mb[1].weights, c, st);
+      auto ra = l.ex.chunks(a);
+      auto rb = l.ex.chunks(b, out[1].y.view()); // b's finishes as its chunks go
+      auto ia = ra.begin();
+      auto ib = rb.begin();
+      while (ia != ra.end() || ib != rb.end()) {
+        if (ia != ra.end())
+          step(ra, ia, false);
+        if (ib != rb.end())
+          step(rb, ib, false);
+      }
+      l.ex.combine(a, out[0].y, c, st);
+      l.ex.combine(b, out[1].y, c, st);
+      // A's backward interleaved with C's forward, chunk by chunk.
+      l.ex.combine_backward(a, mb[0].x, c, st);
+      auto h = l.ex.dispatch(mb[2].x, mb[2].ids, mb[2].weights, c, st);
+      auto rg = l.ex.chunks(a, out[0].dx, out[0].dw); // a tensor and a vector
+      auto rh = l.ex.chunks(h);
+      auto ig = rg.begin();
+      auto ih = rh.begin();
+      while (ig != rg.end() || ih != rh.end()) {
+        if (ih != rh.end())
+          step(rh, ih, false);
+        if (ig != rg.end())
+          step(rg, ig, true);
+      }
+      l.ex.dispatch_backward(a, out[0].dx, out[0].dw, c, st);
+      l.ex.combine(h, out[2].y, c, st);
+      // Then the backwards of B and C, B's dispatched before C's.
+      l.ex.combine_backward(b, mb[1].x, c, st);
+      l.ex.combine_backward(h, mb[2].x, c, st);
+      handle_test::compute_experts(l.ex, b, lin, c, true);
+      handle_test::compute_experts(l.ex, h, lin, c, true);
+      l.ex.dispatch_backward(b, out[1].dx, out[1].dw, c, st);
+      l.ex.dispatch_backward(h, out[2].dx, out[2].dw, c, st);
+      c.synchronize();
+      st.synchronize();
+    });
+    for (std::size_t r = 0; r < inputs.size(); ++r)
+      for (std::size_t i = 0; i < inputs[r].size(); ++i) {
+        CAPTURE(r);
+        CAPTURE(i);
+        CHECK(handle_test::same(got[r][i], want[r][i]));
+      }
+  }
+}
+
+TEST_CASE_TEMPLATE("handles: the (token, choice) -> expert row map names each pair's row", T,
+                   std::false_type, std::true_type) {
+  // Every kept pair served on this rank maps to an expert input row equal to its token's row;
+  // the others are marked none (id -1), dropped (capacity) or remote, as the inputs say.
+  constexpr bool device = T::value;
+  for (const int ranks : {1, 3}) {
+    setup s;
+    s.ranks = ranks;
+    s.experts = 6;
+    s.k = 3;
+    s.micro_batches = 1;
+    s.capacity = {0.75, weave::drop_order::position};
+    const auto inputs = make_inputs(s);
+    const auto where = weave::placement::contiguous(s.experts, s.ranks);
+    for (const int chunks : {1, 3}) {
+      CAPTURE(ranks);
+      CAPTURE(chunks);
+      on_every_rank<device>(
+          s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
+            const int rank = comm.rank();
+            const auto& in = inputs[static_cast<std::size_t>(rank)][0];
+            const auto keep = moe_test::naive_keep(in.ids, in.weights, s.k, s.experts, s.capacity);
+            auto h = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+            std::vector<std::vector<std::int64_t>> maps;
+            std::vector<std::vector<std::vector<float>>> rows; // per chunk, per mapped pair
+            for (const auto chunk : l.ex.chunks(h)) {
+              c.synchronize(); // the chunk's rows are ready once the compute stream got here
+              const auto map = chunk.expert_rows();
+              maps.emplace_back(map.begin(), map.end());
+              const auto batch = handle_test::as_host_batch(chunk.experts());
+              auto& got = rows.emplace_back();
+              for (const std::int64_t row : map)
+                if (row >= 0) {
+                  const auto v = batch.input.template row_as<float>(static_cast<std::size_t>(row));
+                  got.emplace_back(v.begin(), v.end());
+                }
+            }
+            weave::host_matrix<float> y(in.x.rows(), s.hidden);
+            l.ex.combine(h, y, c, st);
+            c.synchronize();
+            st.synchronize();
+            const std::size_t tokens = in.x.rows();
+            const auto k = static_cast<std::size_t>(s.k);
+            for (int ch = 0; ch < chunks; ++ch) {
+              const std::size_t first = tokens * static_cast<std::size_t>(ch) / chunks;
+              const auto& map = maps[static_cast<std::size_t>(ch)];
+              REQUIRE(map.size() % k == 0);
+              std::size_t mapped = 0;
+              for (std::size_t p = 0; p < map.size(); ++p) {
+                const std::size_t t = first + p / k, j = p % k;
+                const std::int32_t e = in.ids[t * k + j];
+                CAPTURE(t);
+                CAPTURE(j);
+                if (e < 0) {
+                  CHECK(map[p] == weave::expert_row_none);
+                } else if (!keep[t * k + j]) {
+                  CHECK(map[p] == weave::expert_row_dropped);
+                } else if (where.device_of_slot(where.slot_for(e, t, rank)) != rank) {
+                  CHECK(map[p] == weave::expert_row_remote);
+                } else {
+                  REQUIRE(map[p] >= 0);
+                  const auto& row = rows[static_cast<std::size_t>(ch)][mapped++];
+                  CHECK(std::equal(row.begin(), row.end(), in.x.row(t).begin()));
+                }
+              }
+            }
+          });
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("handles: tensors of any type, and views, at the call site", T, std::false_type,
+                   std::true_type) {
+  // host_matrix (a tensor_traits type), token views (rvalues are fine: they borrow), spans and
+  // vectors give the same bits as the view-and-span overloads.
+  constexpr bool device = T::value;
+  setup s;
+  s.micro_batches = 1;
+  const auto inputs = make_inputs(s);
+  const moe_test::linear_experts lin(s.experts, s.hidden, 2);
+  on_every_rank<device>(s, options_of(s, 2, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
+    const auto& in = inputs[static_cast<std::size_t>(comm.rank())][0];
+    weave::host_matrix<float> y1(in.x.rows(), s.hidden), y2(in.x.rows(), s.hidden);
+    auto h1 = l.ex.dispatch(in.x, in.ids, in.weights, c, st); // tensor, vector, vector
+    handle_test::compute_experts(l.ex, h1, lin, c);
+    l.ex.combine(h1, y1, c, st);
+    auto h2 = l.ex.dispatch(in.x.view(), std::span(in.ids), std::span(in.weights), c, st);
+    handle_test::compute_experts(l.ex, h2, lin, c);
+    l.ex.combine(h2, y2.view(), c, st);
+    c.synchronize();
+    st.synchronize();
+    CHECK(handle_test::same(y1, y2));
+  });
+}
+
+TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::true_type) {
+  constexpr bool device = T::value;
+  setup s;
+  s.micro_batches = 1;
+  const auto inputs = make_inputs(s);
+  const moe_test::linear_experts lin(s.experts, s.hidden, 1);
+  on_every_rank<device>(s, options_of(s, 3, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
+    const auto& in = inputs[static_cast<std::size_t>(comm.rank())][0];
+    weave::host_matrix<float> y(in.x.rows(), s.hidden), dx(in.x.rows(), s.hidden);
+    std::vector<float> dw(in.ids.size());
+    auto h = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+    CHECK(h.phase() == weave::moe_phase::dispatched);
+    CHECK(h.chunks() == 3);
+    // Chunks 1 and 2 were never iterated: combine cannot run yet.
+    CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
+          weave::errc::invalid_state);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(h, in.x, c, st); }) ==
+          weave::errc::invalid_state);
+    CHECK(moe_test::error_code_of([&] { (void)h.chunk(3); }) == weave::errc::out_of_range);
+    // A third handle exceeds max_in_flight = 2.
+    auto g = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+    CHECK(l.ex.handles_in_flight() == 2);
+    CHECK(moe_test::error_code_of([&] { (void)l.ex.dispatch(in.x, in.ids, in.weights, c, st); }) ==
+          weave::errc::invalid_state);
+    for (auto* x : {&h, &g}) {
+      handle_test::compute_experts(l.ex, *x, lin, c);
+      l.ex.combine(*x, y, c, st);
+    }
+    CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
+          weave::errc::invalid_state); // twice
+    weave::host_matrix<float> short_dy(1, s.hidden);
+    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(h, short_dy, c, st); }) ==
+          weave::errc::size_mismatch);
+    auto moved = std::move(g);
+    CHECK(!g.valid());
+    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(g, in.x, c, st); }) ==
+          weave::errc::invalid_state);
+    moved.reset(); // a combined handle releases without aborting anything
+    CHECK(l.ex.handles_in_flight() == 1);
+    l.ex.combine_backward(h, in.x, c, st);
+    handle_test::compute_experts(l.ex, h, lin, c, true);
+    std::vector<float> short_dw(1);
+    CHECK(moe_test::error_code_of([&] { l.ex.dispatch_backward(h, dx, short_dw, c, st); }) ==
+          weave::errc::size_mismatch);
+    l.ex.dispatch_backward(h, dx, dw, c, st);
+    CHECK(h.phase() == weave::moe_phase::finished);
+    // An output given to chunks() is being written: combine must name the same one.
+    weave::host_matrix<float> other(in.x.rows(), s.hidden);
+    auto e = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+    for (const auto chunk : l.ex.chunks(e, y.view()))
+      (void)chunk; // no expert work: the rows are not checked here
+    CHECK(moe_test::error_code_of([&] { l.ex.combine(e, other, c, st); }) ==
+          weave::errc::invalid_argument);
+    l.ex.combine(e, y, c, st);
+    c.synchronize();
+    st.synchronize();
+  });
+}
+
+TEST_CASE_TEMPLATE("handles: a failing expert task or a dropped handle fails every rank", T,
+                   std::false_type, std::true_type) {
+  // Rank 1's own expert task throws (or rank 1 releases a handle before combining it): its peers
+  // get peer_failure instead of waiting in the collectives rank 1 will never enter, and the
+  // failed handle returns no numbers.
+  constexpr bool device = T::value;
+  setup s;
+  s.micro_batches = 1;
+  const auto inputs = make_inputs(s);
+  for (const bool drop : {false, true}) {
+    CAPTURE(drop);
+    weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
+    std::vector<weave::errc> codes(static_cast<std::size_t>(s.ranks), weave::errc{});
+    std::vector<int> stats_withheld(codes.size(), 0); // one element per rank thread
+    world.run_collect([&](weave::local_communicator& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      weave::host_stream compute("compute"), stream("comm");
+      handle_test::layer<weave::local_communicator, device> l(
+          comm, weave::placement::contiguous(s.experts, s.ranks), options_of(s, 2, 1), compute);
+      const auto& in = inputs[r][0];
+      weave::host_matrix<float> y(in.x.rows(), s.hidden);
+      auto h = l.ex.dispatch(in.x, in.ids, in.weights, compute, stream);
+      if (drop && r == 1) {
+        h.reset(); // its combine never comes
+      } else {
+        for (const auto chunk : l.ex.chunks(h))
+          compute.submit([chunk, r, drop] {
+            if (!drop && r == 1)
+              throw weave::error(weave::errc::invalid_argument, "the experts failed");
+            (void)chunk;
+          });
+        l.ex.combine(h, y, compute, stream);
+      }
+      for (weave::host_stream* st : {&compute, &stream}) {
+        try {
+          st->synchronize();
+        } catch (const weave::error& e) {
+          if (codes[r] == weave::errc{})
+            codes[r] = e.code();
+        }
+      }
+      if constexpr (!device) {
+        try {
+          (void)l.ex.stats(h);
+        } catch (const weave::error& e) {
+          stats_withheld[r] = e.code() == weave::errc::invalid_state;
+        }
+      }
+    });
+    CHECK(codes[0] == weave::errc::peer_failure);
+    if (!drop) {
+      CHECK(codes[1] == weave::errc::invalid_argument);
+      if (!device) {
+        CHECK(stats_withheld[0]);
+        CHECK(stats_withheld[1]);
+      }
+    }
+  }
+}
