@@ -139,10 +139,12 @@ void count_exchange(benchmark::State& state) {
   weave::local_world world(n);
   std::vector<std::unique_ptr<weave::host_stream>> streams;
   std::vector<weave::counts_with_status<weave::local_communicator>> status;
+  std::vector<weave::status_block> blocks;
   std::vector<std::vector<std::int64_t>> send, recv;
   for (int r = 0; r < n; ++r) {
     streams.push_back(std::make_unique<weave::host_stream>("rank"));
-    status.emplace_back(n, r, 1, 1, "bench");
+    status.emplace_back(n, r, 1, "bench");
+    blocks.push_back(status.back().make_block());
     send.emplace_back(std::size_t(n), r + 1);
     recv.emplace_back(std::size_t(n), 0);
   }
@@ -150,7 +152,7 @@ void count_exchange(benchmark::State& state) {
     for (int r = 0; r < n; ++r) {
       const auto i = std::size_t(r);
       if (with_status)
-        status[i].exchange(world.comm(r), *streams[i], 0, send[i], recv[i]);
+        status[i].exchange(world.comm(r), *streams[i], blocks[i], send[i], recv[i]);
       else
         world.comm(r).exchange_counts(*streams[i], send[i], recv[i]);
     }

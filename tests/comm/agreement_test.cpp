@@ -50,13 +50,16 @@ std::vector<ending> endings(int n, F&& f) {
   return out;
 }
 
-constexpr const char* dtypes[] = {"f32", "f16", "bf16"};
+const char* dtype_name(std::int64_t v) {
+  constexpr const char* names[] = {"f32", "f16", "bf16"};
+  return v >= 0 && v < 3 ? names[v] : nullptr;
+}
 
 weave::config_fingerprint fingerprint(int rank) {
   weave::config_fingerprint f("layer");
   f.add("experts", 8)
       .add("hidden", rank == 1 ? 32 : 64)
-      .add_label("element type", rank == 3 ? 2 : 0, dtypes)
+      .add_label("element type", rank == 3 ? 2 : 0, dtype_name)
       .add_real("capacity factor", 1.25)
       .add_flag("static_shape", false);
   return f;
@@ -78,7 +81,7 @@ TEST_CASE("agreement names the first field that differs and every rank's value, 
 TEST_CASE("agreement formats labels, hashes and real numbers, and passes when all agree") {
   const auto label = endings(3, [](weave::local_communicator& comm) {
     weave::config_fingerprint f("layer");
-    f.add_label("element type", comm.rank() == 2 ? 2 : 0, dtypes);
+    f.add_label("element type", comm.rank() == 2 ? 2 : 0, dtype_name);
     weave::agree_on_config(comm, f);
   });
   for (const ending& e : label)
@@ -140,14 +143,15 @@ TEST_CASE("a count exchange carries a rank's failure to every peer, and the coun
   std::vector<std::string> second(n);
   world.run([&](weave::local_communicator& comm) {
     const int r = comm.rank();
-    weave::counts_with_status<weave::local_communicator> status(n, r, 2, 2, "test layer");
+    weave::counts_with_status<weave::local_communicator> status(n, r, 2, "test layer");
+    weave::status_block blocks[2] = {status.make_block(), status.make_block()};
     weave::host_stream s;
     std::vector<std::int64_t> send(2 * n), recv(2 * n, -1);
     for (int j = 0; j < n; ++j) { // rank r sends (10 r + j, 100 r + j) to rank j
       send[std::size_t(2 * j)] = 10 * r + j;
       send[std::size_t(2 * j + 1)] = 100 * r + j;
     }
-    status.exchange(comm, s, 0, send, recv);
+    status.exchange(comm, s, blocks[0], send, recv);
     s.synchronize();
     for (int j = 0; j < n; ++j) {
       CHECK(recv[std::size_t(2 * j)] == 10 * j + r);
@@ -157,8 +161,8 @@ TEST_CASE("a count exchange carries a rank's failure to every peer, and the coun
     // exchange of the same call moves nothing and hangs nobody.
     if (r == 2)
       s.submit([] { WEAVE_THROW(weave::errc::out_of_range, "expert id 9 outside [-1, 8)"); });
-    status.exchange(comm, s, 1, send, recv);
-    status.exchange(comm, s, 0, send, recv);
+    status.exchange(comm, s, blocks[1], send, recv);
+    status.exchange(comm, s, blocks[0], send, recv);
     try {
       s.synchronize();
       FAIL("rank ", r, " did not fail");
@@ -174,7 +178,7 @@ TEST_CASE("a count exchange carries a rank's failure to every peer, and the coun
     }
     // Everyone recovered together: the next exchange works.
     std::fill(recv.begin(), recv.end(), -1);
-    status.exchange(comm, s, 1, send, recv);
+    status.exchange(comm, s, blocks[1], send, recv);
     s.synchronize();
     CHECK(recv[1] == 0 * 100 + r);
   });

@@ -179,14 +179,13 @@ class moe_exchange_base {
   handle dispatch(const_token_view x, std::span<const std::int32_t> ids,
                   std::span<const float> weights, stream_arg compute, stream_arg comm,
                   const hooks_type* hooks = nullptr) {
-    handle h;
     try {
       check_dispatch(x, ids, weights, hooks, compute, comm);
-      h = acquire(x.rows());
     } catch (...) {
       reject(std::current_exception(), compute, comm);
       throw;
     }
+    handle h = acquire(x.rows());
     const int i = slot_of(h);
     slot_type& s = slot(i);
     s.args.x = x;
@@ -240,9 +239,10 @@ class moe_exchange_base {
     const int i = slot_of(h);
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::dispatched, "combine");
-    check_rows(y, "output", s.tokens);
     check_comm(s, comm, "combine");
     check_same_output(s, s.args.y, y, "combine");
+    // A bad output is bad input: the peers, waiting in this call's collectives, learn it.
+    abort_peers_on_failure(*comm_, [&] { check_rows(y, "output", s.tokens); });
     s.args.y = y;
     finish_phase(i, compute, moe_phase::combined);
   }
@@ -253,15 +253,13 @@ class moe_exchange_base {
   //! gradients. Needs `save_for_backward` and a combined handle (`errc::invalid_state`). Bad
   //! arguments abort the communicator (no count exchange carries them).
   void combine_backward(handle& h, const_token_view dy, stream_arg compute, stream_arg comm) {
-    int i = -1;
-    abort_peers_on_failure(*comm_, [&] { // the backward has no count exchange to carry it
-      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                   "the backward needs moe_options.save_for_backward");
-      i = slot_of(h);
-      expect_phase(slot(i), moe_phase::combined, "combine_backward");
-      check_rows(dy, "output gradient", slot(i).tokens);
-    });
+    WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                 "the backward needs moe_options.save_for_backward");
+    const int i = slot_of(h);
     slot_type& s = slot(i);
+    expect_phase(s, moe_phase::combined, "combine_backward");
+    // The backward has no count exchange to carry a bad argument: the peers learn it by abort.
+    abort_peers_on_failure(*comm_, [&] { check_rows(dy, "output gradient", s.tokens); });
     s.args.dy = dy;
     start(i, true, compute, comm);
   }
@@ -274,11 +272,11 @@ class moe_exchange_base {
     const int i = slot_of(h);
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
-    check_backward_outputs(s, dx, dw);
     check_comm(s, comm, "dispatch_backward");
     check_same_output(s, s.args.dx, dx, "dispatch_backward");
     WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
                  "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
+    abort_peers_on_failure(*comm_, [&] { check_backward_outputs(s, dx, dw); });
     s.args.dx = dx;
     s.args.dw = dw;
     finish_phase(i, compute, moe_phase::finished);
