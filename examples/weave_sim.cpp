@@ -22,6 +22,7 @@ model:    --layers N --hidden N --ffn N --experts N --k N --tokens N (per GPU) -
 routing:  --trace PATH (layer l replays the file's layer l mod its layers) | synthetic: --zipf S --affinity A
           --clusters N --seed N --distinct-layers N (default 4)
 compare:  --placements contiguous,collaborative,replicated   --redundant N (replica slots)
+          --spare 2,0,1,... (replica slots of each GPU instead of --redundant)
           --limits 0,4 (device limit M, 0 = none)   --degrees 1,2,4
           --a2a flat,hierarchical   --links shared|per_peer
 other:    --sample N (tokens per rank simulated, default 256; 0 = all)
@@ -64,6 +65,7 @@ struct row {
 int run(int argc, char** argv) {
   std::string preset = "h100", cluster_file, trace_file, chrome;
   int nodes = 2, redundant = -1, distinct = 4;
+  std::vector<int> spare; // per GPU, instead of `redundant`
   bool json = false;
   moe_model m;
   m.name = "model";
@@ -124,7 +126,11 @@ int run(int argc, char** argv) {
       placements = split(v);
     else if (a == "--redundant")
       redundant = static_cast<int>(number(a, v));
-    else if (a == "--limits") {
+    else if (a == "--spare") {
+      spare.clear();
+      for (const auto& x : split(v))
+        spare.push_back(static_cast<int>(number(a, x)));
+    } else if (a == "--limits") {
       limits.clear();
       for (const auto& x : split(v))
         limits.push_back(static_cast<int>(number(a, x)));
@@ -154,7 +160,7 @@ int run(int argc, char** argv) {
   const weave::topology topo = c.topology();
   const int D = c.num_ranks();
   if (redundant < 0)
-    redundant = D; // one replica slot per GPU
+    redundant = spare.empty() ? D : 0; // one replica slot per GPU
 
   // One placement per distinct routing pool, from that pool's statistics.
   const int pools = routing_pool_count(src, m.layers);
@@ -174,6 +180,7 @@ int run(int argc, char** argv) {
       else if (name == "replicated") {
         weave::replication_options ro;
         ro.redundant_slots = redundant;
+        ro.spare_slots_per_device = spare;
         per_layer.push_back(weave::place_replicated(stats, topo, ro));
       } else if (name == "load_balanced")
         per_layer.push_back(weave::place_load_balanced(stats, topo));

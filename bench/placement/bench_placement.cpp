@@ -81,6 +81,19 @@ void BM_replicated(benchmark::State& state) {
   set_rate(state, E);
 }
 
+// The same number of spare slots as BM_replicated, as a per-device list: two on every even
+// device, none on odd ones (unequal capacities, empty slots padding the smaller devices).
+void BM_replicated_spare_list(benchmark::State& state) {
+  const int E = static_cast<int>(state.range(0)), D = static_cast<int>(state.range(1));
+  const auto& s = stats_for(E, 8);
+  weave::replication_options o;
+  for (int d = 0; d < D; ++d)
+    o.spare_slots_per_device.push_back(d % 2 == 0 ? 2 : 0);
+  for (auto _ : state)
+    benchmark::DoNotOptimize(weave::place_replicated(s, topo_for(D), o));
+  set_rate(state, E);
+}
+
 void BM_migration(benchmark::State& state) {
   const int E = static_cast<int>(state.range(0)), D = static_cast<int>(state.range(1));
   const auto topo = topo_for(D);
@@ -161,6 +174,7 @@ BENCHMARK(BM_contiguous)->Args({64, 8})->Args({256, 32});
 BENCHMARK(BM_load_balanced)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_collaborative)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_replicated)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_replicated_spare_list)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_migration)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_evaluate)->Args({64, 8})->Args({256, 32})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_model_replicated)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();

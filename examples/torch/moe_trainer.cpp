@@ -181,7 +181,8 @@ std::string describe(const weave::placement& p) {
   for (int slot = 0; slot < p.num_devices() * p.slots_per_device(); ++slot) {
     if (slot > 0)
       out += slot % p.slots_per_device() == 0 ? " | " : " ";
-    out += std::to_string(p.expert_of_slot(slot));
+    const int e = p.expert_of_slot(slot);
+    out += e == weave::placement::empty_slot ? std::string("-") : std::to_string(e);
   }
   return out + "]";
 }
@@ -224,6 +225,8 @@ class moe_layer {
     const int spd = where.slots_per_device();
     for (int l = 0; l < spd; ++l) {
       const int e = where.expert_of_slot(comm.rank() * spd + l);
+      if (e == weave::placement::empty_slot)
+        continue;
       experts_.emplace(e, make_expert_state(initial_expert(e, s)));
     }
     rebuild(std::move(where));
@@ -356,6 +359,8 @@ class moe_layer {
     const int spd = plan.target.slots_per_device();
     for (int l = 0; l < spd; ++l) {
       const int e = plan.target.expert_of_slot(rank * spd + l);
+      if (e == weave::placement::empty_slot)
+        continue;
       if (const auto it = arriving.find(e); it != arriving.end()) {
         expert_state st = make_expert_state(it->second.narrow(0, 0, P).clone());
         st.velocity = it->second.narrow(0, P, P).clone();

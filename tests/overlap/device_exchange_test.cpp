@@ -186,6 +186,14 @@ TEST_CASE("device exchange on host streams equals moe_exchange: dynamic and stat
     check_against_host<weave::bfloat16>(s, weave::placement::contiguous(6, 3));
     // Replicas: experts 0 and 3 twice, 5 three times; chosen per token as moe_exchange does.
     check_against_host<float>(s, weave::placement(6, 3, {0, 1, 5, 2, 3, 0, 4, 5, 3}));
+    // Empty slots: device 0 holds two experts, device 2 one; expert 1 twice.
+    check_against_host<float>(s, weave::placement(6, 3, {0, 1, -1, 2, 3, 4, 5, -1, -1}));
+    s.ranks = 2;
+    s.experts = 5;
+    s.k = 2;
+    s.tokens = {21, 34};
+    s.seed = 13;
+    check_against_host<float>(s, weave::placement(5, 2, {0, 1, 2, 3, 4, -1, -1, 1}));
     s.ranks = 1;
     s.experts = 4;
     s.k = 2;

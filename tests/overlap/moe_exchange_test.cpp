@@ -135,6 +135,16 @@ TEST_CASE("moe_exchange equals the dense reference and is bitwise identical for 
     case_setup s{4, 10, 3, 8, {25, 25, 40, 9}, {}, 3};
     check_all_chunkings<weave::bfloat16>(s, where, 3e-2);
   }
+  SUBCASE("3 ranks, empty slots (devices of 2, 3 and 3 experts) and a replica, k = 2, f32") {
+    const weave::placement where(7, 3, {0, 4, -1, 1, 5, 2, 3, 6, 0});
+    case_setup s{3, 7, 2, 8, {31, 18, 26}, {}, 4};
+    check_all_chunkings<float>(s, where, 1e-4);
+  }
+  SUBCASE("2 ranks, one device with two empty slots, k = 2, f32") {
+    const weave::placement where(4, 2, {0, 1, 2, 3, -1, -1});
+    case_setup s{2, 4, 2, 8, {23, 30}, {}, 6};
+    check_all_chunkings<float>(s, where, 1e-4);
+  }
 }
 
 TEST_CASE("capacity drops equal the naive count for every order and chunking") {

@@ -41,12 +41,14 @@ struct moe_options {
 
 //! One chunk's rows on one expert device, grouped by local expert (the EPD layout): rows
 //! `[expert_offsets[l], expert_offsets[l + 1])` belong to local slot `l`, which holds logical
-//! expert `experts[l]`. A grouped GEMM runs one contiguous range per local expert.
+//! expert `experts[l]`. A grouped GEMM runs one contiguous range per local expert. An empty
+//! slot (`experts[l] == placement::empty_slot`) never receives rows: its range is empty, so a
+//! callback that skips empty ranges never looks its expert up.
 struct expert_batch {
   int chunk = 0;                                //!< chunk index within the call
   int device = 0;                               //!< this rank
   std::span<const std::int64_t> expert_offsets; //!< local_experts + 1 row offsets
-  std::span<const std::int32_t> experts;        //!< logical expert of each local slot
+  std::span<const std::int32_t> experts;        //!< logical expert of each local slot, or -1
   const_token_view input;                       //!< expert inputs (one row per token and expert)
   token_view output;                            //!< expert outputs, to be written
 };

@@ -128,6 +128,8 @@ inline double expected_max_mean_load(const placement& p, std::span<const double>
   double total = 0;
   for (int s = 0; s < p.num_slots(); ++s) {
     const int e = p.expert_of_slot(s);
+    if (e == placement::empty_slot)
+      continue;
     device[static_cast<std::size_t>(p.device_of_slot(s))] +=
         loads[static_cast<std::size_t>(e)] / static_cast<double>(p.slots_of(e).size());
   }

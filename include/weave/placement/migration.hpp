@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
@@ -35,7 +36,8 @@ struct expert_move {
 //! The result of `plan_migration`.
 struct migration_plan {
   //! The new placement with devices relabelled and slots ordered to keep experts in place:
-  //! writing each move's expert into its slot of the current placement gives exactly this.
+  //! writing each move's expert into its slot of the current placement (and emptying the slots
+  //! `target` has empty) gives exactly this.
   placement target;
   //! Physical device that each device of the requested new placement was mapped to.
   std::vector<std::int32_t> device_map;
@@ -55,6 +57,8 @@ inline std::vector<double> overlap_matrix(const placement& current, const placem
   for (std::size_t j = 0; j < n; ++j)
     for (int ls = 0; ls < S; ++ls) {
       const int e = next.expert_of_slot(next_devices[j] * S + ls);
+      if (e == placement::empty_slot)
+        continue;
       for (const std::int32_t s : current.slots_of(e))
         for (std::size_t i = 0; i < n; ++i)
           if (current.device_of_slot(s) == cur_devices[i])
@@ -65,7 +69,8 @@ inline std::vector<double> overlap_matrix(const placement& current, const placem
 
 //! The migration from `current` to `next` with new device j on physical device
 //! `device_map[j]` (shapes already checked): staying experts keep their local slot, the other
-//! slots of a device take its incoming experts in ascending id order.
+//! slots of a device take its incoming experts in ascending id order, slots of departing
+//! experts first, then empty ones; slots left over become (or stay) empty and need no copy.
 inline migration_plan migrate_with(const placement& current, const placement& next,
                                    const topology& topo, std::vector<std::int32_t> device_map) {
   const int D = current.num_devices(), S = current.slots_per_device();
@@ -77,6 +82,8 @@ inline migration_plan migrate_with(const placement& current, const placement& ne
     std::vector<char> keep(static_cast<std::size_t>(S), 0);
     for (int ls = 0; ls < S; ++ls) {
       const std::int32_t e = next.expert_of_slot(j * S + ls);
+      if (e == placement::empty_slot)
+        continue;
       int here = -1;
       for (int cs = 0; cs < S; ++cs)
         if (current.expert_of_slot(dev * S + cs) == e)
@@ -87,11 +94,19 @@ inline migration_plan migrate_with(const placement& current, const placement& ne
         incoming.push_back(e);
     }
     std::sort(incoming.begin(), incoming.end());
-    std::size_t next_in = 0;
-    for (int cs = 0; cs < S; ++cs) {
-      if (keep[static_cast<std::size_t>(cs)])
-        continue;
-      const std::int32_t e = incoming[next_in++];
+    // Free slots: those of departing experts, then empty ones (fewest raw slot changes).
+    std::vector<int> free_slots;
+    for (const bool empty : {false, true})
+      for (int cs = 0; cs < S; ++cs)
+        if (!keep[static_cast<std::size_t>(cs)] &&
+            (current.expert_of_slot(dev * S + cs) == placement::empty_slot) == empty)
+          free_slots.push_back(cs);
+    for (int cs = 0; cs < S; ++cs)
+      if (!keep[static_cast<std::size_t>(cs)])
+        slots[static_cast<std::size_t>(dev * S + cs)] = placement::empty_slot;
+    for (std::size_t in = 0; in < incoming.size(); ++in) {
+      const int cs = free_slots[in];
+      const std::int32_t e = incoming[in];
       // Copy from a current holder, preferring one on the destination's node.
       int from = -1;
       for (const std::int32_t s : current.slots_of(e)) {
@@ -112,8 +127,11 @@ inline migration_plan migrate_with(const placement& current, const placement& ne
 
 //! Plans the move from `current` to `next` (same experts, devices and slots per device) on
 //! `topo`. The number of moves is the minimum over all admissible device relabellings of
-//! `next`. Throws `errc::size_mismatch` when the shapes differ or the topology has another
-//! number of devices.
+//! `next`, except when either placement has empty slots: those may stand for devices of
+//! different capacities, which a relabelling would break, so devices keep their labels. An
+//! empty slot in `next` needs no copy; an expert copied into a slot that was empty is a move
+//! like any other. Throws `errc::size_mismatch` when the shapes differ or the topology has
+//! another number of devices.
 inline migration_plan plan_migration(const placement& current, const placement& next,
                                      const topology& topo) {
   topo.validated();
@@ -126,6 +144,11 @@ inline migration_plan plan_migration(const placement& current, const placement& 
   WEAVE_EXPECT(topo.num_devices() == current.num_devices(), errc::size_mismatch, "topology has ",
                topo.num_devices(), " devices, placements ", current.num_devices());
   const int D = current.num_devices();
+  if (current.has_empty_slots() || next.has_empty_slots()) {
+    std::vector<std::int32_t> identity(static_cast<std::size_t>(D));
+    std::iota(identity.begin(), identity.end(), 0);
+    return detail::migrate_with(current, next, topo, std::move(identity));
+  }
   const int dpn = topo.devices_per_node;
   // device_map[j]: physical device for new device j. Nodes first, then devices inside nodes;
   // with one node this is a single assignment over all devices.

@@ -3,9 +3,11 @@
 //!
 //! The world has `num_devices()` devices with `slots_per_device()` expert slots each; physical
 //! slot `s` lives on device `s / slots_per_device()` at local index `s % slots_per_device()`.
-//! Every slot holds one logical expert; every logical expert has at least one slot (its
-//! replicas), never two on one device. Routing works in logical expert ids; `slot_for` resolves
-//! a token's expert to the replica it is sent to.
+//! A slot holds one logical expert or is empty (`placement::empty_slot`: a device with fewer
+//! usable slots than `slots_per_device()`, e.g. from a per-device spare list); every logical
+//! expert has at least one slot (its replicas), never two on one device. Routing works in
+//! logical expert ids; `slot_for` resolves a token's expert to the replica it is sent to and
+//! never returns an empty slot, so an empty slot receives no rows.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -22,10 +24,14 @@ class placement {
  public:
   placement() = default;
 
-  //! A placement from the logical expert held by each physical slot (device-major).
-  //! Throws `errc::invalid_argument` unless the slots divide evenly over the devices, every
-  //! expert in [0, num_experts) has a slot, and no device holds two replicas of one expert;
-  //! `errc::out_of_range` for a slot naming an expert outside [0, num_experts).
+  //! A slot that holds no expert.
+  static constexpr std::int32_t empty_slot = -1;
+
+  //! A placement from the logical expert held by each physical slot (device-major), or
+  //! `empty_slot`. Throws `errc::invalid_argument` unless the slots divide evenly over the
+  //! devices, every expert in [0, num_experts) has a slot, and no device holds two replicas of
+  //! one expert; `errc::out_of_range` for a slot naming an expert outside [0, num_experts) (other
+  //! than `empty_slot`).
   placement(int num_experts, int num_devices, std::vector<std::int32_t> slot_experts)
       : num_experts_(num_experts)
       , num_devices_(num_devices)
@@ -42,9 +48,12 @@ class placement {
     replica_offsets_.assign(static_cast<std::size_t>(num_experts) + 1, 0);
     for (std::size_t s = 0; s < slots; ++s) {
       const std::int32_t e = slot_expert_[s];
+      if (e == empty_slot)
+        continue;
       WEAVE_EXPECT(e >= 0 && e < num_experts, errc::out_of_range, "slot ", s, " holds expert ", e,
-                   ", outside [0, ", num_experts, ")");
+                   ", outside [0, ", num_experts, ") and is not empty_slot (-1)");
       ++replica_offsets_[static_cast<std::size_t>(e) + 1];
+      ++filled_;
     }
     for (int e = 0; e < num_experts; ++e) {
       WEAVE_EXPECT(replica_offsets_[static_cast<std::size_t>(e) + 1] > 0, errc::invalid_argument,
@@ -52,9 +61,11 @@ class placement {
       replica_offsets_[static_cast<std::size_t>(e) + 1] +=
           replica_offsets_[static_cast<std::size_t>(e)];
     }
-    replica_slots_.assign(slots, 0);
+    replica_slots_.assign(static_cast<std::size_t>(filled_), 0);
     std::vector<std::int32_t> cursor(replica_offsets_.begin(), replica_offsets_.end() - 1);
     for (std::size_t s = 0; s < slots; ++s) {
+      if (slot_expert_[s] == empty_slot)
+        continue;
       const auto e = static_cast<std::size_t>(slot_expert_[s]);
       replica_slots_[static_cast<std::size_t>(cursor[e]++)] = static_cast<std::int32_t>(s);
     }
@@ -82,16 +93,29 @@ class placement {
   int num_experts() const noexcept { return num_experts_; }
   int num_devices() const noexcept { return num_devices_; }
   int slots_per_device() const noexcept { return slots_per_device_; }
+  //! Physical slots, empty ones included (`num_devices() * slots_per_device()`).
   int num_slots() const noexcept { return static_cast<int>(slot_expert_.size()); }
+  //! Slots holding an expert.
+  int num_filled_slots() const noexcept { return filled_; }
+  //! True when some slot holds no expert.
+  bool has_empty_slots() const noexcept { return filled_ < num_slots(); }
+  //! Slots of `device` holding an expert.
+  int filled_slots_on(int device) const noexcept {
+    int n = 0;
+    for (int l = 0; l < slots_per_device_; ++l)
+      n += slot_expert_[static_cast<std::size_t>(device * slots_per_device_ + l)] != empty_slot;
+    return n;
+  }
   //! True when some expert has more than one replica.
-  bool replicated() const noexcept { return num_slots() > num_experts_; }
+  bool replicated() const noexcept { return filled_ > num_experts_; }
 
   int device_of_slot(int slot) const noexcept { return slot / slots_per_device_; }
   int local_of_slot(int slot) const noexcept { return slot % slots_per_device_; }
+  //! The expert in `slot`, or `empty_slot`.
   int expert_of_slot(int slot) const noexcept {
     return slot_expert_[static_cast<std::size_t>(slot)];
   }
-  //! Logical expert of each slot, device-major.
+  //! Logical expert of each slot (or `empty_slot`), device-major.
   std::span<const std::int32_t> slot_experts() const noexcept { return slot_expert_; }
 
   //! The slots holding `expert`, in ascending order (at least one).
@@ -127,6 +151,7 @@ class placement {
   int num_experts_ = 0;
   int num_devices_ = 0;
   int slots_per_device_ = 0;
+  int filled_ = 0;
   std::vector<std::int32_t> slot_expert_;     // slot -> logical expert
   std::vector<std::int32_t> replica_offsets_; // expert -> [begin, end) in replica_slots_
   std::vector<std::int32_t> replica_slots_;   // slots grouped by expert, ascending

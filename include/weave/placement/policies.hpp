@@ -38,22 +38,29 @@ inline void expect_loads(std::span<const double> loads) {
 }
 
 //! A placement from the experts of each device; each device's experts sorted ascending so the
-//! result depends only on the groups.
+//! result depends only on the groups. Groups smaller than the largest are padded with empty
+//! slots at their end.
 inline placement placement_from_groups(int num_experts,
                                        std::vector<std::vector<std::int32_t>> groups) {
+  std::size_t width = 0;
+  for (const auto& g : groups)
+    width = std::max(width, g.size());
   std::vector<std::int32_t> slots;
   for (auto& g : groups) {
     std::sort(g.begin(), g.end());
     slots.insert(slots.end(), g.begin(), g.end());
+    slots.insert(slots.end(), width - g.size(), placement::empty_slot);
   }
   return placement(num_experts, static_cast<int>(groups.size()), std::move(slots));
 }
 
-//! Device groups of a placement (the experts of each device, in slot order).
+//! Device groups of a placement (the experts of each device, in slot order, empty slots left
+//! out).
 inline std::vector<std::vector<std::int32_t>> groups_of(const placement& p) {
   std::vector<std::vector<std::int32_t>> groups(static_cast<std::size_t>(p.num_devices()));
   for (int s = 0; s < p.num_slots(); ++s)
-    groups[static_cast<std::size_t>(p.device_of_slot(s))].push_back(p.expert_of_slot(s));
+    if (p.expert_of_slot(s) != placement::empty_slot)
+      groups[static_cast<std::size_t>(p.device_of_slot(s))].push_back(p.expert_of_slot(s));
   return groups;
 }
 

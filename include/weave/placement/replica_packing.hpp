@@ -1,7 +1,8 @@
 //! \file
 //! The packing engine of the replicated placement (`replication.hpp`): replica counts, then
-//! copies of experts into bins (nodes or devices) of a fixed number of copies each, heaviest
-//! copy first into the lightest bin that may take it, then swaps off the heaviest bin.
+//! copies of experts into bins (nodes or devices) of a fixed number of copies each (one number
+//! for all bins, or one per bin), heaviest copy first into the lightest bin that may take it,
+//! then swaps off the heaviest bin.
 //!
 //! Incremental: each bin keeps its copies (ascending copy index), its size and its load, and
 //! placing or moving a copy updates only the two bins involved. A bin's load is always the sum
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <span>
@@ -28,14 +30,16 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 
-//! Copies of experts assigned to bins of `capacity` copies each, at most `per_bin` copies of an
-//! expert per bin. `bin_of[i]` is the bin of copy i (-1 while unassigned); after writing
-//! `bin_of` directly, `sync()` rebuilds the per-bin state (`pack_rest` and `refine` do).
+//! Copies of experts assigned to bins of `capacity` copies each (or `capacities[b]` when that is
+//! set), at most `per_bin` copies of an expert per bin. `bin_of[i]` is the bin of copy i (-1 while
+//! unassigned); after writing `bin_of` directly, `sync()` rebuilds the per-bin state (`pack_rest`
+//! and `refine` do).
 struct replica_packing {
   std::vector<std::int32_t> expert; // copy -> expert
   std::vector<double> weight;       // copy -> load it carries
   std::vector<int> bin_of;
   int bins = 0, capacity = 0, per_bin = 1;
+  std::vector<int> capacities; // per bin; empty: `capacity` each
   // Optional E×E co-activation: when set, `pack_rest` puts a copy in the bin it collaborates
   // with most among those whose load stays within `cap`.
   std::span<const double> affinity;
@@ -55,7 +59,10 @@ struct replica_packing {
     num_experts_ = expert.empty() ? 0 : *std::max_element(expert.begin(), expert.end()) + 1;
     held_.assign(static_cast<std::size_t>(bins) * static_cast<std::size_t>(num_experts_), 0);
     // One spare place per bin: a swap moves a copy in before the other one leaves.
-    stride_ = static_cast<std::size_t>(capacity) + 1;
+    int widest = capacity;
+    for (const int c : capacities)
+      widest = std::max(widest, c);
+    stride_ = static_cast<std::size_t>(widest) + 1;
     member_.resize(static_cast<std::size_t>(bins) * stride_);
     size_.assign(static_cast<std::size_t>(bins), 0);
     for (std::size_t i = 0; i < bin_of.size(); ++i)
@@ -90,6 +97,10 @@ struct replica_packing {
 
   int copies_in(int bin, std::int32_t e) const { return held_[index(bin, e)]; }
   int size_of(int bin) const { return size_[static_cast<std::size_t>(bin)]; }
+  int capacity_of(int bin) const {
+    return capacities.empty() ? capacity : capacities[static_cast<std::size_t>(bin)];
+  }
+  bool has_room(int bin) const { return size_of(bin) < capacity_of(bin); }
   double load_of(int bin) const { return load_[static_cast<std::size_t>(bin)]; }
   //! The copies in `bin`, ascending.
   std::span<const std::size_t> members(int bin) const {
@@ -108,7 +119,9 @@ struct replica_packing {
 
   //! Unassigned copies heaviest first into the lightest bin that can take them; when no bin
   //! can (all bins with room already hold enough copies), a copy from another bin moves over.
-  void pack_rest() {
+  //! False when that fails too (only seen with unequal capacities; the copies are then partly
+  //! placed).
+  bool try_pack_rest() {
     sync();
     std::vector<std::size_t> order;
     for (std::size_t i = 0; i < bin_of.size(); ++i)
@@ -119,15 +132,14 @@ struct replica_packing {
     for (const std::size_t i : order) {
       int best = -1; // the lightest bin that may take it (lowest index on ties)
       for (int b = 0; b < bins; ++b)
-        if ((best < 0 || load_of(b) < load_of(best)) && size_of(b) < capacity &&
+        if ((best < 0 || load_of(b) < load_of(best)) && has_room(b) &&
             copies_in(b, expert[i]) < per_bin)
           best = b;
       if (best >= 0 && !affinity.empty()) {
         // Among bins that stay under the cap, the one whose copies collaborate most with it.
         double best_aff = -1;
         for (int b = 0; b < bins; ++b) {
-          if (size_of(b) >= capacity || copies_in(b, expert[i]) >= per_bin ||
-              load_of(b) + weight[i] > cap)
+          if (!has_room(b) || copies_in(b, expert[i]) >= per_bin || load_of(b) + weight[i] > cap)
             continue;
           const double a = affinity_to(i, b);
           if (a > best_aff) {
@@ -138,15 +150,57 @@ struct replica_packing {
       }
       if (best < 0)
         best = make_room(i);
+      if (best < 0)
+        return false;
       set_bin(i, best);
+    }
+    return true;
+  }
+
+  //! `try_pack_rest`, for packings that always succeed (equal capacities).
+  void pack_rest() {
+    if (!try_pack_rest())
+      WEAVE_THROW(errc::internal, "no bin can take a copy of an expert");
+  }
+
+  //! Every copy placed again ignoring load: experts with the most copies first, each expert's
+  //! copies into the bins with the most room left (lightest, then lowest index, on ties). With
+  //! `per_bin == 1` this succeeds whenever any placement does (the constructive side of the
+  //! Gale-Ryser theorem: a row may always take the columns of largest remaining degree).
+  void pack_by_room() {
+    std::fill(bin_of.begin(), bin_of.end(), -1);
+    sync();
+    std::vector<std::size_t> first(static_cast<std::size_t>(num_experts_) + 1, 0);
+    for (const std::int32_t e : expert)
+      ++first[static_cast<std::size_t>(e) + 1];
+    std::vector<std::int32_t> experts(static_cast<std::size_t>(num_experts_));
+    std::iota(experts.begin(), experts.end(), 0);
+    std::stable_sort(experts.begin(), experts.end(), [&](std::int32_t a, std::int32_t b) {
+      return first[static_cast<std::size_t>(a) + 1] > first[static_cast<std::size_t>(b) + 1];
+    });
+    std::vector<int> order(static_cast<std::size_t>(bins));
+    for (const std::int32_t e : experts) {
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        const int ra = capacity_of(a) - size_of(a), rb = capacity_of(b) - size_of(b);
+        return ra != rb ? ra > rb : load_of(a) < load_of(b);
+      });
+      std::size_t next = 0;
+      for (std::size_t i = 0; i < expert.size(); ++i)
+        if (expert[i] == e) {
+          const int b = order[next++];
+          WEAVE_EXPECT(has_room(b), errc::internal, "no bin left for a copy of expert ", e);
+          set_bin(i, b);
+        }
     }
   }
 
   //! Some bin h has room but already holds enough copies of copy i's expert: moves a copy x
-  //! from a bin o that can take i (and whose expert h can take) into h; returns o for i.
+  //! from a bin o that can take i (and whose expert h can take) into h; returns o for i, or -1
+  //! when no single move does it.
   int make_room(std::size_t i) {
     for (int h = 0; h < bins; ++h) {
-      if (size_of(h) >= capacity)
+      if (!has_room(h))
         continue;
       for (std::size_t x = 0; x < bin_of.size(); ++x) {
         const int o = bin_of[x];
@@ -157,7 +211,7 @@ struct replica_packing {
         return o;
       }
     }
-    WEAVE_THROW(errc::internal, "no bin can take a copy of expert ", expert[i]);
+    return -1;
   }
 
   //! Swaps between the heaviest bin and the others while one lowers the pair maximum, until
@@ -250,7 +304,7 @@ struct replica_packing {
   void push(int bin, std::size_t i) {
     int& n = size_[static_cast<std::size_t>(bin)];
     if (static_cast<std::size_t>(n) == stride_)
-      WEAVE_THROW(errc::internal, "bin ", bin, " holds more than ", capacity, " copies");
+      WEAVE_THROW(errc::internal, "bin ", bin, " holds more than ", stride_ - 1, " copies");
     member_[static_cast<std::size_t>(bin) * stride_ + static_cast<std::size_t>(n++)] = i;
   }
 
@@ -268,11 +322,13 @@ inline double peak_of(const std::vector<double>& l) {
 
 //! All copies of all experts (copy i of expert e carries load[e] / count[e]).
 inline replica_packing make_copies(std::span<const double> loads, const std::vector<int>& count,
-                                   int bins, int capacity, int per_bin) {
+                                   int bins, int capacity, int per_bin,
+                                   std::vector<int> capacities = {}) {
   replica_packing p;
   p.bins = bins;
   p.capacity = capacity;
   p.per_bin = per_bin;
+  p.capacities = std::move(capacities);
   for (std::size_t e = 0; e < count.size(); ++e)
     for (int c = 0; c < count[e]; ++c) {
       p.expert.push_back(static_cast<std::int32_t>(e));
@@ -330,33 +386,80 @@ struct held_copy {
   int device = 0;
 };
 
-//! Device -> experts of the replicated placement of `loads` on `topo` with `S` slots per device
-//! (see the file comment). With `grow`, the copies in `holdings` (slot order) are a start.
+//! Whether copies of experts with `count[e]` copies each fit bins of `capacity[b]` copies, at
+//! most one copy of an expert per bin, every bin full (Gale-Ryser: a simple bipartite graph
+//! with these degrees exists).
+inline bool copies_fit(std::vector<int> capacity, std::span<const int> count) {
+  std::sort(capacity.begin(), capacity.end(), std::greater<>());
+  long long need = 0, total = 0;
+  for (const int c : count)
+    total += c;
+  for (const int c : capacity)
+    need += c;
+  if (need != total)
+    return false;
+  need = 0;
+  for (std::size_t k = 1; k <= capacity.size(); ++k) {
+    need += capacity[k - 1];
+    long long have = 0;
+    for (const int c : count)
+      have += std::min<long long>(c, static_cast<long long>(k));
+    if (need > have)
+      return false;
+  }
+  return true;
+}
+
+//! Device -> experts of the replicated placement of `loads` on `topo` with `caps[d]` slots on
+//! device d (see the file comment). With `grow`, the copies in `holdings` (slot order) are a
+//! start. Throws `errc::invalid_argument` when the replica counts cannot fill the devices
+//! without two copies of an expert on one.
 inline std::vector<std::vector<std::int32_t>>
 pack_replicated(std::span<const double> loads, std::span<const double> coact, const topology& topo,
-                int S, bool grow, std::span<const held_copy> holdings, double keep_tolerance) {
+                std::span<const int> caps, bool grow, std::span<const held_copy> holdings,
+                double keep_tolerance) {
   const int E = static_cast<int>(loads.size());
   const int D = topo.num_devices();
-  const std::vector<int> count =
-      replica_counts(loads, static_cast<int>(static_cast<long long>(D) * S - E), D);
+  const int S = *std::max_element(caps.begin(), caps.end());
+  const bool uniform = std::all_of(caps.begin(), caps.end(), [&](int c) { return c == S; });
+  // Per-bin capacities only where they differ (the uniform path stays as it always was).
+  auto caps_of = [&](int first, int n) {
+    return uniform ? std::vector<int>{}
+                   : std::vector<int>(caps.begin() + first, caps.begin() + first + n);
+  };
+  const long long slots = std::accumulate(caps.begin(), caps.end(), 0LL);
+  const std::vector<int> count = replica_counts(loads, static_cast<int>(slots - E), D);
+  if (!uniform)
+    WEAVE_EXPECT(copies_fit(std::vector<int>(caps.begin(), caps.end()), count),
+                 errc::invalid_argument,
+                 "the per-device slot counts cannot be filled with the replica counts of these "
+                 "loads without two copies of an expert on one device");
 
   // Flat: replicate-hottest + LPT + swaps.
-  auto flat = make_copies(loads, count, D, S, 1);
-  flat.pack_rest();
+  auto flat = make_copies(loads, count, D, S, 1, caps_of(0, D));
+  if (!flat.try_pack_rest()) // unequal capacities only: the Gale-Ryser check passed above
+    flat.pack_by_room();
   flat.refine();
   const replica_packing* best = &flat;
   replica_packing hier, sticky;
   if (topo.nodes > 1) {
     // Hierarchical: copies onto nodes first, then onto each node's devices.
-    auto nodes =
-        make_copies(loads, count, topo.nodes, S * topo.devices_per_node, topo.devices_per_node);
-    nodes.pack_rest();
-    nodes.refine();
-    hier = make_copies(loads, count, D, S, 1); // the same copies, to be placed node by node
-    for (int n = 0; n < topo.nodes; ++n) {
+    const int dpn = topo.devices_per_node;
+    std::vector<int> node_caps;
+    if (!uniform)
+      for (int n = 0; n < topo.nodes; ++n)
+        node_caps.push_back(
+            std::accumulate(caps.begin() + n * dpn, caps.begin() + (n + 1) * dpn, 0));
+    auto nodes = make_copies(loads, count, topo.nodes, S * dpn, dpn, std::move(node_caps));
+    bool packed = nodes.try_pack_rest(); // fails only with unequal capacities: flat it is
+    if (packed)
+      nodes.refine();
+    hier = make_copies(loads, count, D, S, 1, caps_of(0, D)); // the same copies, node by node
+    for (int n = 0; n < topo.nodes && packed; ++n) {
       replica_packing inner;
-      inner.bins = topo.devices_per_node;
+      inner.bins = dpn;
       inner.capacity = S;
+      inner.capacities = caps_of(n * dpn, dpn);
       std::vector<std::size_t> ids;
       for (std::size_t i = 0; i < nodes.bin_of.size(); ++i)
         if (nodes.bin_of[i] == n) {
@@ -365,17 +468,30 @@ pack_replicated(std::span<const double> loads, std::span<const double> coact, co
           inner.weight.push_back(nodes.weight[i]);
           inner.bin_of.push_back(-1);
         }
-      inner.pack_rest();
+      if (!uniform) {
+        // Unequal devices: a node's share may not split over its devices; then flat it is.
+        std::vector<int> node_count(static_cast<std::size_t>(E), 0);
+        for (const std::int32_t e : inner.expert)
+          ++node_count[static_cast<std::size_t>(e)];
+        packed = copies_fit(inner.capacities, node_count);
+        if (!packed)
+          break;
+      }
+      packed = inner.try_pack_rest();
+      if (!packed)
+        break;
       inner.refine();
       for (std::size_t c = 0; c < ids.size(); ++c)
-        hier.bin_of[ids[c]] = n * topo.devices_per_node + inner.bin_of[c];
+        hier.bin_of[ids[c]] = n * dpn + inner.bin_of[c];
     }
-    hier.refine();
-    if (peak_of(hier.bin_loads()) <= peak_of(flat.bin_loads()))
-      best = &hier;
+    if (packed) {
+      hier.refine();
+      if (peak_of(hier.bin_loads()) <= peak_of(flat.bin_loads()))
+        best = &hier;
+    }
   }
   if (grow) {
-    sticky = make_copies(loads, count, D, S, 1);
+    sticky = make_copies(loads, count, D, S, 1, caps_of(0, D));
     // Keep each expert's copies on the devices that hold it now, heaviest first per device.
     std::vector<int> kept(static_cast<std::size_t>(E), 0), size(static_cast<std::size_t>(D), 0);
     std::vector<std::size_t> first_copy(static_cast<std::size_t>(E) + 1, 0);
@@ -393,17 +509,18 @@ pack_replicated(std::span<const double> loads, std::span<const double> coact, co
     for (const std::size_t h : order) {
       const auto e = static_cast<std::size_t>(holdings[h].expert);
       const auto d = static_cast<std::size_t>(holdings[h].device);
-      if (kept[e] < count[e] && size[d] < S) {
+      if (kept[e] < count[e] && size[d] < caps[d]) {
         sticky.bin_of[first_copy[e] + static_cast<std::size_t>(kept[e]++)] = static_cast<int>(d);
         ++size[d];
       }
     }
     sticky.affinity = coact;
     sticky.cap = peak_of(best->bin_loads()) * (1.0 + keep_tolerance);
-    sticky.pack_rest();
-    sticky.refine(sticky.cap);
-    if (peak_of(sticky.bin_loads()) <= peak_of(best->bin_loads()) * (1.0 + keep_tolerance))
-      best = &sticky;
+    if (sticky.try_pack_rest()) {
+      sticky.refine(sticky.cap);
+      if (peak_of(sticky.bin_loads()) <= peak_of(best->bin_loads()) * (1.0 + keep_tolerance))
+        best = &sticky;
+    }
   }
   return groups_of_packing(*best);
 }

@@ -101,6 +101,8 @@ inline group_domains node_domains(std::span<const double> loads, int G, const to
   if (current != nullptr) {
     std::vector<double> overlap(static_cast<std::size_t>(nodes) * static_cast<std::size_t>(nodes));
     for (int s = 0; s < current->num_slots(); ++s) {
+      if (current->expert_of_slot(s) == placement::empty_slot)
+        continue;
       const auto g = static_cast<std::size_t>(current->expert_of_slot(s)) / per_group;
       const int n = topo.node_of(current->device_of_slot(s));
       overlap[static_cast<std::size_t>(bundle_of[g]) * static_cast<std::size_t>(nodes) +
@@ -166,13 +168,16 @@ inline placement place_grouped(std::span<const double> loads, std::span<const do
     std::vector<held_copy> holdings;
     if (current != nullptr)
       for (int s = 0; s < current->num_slots(); ++s) {
+        if (current->expert_of_slot(s) == placement::empty_slot)
+          continue;
         const int e = local_expert[static_cast<std::size_t>(current->expert_of_slot(s))];
         const int d = local_device[static_cast<std::size_t>(current->device_of_slot(s))];
         if (e >= 0 && d >= 0)
           holdings.push_back({e, d});
       }
+    const std::vector<int> caps(Dm, S);
     const auto packed = pack_replicated(sub_loads, sub_coact, topology::flat(static_cast<int>(Dm)),
-                                        S, current != nullptr, holdings, keep_tolerance);
+                                        caps, current != nullptr, holdings, keep_tolerance);
     for (std::size_t j = 0; j < packed.size(); ++j)
       for (const std::int32_t e : packed[j])
         device_experts[static_cast<std::size_t>(devices[j])].push_back(

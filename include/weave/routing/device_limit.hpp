@@ -18,6 +18,7 @@
 #include "weave/core/error.hpp"
 #include "weave/placement/placement.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -49,11 +50,18 @@ inline void validate_limit(const device_limit& limit, int num_experts, int k) {
                p.num_devices(), ")");
   WEAVE_EXPECT(limit.group_experts >= 0, errc::invalid_argument,
                "group_experts = ", limit.group_experts);
-  // Unreplicated, every device holds slots_per_device experts; M of them must hold k.
-  const long long reachable = static_cast<long long>(limit.max_devices) * p.slots_per_device();
+  // Any M devices must hold k experts: the M with the fewest filled slots (empty slots hold
+  // none; without them this is M * slots_per_device).
+  std::vector<int> filled(static_cast<std::size_t>(p.num_devices()));
+  for (int d = 0; d < p.num_devices(); ++d)
+    filled[static_cast<std::size_t>(d)] = p.filled_slots_on(d);
+  std::sort(filled.begin(), filled.end());
+  long long reachable = 0;
+  for (int d = 0; d < std::min(limit.max_devices, p.num_devices()); ++d)
+    reachable += filled[static_cast<std::size_t>(d)];
   WEAVE_EXPECT(reachable >= k || limit.max_devices >= p.num_devices(), errc::invalid_argument,
                "k = ", k, " experts cannot fit on max_devices = ", limit.max_devices,
-               " devices of ", p.slots_per_device(), " slots");
+               " devices holding at least ", reachable, " experts between them");
 }
 
 //! Device of expert `e` for token `token` under `limit`.

@@ -145,7 +145,7 @@ inline void apply_device_limit(const placement& p, std::span<std::int32_t> ids, 
         const std::size_t x = (t * 31 + j * 7 + probe) % cap;
         const int d = admitted[x % admitted.size()];
         const int e = p.expert_of_slot(d * spd + static_cast<int>(x / admitted.size()));
-        if (std::find(tok.begin(), tok.end(), e) == tok.end())
+        if (e != placement::empty_slot && std::find(tok.begin(), tok.end(), e) == tok.end())
           tok[j] = e;
       }
     }
