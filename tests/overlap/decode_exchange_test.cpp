@@ -1,0 +1,63 @@
+// decode_exchange on an in-process world of 2 and 4 ranks (one thread each): results equal
+// the naive per-token reference bitwise for f32 and bf16 rows, with ranks of zero tokens and
+// of exactly max_tokens_per_rank, -1 ids, replicated experts; every bad input on one rank
+// fails it with its typed error and every peer with peer_failure, and the next call works.
+#include "decode_cases.hpp"
+
+#include <weave/comm/local_world.hpp>
+#include <weave/core/dtype.hpp>
+#include <weave/exec/host_stream.hpp>
+
+using local = weave::local_communicator;
+
+TEST_CASE_TEMPLATE("decode_exchange equals the naive reference on 2 and 4 ranks", T, float,
+                   weave::bfloat16) {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) {
+      decode_test::check_against_reference<T>(
+          c, weave::placement::contiguous(decode_test::experts, ranks));
+    });
+  }
+}
+
+TEST_CASE("decode_exchange with replicated experts equals the naive reference") {
+  // 2 ranks of 6 slots: experts 0, 1, 4 and 5 have a replica on each rank.
+  const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
+  weave::local_world world(2);
+  world.run([&](local& c) { decode_test::check_against_reference<float>(c, where); });
+}
+
+TEST_CASE("decode_exchange fail-stop: one rank's bad call fails every rank, none hangs") {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) { decode_test::check_every_fault(c); });
+  }
+}
+
+TEST_CASE("decode_exchange refuses a second handle and a foreign one") {
+  weave::local_world world(1);
+  world.run([&](local& c) {
+    weave::decode_exchange<local, float> ex(c, weave::placement::contiguous(4, 1), {2, 4, 2});
+    weave::host_stream s("decode");
+    std::vector<float> x(8, 1.0f), w(4, 0.5f), y(8);
+    std::vector<std::int32_t> ids{0, 1, 2, 3};
+    auto h = ex.dispatch(x, ids, w, s);
+    CHECK(moe_test::error_code_of([&] { (void)ex.dispatch(x, ids, w, s); }) ==
+          weave::errc::invalid_state);
+    decltype(h) empty;
+    CHECK(moe_test::error_code_of([&] { ex.combine(empty, std::span<float>(y), s); }) ==
+          weave::errc::invalid_argument);
+    CHECK(moe_test::error_code_of([&] { (void)empty.rows(0); }) == weave::errc::invalid_state);
+    s.synchronize();
+    CHECK(h.rows(0) == 1);
+    for (int l = 0; l < 4; ++l)
+      std::copy(h.expert_input(l).begin(), h.expert_input(l).end(), h.expert_output(l).begin());
+    ex.combine(h, std::span<float>(y), s);
+    s.synchronize();
+    CHECK(y == std::vector<float>(8, 1.0f)); // 0.5 * x + 0.5 * x
+    CHECK(!h.valid());
+  });
+}
