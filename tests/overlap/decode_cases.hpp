@@ -102,10 +102,11 @@ void check_fail_stop(Comm& comm, int culprit, fault bad, weave::errc own, const 
     std::vector<T> y(in.x.rows() * H + (me && bad == fault::wrong_output ? H : 0));
     auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
     s.synchronize();
-    for (int l = 0; l < h.local_experts(); ++l)
-      for (std::int64_t r = 0; r < h.rows(l); ++r)
-        f.apply(h.expert(l), h.expert_input(l).data() + r * static_cast<std::int64_t>(H),
-                h.expert_output(l).data() + r * static_cast<std::int64_t>(H));
+    const auto xs = h.experts();
+    for (int l = 0; l < xs.local_experts(); ++l)
+      for (std::int64_t r = 0; r < xs.rows(l); ++r)
+        f.apply(xs.expert(l), xs.input(l).data() + r * static_cast<std::int64_t>(H),
+                xs.output(l).data() + r * static_cast<std::int64_t>(H));
     ex.combine(h, std::span<T>(y), s);
     s.synchronize();
   });

@@ -53,16 +53,17 @@ std::vector<T> decode_call(Exchange& ex, const moe_test::rank_input<T>& in,
   std::vector<T> y(in.x.rows() * H, T(-7.0f));
   auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
   s.synchronize();
+  const auto xs = h.experts();
   const int D = ex.where().num_devices();
-  for (int l = 0; l < h.local_experts(); ++l) {
-    const auto input = h.expert_input(l);
-    const auto output = h.expert_output(l);
-    for (std::int64_t r = 0; r < h.rows(l); ++r)
-      f.apply(h.expert(l), input.data() + r * static_cast<std::int64_t>(H),
+  for (int l = 0; l < xs.local_experts(); ++l) {
+    const auto input = xs.input(l);
+    const auto output = xs.output(l);
+    for (std::int64_t r = 0; r < xs.rows(l); ++r)
+      f.apply(xs.expert(l), input.data() + r * static_cast<std::int64_t>(H),
               output.data() + r * static_cast<std::int64_t>(H));
     if (rows != nullptr)
       for (int src = 0; src < D; ++src)
-        rows->push_back(h.rows(l, src));
+        rows->push_back(xs.rows(l, src));
   }
   ex.combine(h, std::span<T>(y), s);
   s.synchronize();

@@ -27,6 +27,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/exec/stream.hpp"
+#include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
@@ -43,67 +44,6 @@
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
-
-template <communicator Comm, class T>
-requires host_executor<typename Comm::stream_type>
-class decode_exchange;
-
-//! A decode call between its dispatch and its combine. Its accessors read the expert rows of
-//! the call; they are valid once the stream has run the dispatch (in a task enqueued after
-//! it, or after synchronizing it) and throw `errc::invalid_state` before. Move-only. Dropping
-//! a dispatched handle without its combine aborts the communicator where it can be aborted
-//! (the peers wait in that combine otherwise).
-template <class Exchange>
-class decode_handle {
- public:
-  using element_type = typename Exchange::element_type;
-
-  decode_handle() = default;
-  decode_handle(decode_handle&& o) noexcept
-      : ex_(std::exchange(o.ex_, nullptr)) {}
-  decode_handle& operator=(decode_handle&& o) noexcept {
-    if (this != &o) {
-      reset();
-      ex_ = std::exchange(o.ex_, nullptr);
-    }
-    return *this;
-  }
-  ~decode_handle() { reset(); }
-
-  //! True while the handle holds a dispatched call.
-  bool valid() const noexcept { return ex_ != nullptr; }
-  //! Local expert slots of this rank.
-  int local_experts() const { return live().where().slots_per_device(); }
-  //! The logical expert held by local slot `l`.
-  int expert(int l) const { return live().expert_of_local(l); }
-  //! Rows local slot `l` received from `source` (the count in that message's header).
-  std::int64_t rows(int l, int source) const { return live().received_rows(l, source); }
-  //! Rows local slot `l` received from all sources.
-  std::int64_t rows(int l) const { return live().received_rows(l); }
-  //! Local slot `l`'s input rows: those of source 0, then of source 1, ... (`rows(l)` rows of
-  //! `hidden` elements).
-  std::span<const element_type> expert_input(int l) const { return live().expert_input(l); }
-  //! Where the caller writes local slot `l`'s outputs, one row per input row, before `combine`.
-  std::span<element_type> expert_output(int l) const { return live().expert_output(l); }
-
-  //! Releases the call (see the class comment).
-  void reset() noexcept {
-    if (ex_ != nullptr)
-      std::exchange(ex_, nullptr)->release_handle();
-  }
-
- private:
-  template <communicator C, class U>
-  requires host_executor<typename C::stream_type>
-  friend class decode_exchange;
-  explicit decode_handle(Exchange* ex) noexcept
-      : ex_(ex) {}
-  const Exchange& live() const {
-    WEAVE_EXPECT(ex_ != nullptr, errc::invalid_state, "an empty decode_handle");
-    return *ex_;
-  }
-  Exchange* ex_ = nullptr;
-};
 
 //! The low-latency exchange of rank `comm.rank()` (see the file comment) for rows of `T`
 //! (`float`, `bfloat16` or `half`; sums are accumulated in f32). One call is in flight at a
@@ -206,6 +146,7 @@ class decode_exchange {
 
  private:
   friend handle;
+  friend class decode_experts<decode_exchange>;
 
   // The last call's work, perhaps on another stream, must be done with the buffers. A call
   // that has completed needs no wait (and one that failed must not fail this one: every rank
