@@ -65,3 +65,36 @@ TEST_CASE("decode_exchange refuses a second handle and a foreign one") {
     CHECK(!h.valid());
   });
 }
+
+// The docs' example: one decode layer per rank, the experts queued on the stream after the
+// dispatch (no host wait inside the layer), checked against the naive reference.
+TEST_CASE("decode_exchange example: one layer, experts queued between dispatch and combine") {
+  constexpr int experts = 8, k = 2;
+  constexpr std::size_t hidden = 32;
+  const moe_test::linear_experts f(experts, hidden, 3);
+  weave::local_world world(2);
+  world.run([&](local& comm) {
+    std::mt19937 rng(static_cast<std::uint32_t>(comm.rank()));
+    const auto in =
+        moe_test::random_input<float>(comm.rank() == 0 ? 5 : 0, hidden, experts, k, rng);
+    std::vector<float> y(in.x.rows() * hidden);
+    //! [decode]
+    weave::decode_options o;
+    o.k = k;
+    o.hidden = hidden;
+    o.max_tokens_per_rank = 16; // the slots: every buffer is allocated here, once
+    weave::decode_exchange<weave::local_communicator, float> layer(
+        comm, weave::placement::contiguous(experts, comm.size()), o);
+    weave::host_stream stream("decode");
+    auto h = layer.dispatch(in.x.elements(), in.ids, in.weights, stream); // one all-to-all
+    stream.submit([&f, xs = h.experts(), H = o.hidden] { // runs once the dispatch arrived
+      for (int l = 0; l < xs.local_experts(); ++l)       // xs.rows(l, source): rows of each source
+        for (std::size_t r = 0; r * H < xs.input(l).size(); ++r)
+          f.apply(xs.expert(l), xs.input(l).data() + r * H, xs.output(l).data() + r * H);
+    });
+    layer.combine(h, std::span<float>(y), stream); // one all-to-all; y = sum_j w_j f_j(x)
+    stream.synchronize(); // a failure on any rank throws here, on every rank
+    //! [decode]
+    CHECK(decode_test::bitwise_equal(y, decode_test::reference(in, k, f)));
+  });
+}
