@@ -3,14 +3,16 @@
 // routes and rows, then the combine: four collectives per layer), at 1, 8, 64 and 256 tokens
 // per rank, registered side by side so one run measures both.
 //
-// 4 in-process ranks, E = 32, k = 4, hidden 1024 bf16, on an emulated link of 20 us per
-// message and 25 GB/s per rank pair. The experts copy their input (no compute): the layer
+// 4 in-process ranks, E = 32, k = 4, hidden 256 bf16 (moe_bench_setup.hpp), on an emulated link of
+// 20 us per message and 25 GB/s per rank pair. The experts copy their input (no compute): the layer
 // time is the exchange's alone. Each decode exchange is sized for its batch
 // (max_tokens_per_rank = tokens), as an engine capturing one graph per batch-size bucket would
 // size one exchange per bucket. Each iteration is one layer on every rank (the slowest rank's
 // time, manual time); counters per rank and layer: collectives, messages (collectives times
 // the 3 peers) and bytes sent to peers.
 #include <benchmark/benchmark.h>
+
+#include "moe_bench_setup.hpp"
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
@@ -31,11 +33,9 @@
 
 namespace {
 
-constexpr int ranks = 4, experts = 32, k = 4;
-constexpr std::size_t hidden = 1024;
-using row_t = weave::bfloat16;
+using namespace moe_bench; // 4 ranks, E = 32, k = 4, hidden 256 bf16, random top-k rows
 
-weave::emulated_link link() {
+weave::emulated_link decode_link() {
   return {std::chrono::microseconds(20), 25e9};
 }
 
@@ -75,42 +75,18 @@ class counting_comm {
   weave::local_communicator* c_;
 };
 
-struct rank_data {
-  weave::host_matrix<row_t> x, y;
-  std::vector<std::int32_t> ids;
-  std::vector<float> weights;
-};
-
-rank_data make_data(std::size_t tokens, std::mt19937& rng) {
-  rank_data d{
-      weave::host_matrix<row_t>(tokens, hidden), weave::host_matrix<row_t>(tokens, hidden), {}, {}};
-  std::normal_distribution<float> n(0.0f, 1.0f);
-  for (row_t& v : d.x.elements())
-    v = row_t(n(rng));
-  std::vector<int> all(experts);
-  std::iota(all.begin(), all.end(), 0);
-  for (std::size_t t = 0; t < tokens; ++t) {
-    std::shuffle(all.begin(), all.end(), rng);
-    for (int j = 0; j < k; ++j) {
-      d.ids.push_back(all[static_cast<std::size_t>(j)]);
-      d.weights.push_back(1.0f / k);
-    }
-  }
-  return d;
-}
-
 enum class mode { dynamic = 0, decode = 1 };
 
 // Persistent ranks, each with its exchange and streams; `step()` runs one layer on all.
 class layer_ranks {
  public:
   layer_ranks(mode m, std::size_t tokens)
-      : world_(ranks, {std::chrono::seconds(60), link()})
+      : world_(ranks, {std::chrono::seconds(60), decode_link()})
       , start_(ranks + 1)
       , done_(ranks + 1) {
     std::mt19937 rng(7);
     for (int r = 0; r < ranks; ++r)
-      data_.push_back(make_data(tokens, rng));
+      data_.push_back(make_rank_data(tokens, rng));
     for (int r = 0; r < ranks; ++r)
       threads_.emplace_back([this, r, m, tokens] { serve(r, m, tokens); });
   }
@@ -148,12 +124,7 @@ class layer_ranks {
         stream.synchronize();
       });
     } else {
-      weave::moe_options o;
-      o.k = k;
-      o.hidden = hidden;
-      o.element = weave::dtype::bf16;
-      o.max_tokens = tokens;
-      weave::moe_exchange<counting_comm> ex(comm, where, o);
+      weave::moe_exchange<counting_comm> ex(comm, where, options(tokens, 1));
       loop(r, comm, [&] {
         ex.forward(
             d.x.view(), d.ids, d.weights, d.y.view(),

@@ -7,17 +7,10 @@
 #include <weave/core/dtype.hpp>
 #include <weave/exec/host_stream.hpp>
 
+#include "mpi_session.hpp"
+
 namespace {
-
-// MPI lives for the whole test executable (doctest's main runs inside it).
-struct mpi_session {
-  mpi_session() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  ~mpi_session() { MPI_Finalize(); }
-} session;
-
+const weave_test::mpi_session session; // MPI for the whole executable
 } // namespace
 
 TEST_CASE_TEMPLATE("decode_exchange over MPI equals the naive reference", T, float,
