@@ -69,6 +69,40 @@ void check_against_reference(Comm& comm, const weave::placement& where) {
   }
 }
 
+// Three calls enqueued back to back on one stream, the experts as tasks reading the view, and
+// one synchronize at the end: each output equals its reference (a call's queued work never
+// sees the next call's state).
+template <class Comm>
+void check_queued_calls(Comm& comm) {
+  const moe_test::linear_experts f(experts, hidden, 9);
+  weave::decode_exchange<Comm, float> ex(comm, weave::placement::contiguous(experts, comm.size()),
+                                         options());
+  typename Comm::stream_type s("decode");
+  std::vector<moe_test::rank_input<float>> inputs;
+  std::vector<std::vector<float>> ys;
+  for (int call = 0; call < 3; ++call) {
+    std::mt19937 rng(static_cast<std::uint32_t>(10 * comm.rank() + call));
+    inputs.push_back(
+        moe_test::random_input<float>(tokens_of(comm.rank(), call), hidden, experts, k, rng));
+    ys.emplace_back(inputs.back().x.rows() * hidden);
+  }
+  for (int call = 0; call < 3; ++call) {
+    const auto& in = inputs[static_cast<std::size_t>(call)];
+    auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+    s.submit([&f, xs = h.experts()] {
+      for (int l = 0; l < xs.local_experts(); ++l)
+        for (std::int64_t r = 0; r < xs.rows(l); ++r)
+          f.apply(xs.expert(l), xs.input(l).data() + r * static_cast<std::int64_t>(hidden),
+                  xs.output(l).data() + r * static_cast<std::int64_t>(hidden));
+    });
+    ex.combine(h, std::span<float>(ys[static_cast<std::size_t>(call)]), s);
+  }
+  s.synchronize();
+  for (int call = 0; call < 3; ++call)
+    CHECK(bitwise_equal(ys[static_cast<std::size_t>(call)],
+                        reference(inputs[static_cast<std::size_t>(call)], k, f)));
+}
+
 // How `bad` corrupts one rank's call.
 enum class fault { too_many_tokens, bad_id, nan_weight, duplicate_expert, wrong_output };
 

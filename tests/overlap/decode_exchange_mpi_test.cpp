@@ -24,3 +24,8 @@ TEST_CASE("decode_exchange over MPI: one rank's bad call fails every rank, none 
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_every_fault(comm);
 }
+
+TEST_CASE("decode_exchange over MPI: calls queued back to back without waiting") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_queued_calls(comm);
+}

@@ -29,6 +29,14 @@ TEST_CASE("decode_exchange with replicated experts equals the naive reference") 
   world.run([&](local& c) { decode_test::check_against_reference<float>(c, where); });
 }
 
+TEST_CASE("decode_exchange: calls queued back to back without waiting equal the reference") {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) { decode_test::check_queued_calls(c); });
+  }
+}
+
 TEST_CASE("decode_exchange fail-stop: one rank's bad call fails every rank, none hangs") {
   for (int ranks : {2, 4}) {
     CAPTURE(ranks);

@@ -91,10 +91,17 @@ class decode_exchange {
     expert_in_.assign(expert_elems, T{});
     expert_out_.assign(expert_elems, T{});
     sum_.assign(options_.hidden, 0.0f);
-    // Sizes the plan's buffers for the largest call: later builds do not allocate.
+    // Sizes the plan's buffers for the largest call (every token choosing k experts spread over
+    // as many devices as it can): later builds do not allocate.
+    std::vector<std::int32_t> spread;
+    for (std::size_t j = 0; spread.size() < k && j < D * spd; ++j) {
+      const int e = where_.expert_of_slot(static_cast<int>((j % D) * spd + j / D));
+      if (std::find(spread.begin(), spread.end(), e) == spread.end())
+        spread.push_back(e);
+    }
     std::vector<std::int32_t> ids(pairs);
     for (std::size_t p = 0; p < pairs; ++p)
-      ids[p] = static_cast<std::int32_t>(p % k);
+      ids[p] = spread[p % k];
     plan_.build(ids, std::vector<float>(pairs, 0.0f));
   }
 
@@ -117,15 +124,14 @@ class decode_exchange {
     WEAVE_EXPECT(!held_, errc::invalid_state,
                  "decode_exchange: a handle is alive; combine it (or release it) first");
     wait_last_call(s);
-    ready_.store(false, std::memory_order_relaxed);
-    failed_.store(false, std::memory_order_relaxed);
+    const std::uint64_t call = ++calls_; // tasks of several calls may be queued at once
     held_ = true;
     combined_ = false;
     s.submit([this, x, ids, weights] { pack_dispatch(x, ids, weights); });
     exchange(s);
-    s.submit([this] { unpack_dispatch(); });
+    s.submit([this, call] { unpack_dispatch(call); });
     s.record(done_);
-    return handle(this);
+    return handle(this, call);
   }
 
   //! Enqueues the combine of `h` on `s`: one all-to-all returns every expert output to its
@@ -137,7 +143,7 @@ class decode_exchange {
                  "decode_exchange::combine: a handle of another exchange (or an empty one)");
     wait_last_call(s);
     combined_ = true;
-    s.submit([this, y] { pack_combine(y); });
+    s.submit([this, y, call = h.call_] { pack_combine(y, call); });
     exchange(s);
     s.submit([this, y] { unpack_combine(y); });
     s.record(done_);
@@ -272,11 +278,11 @@ class decode_exchange {
       }
   }
 
-  void unpack_dispatch() {
+  void unpack_dispatch(std::uint64_t call) {
     try {
       check_headers();
     } catch (...) {
-      failed_.store(true, std::memory_order_release); // every rank knows: no combine follows
+      failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
       throw;
     }
     const std::size_t H = options_.hidden;
@@ -291,12 +297,12 @@ class decode_exchange {
       }
       expert_rows_[l] = static_cast<std::int64_t>(at);
     }
-    ready_.store(true, std::memory_order_release);
+    arrived_.store(call, std::memory_order_release);
   }
 
-  void pack_combine(std::span<T> y) {
+  void pack_combine(std::span<T> y, std::uint64_t call) {
     pack([&] {
-      WEAVE_EXPECT(ready_.load(std::memory_order_acquire), errc::invalid_state,
+      WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
                    "decode_exchange::combine after a dispatch that failed");
       WEAVE_EXPECT(y.size() == tokens_ * options_.hidden, errc::size_mismatch,
                    "decode_exchange::combine: an output of ", y.size(), " elements for ", tokens_,
@@ -342,10 +348,11 @@ class decode_exchange {
   }
 
   // --- what the handle reads -----------------------------------------------------------------
-  void expect_ready() const {
-    WEAVE_EXPECT(ready_.load(std::memory_order_acquire), errc::invalid_state,
-                 "decode_exchange: the dispatch has not run yet (read the expert rows in a task "
-                 "enqueued after it, or after synchronizing its stream)");
+  void expect_arrived(std::uint64_t call) const {
+    WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
+                 "decode_exchange: the dispatch has not run (read the expert rows in a task "
+                 "enqueued after it, or after synchronizing its stream), or it failed, or its "
+                 "combine has been issued");
   }
   void check_local(int l) const {
     WEAVE_EXPECT(l >= 0 && static_cast<std::size_t>(l) < spd(), errc::out_of_range, "local slot ",
@@ -356,14 +363,12 @@ class decode_exchange {
     return where_.expert_of_slot(rank_ * where_.slots_per_device() + l);
   }
   std::int64_t received_rows(int l, int source) const {
-    expect_ready();
     check_local(l);
     WEAVE_EXPECT(source >= 0 && static_cast<std::size_t>(source) < world(), errc::out_of_range,
                  "source rank ", source, " outside [0, ", world(), ")");
     return received_[static_cast<std::size_t>(l) * world() + static_cast<std::size_t>(source)];
   }
   std::int64_t received_rows(int l) const {
-    expect_ready();
     check_local(l);
     return expert_rows_[static_cast<std::size_t>(l)];
   }
@@ -378,8 +383,8 @@ class decode_exchange {
     return {out + static_cast<std::size_t>(l) * slot_rows_ * options_.hidden, n * options_.hidden};
   }
 
-  void release_handle() noexcept {
-    if (held_ && !combined_ && !failed_.load(std::memory_order_acquire))
+  void release_handle(std::uint64_t call) noexcept {
+    if (held_ && !combined_ && failed_call_.load(std::memory_order_acquire) != call)
       if constexpr (requires { comm_->abort(std::string()); })
         comm_->abort("a decode_exchange handle was released without its combine");
     held_ = false;
@@ -402,7 +407,8 @@ class decode_exchange {
   std::vector<float> sum_;                    // one token's f32 accumulator
   std::span<const float> weights_;            // the call's gate weights
   std::exception_ptr local_failure_;
-  std::atomic<bool> ready_{false}, failed_{false};
+  std::uint64_t calls_ = 0;                                // dispatches issued
+  std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
   bool held_ = false, combined_ = false;
   typename stream_type::event_type done_;
 };
