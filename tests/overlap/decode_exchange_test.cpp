@@ -45,7 +45,7 @@ TEST_CASE("decode_exchange fail-stop: one rank's bad call fails every rank, none
   }
 }
 
-TEST_CASE("decode_exchange refuses a second handle and a foreign one") {
+TEST_CASE("decode_exchange refuses a second handle, a foreign one and another stream") {
   weave::local_world world(1);
   world.run([&](local& c) {
     weave::decode_exchange<local, float> ex(c, weave::placement::contiguous(4, 1), {2, 4, 2});
@@ -55,6 +55,10 @@ TEST_CASE("decode_exchange refuses a second handle and a foreign one") {
     auto h = ex.dispatch(x, ids, w, s);
     CHECK(moe_test::error_code_of([&] { (void)ex.dispatch(x, ids, w, s); }) ==
           weave::errc::invalid_state);
+    weave::host_stream other("other");
+    CHECK(moe_test::error_code_of([&] { ex.combine(h, std::span<float>(y), other); }) ==
+          weave::errc::invalid_argument); // every call on the first call's stream
+    CHECK(h.valid());
     decltype(h) empty;
     CHECK(moe_test::error_code_of([&] { ex.combine(empty, std::span<float>(y), s); }) ==
           weave::errc::invalid_argument);

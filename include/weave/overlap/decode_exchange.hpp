@@ -46,9 +46,10 @@
 WEAVE_NAMESPACE_BEGIN
 
 //! The low-latency exchange of rank `comm.rank()` (see the file comment) for rows of `T`
-//! (`float`, `bfloat16` or `half`; sums are accumulated in f32). One call is in flight at a
-//! time: `dispatch` -> the caller's experts -> `combine`. Calls only enqueue on the given host
-//! stream; arguments are borrowed until it has run them.
+//! (`float`, `bfloat16` or `half`; sums are accumulated in f32). One handle is alive at a
+//! time: `dispatch` -> the caller's experts -> `combine`; the next call may be enqueued at
+//! once. Calls only enqueue, all on one host stream (the first call's; another is
+//! `errc::invalid_argument`); arguments are borrowed until the stream has run them.
 template <communicator Comm, class T>
 requires host_executor<typename Comm::stream_type>
 class decode_exchange {
@@ -123,14 +124,13 @@ class decode_exchange {
                   std::span<const float> weights, stream_type& s) {
     WEAVE_EXPECT(!held_, errc::invalid_state,
                  "decode_exchange: a handle is alive; combine it (or release it) first");
-    wait_last_call(s);
+    bind_stream(s);
     const std::uint64_t call = ++calls_; // tasks of several calls may be queued at once
     held_ = true;
     combined_ = false;
     s.submit([this, x, ids, weights] { pack_dispatch(x, ids, weights); });
     exchange(s);
     s.submit([this, call] { unpack_dispatch(call); });
-    s.record(done_);
     return handle(this, call);
   }
 
@@ -141,12 +141,11 @@ class decode_exchange {
   void combine(handle& h, std::span<T> y, stream_type& s) {
     WEAVE_EXPECT(h.ex_ == this, errc::invalid_argument,
                  "decode_exchange::combine: a handle of another exchange (or an empty one)");
-    wait_last_call(s);
+    bind_stream(s);
     combined_ = true;
     s.submit([this, y, call = h.call_] { pack_combine(y, call); });
     exchange(s);
     s.submit([this, y] { unpack_combine(y); });
-    s.record(done_);
     h.reset();
   }
 
@@ -154,12 +153,13 @@ class decode_exchange {
   friend handle;
   friend class decode_experts<decode_exchange>;
 
-  // The last call's work, perhaps on another stream, must be done with the buffers. A call
-  // that has completed needs no wait (and one that failed must not fail this one: every rank
-  // saw that failure, and every rank issues this call).
-  void wait_last_call(stream_type& s) {
-    if (!done_.query())
-      s.wait(done_);
+  // Every call runs on the stream of the first: stream order alone keeps a call's queued
+  // work off the next call's buffers, and every rank's calls fail or run alike.
+  void bind_stream(stream_type& s) {
+    if (stream_ == nullptr)
+      stream_ = &s;
+    WEAVE_EXPECT(stream_ == &s, errc::invalid_argument,
+                 "decode_exchange: every call runs on the stream of the first call");
   }
 
   // The one all-to-all of a phase: fixed-size messages, so counts never change.
@@ -410,7 +410,7 @@ class decode_exchange {
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
   bool held_ = false, combined_ = false;
-  typename stream_type::event_type done_;
+  stream_type* stream_ = nullptr; // the stream of every call
 };
 
 WEAVE_NAMESPACE_END
