@@ -99,6 +99,7 @@ class layer_ranks {
 
   // Seconds of the slowest rank's layer.
   double step() {
+    seconds_ = 0;
     start_.arrive_and_wait();
     done_.arrive_and_wait();
     return seconds_.load();
@@ -148,9 +149,7 @@ class layer_ranks {
       const auto t0 = std::chrono::steady_clock::now();
       layer();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      double seen = seconds_.load();
-      if (r == 0)
-        seconds_ = s, seen = s; // reset by rank 0 each step, raised by the others below
+      double seen = seconds_.load(); // the slowest rank's time (reset by `step`)
       while (s > seen && !seconds_.compare_exchange_weak(seen, s)) {
       }
       if (r == 0 && step == 0) {
