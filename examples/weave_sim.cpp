@@ -19,7 +19,7 @@ using namespace weave::sim;
 const char* usage = R"(usage: weave-sim [options]
 cluster:  --cluster h100|h200|a100   --nodes N   --cluster-file PATH
 model:    --layers N --hidden N --ffn N --experts N --k N --tokens N (per GPU) --bytes N
-routing:  --trace PATH (replayed on every layer) | synthetic: --zipf S --affinity A
+routing:  --trace PATH (layer l replays the file's layer l mod its layers) | synthetic: --zipf S --affinity A
           --clusters N --seed N --distinct-layers N (default 4)
 compare:  --placements contiguous,collaborative,replicated   --redundant N (replica slots)
           --limits 0,4 (device limit M, 0 = none)   --degrees 1,2,4
@@ -149,7 +149,7 @@ int run(int argc, char** argv) {
       cluster_file.empty() ? cluster::from_preset(preset, nodes) : read_cluster_file(cluster_file);
   m.validated();
   if (!trace_file.empty())
-    src.trace = weave::read_trace_file(trace_file);
+    src.layer_traces = weave::read_trace_layers_file(trace_file).layers; // layer l: l % count
   src.distinct_layers = distinct;
   const weave::topology topo = c.topology();
   const int D = c.num_ranks();

@@ -2,11 +2,13 @@
 // the baseline copies each rank's receive volume with one memcpy per rank on the same kind of
 // host_stream, which is the most a shared-memory exchange can move. Arguments: ranks, bytes per
 // rank, traffic (0 uniform, 1 skewed). Counters follow nccl-tests (algbw, busbw in GB/s).
+// `count_exchange`: a plain count exchange beside the status-carrying one of weave's layers.
 #include <benchmark/benchmark.h>
 
 #include "traffic.hpp"
 
 #include <weave/comm/local_world.hpp>
+#include <weave/comm/status_exchange.hpp>
 
 #include <chrono>
 #include <cstring>
@@ -128,6 +130,37 @@ void local_world_overlap(benchmark::State& state) {
       double(options.link.transfer_time(per_rank / n).count()) * 1e-3;
 }
 
+// A chunk's count exchange (one count per peer) as the exchanges ran it before they carried a
+// status (`plain`, the baseline) and with every rank's status beside the counts
+// (`with_status`): what the fail-stop status costs each chunk on the success path.
+void count_exchange(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  const bool with_status = state.range(1) != 0;
+  weave::local_world world(n);
+  std::vector<std::unique_ptr<weave::host_stream>> streams;
+  std::vector<weave::counts_with_status<weave::local_communicator>> status;
+  std::vector<weave::status_block> blocks;
+  std::vector<std::vector<std::int64_t>> send, recv;
+  for (int r = 0; r < n; ++r) {
+    streams.push_back(std::make_unique<weave::host_stream>("rank"));
+    status.emplace_back(n, r, 1, "bench");
+    blocks.push_back(status.back().make_block());
+    send.emplace_back(std::size_t(n), r + 1);
+    recv.emplace_back(std::size_t(n), 0);
+  }
+  for (auto _ : state) {
+    for (int r = 0; r < n; ++r) {
+      const auto i = std::size_t(r);
+      if (with_status)
+        status[i].exchange(world.comm(r), *streams[i], blocks[i], send[i], recv[i]);
+      else
+        world.comm(r).exchange_counts(*streams[i], send[i], recv[i]);
+    }
+    for (auto& s : streams)
+      s->synchronize();
+  }
+}
+
 } // namespace
 
 // Each (ranks, bytes, traffic) point runs the baseline and weave back to back, so that the ratio
@@ -143,6 +176,13 @@ int main(int argc, char** argv) {
               ->ArgNames({"ranks", "bytes", "skewed"})
               ->UseRealTime()
               ->Unit(benchmark::kMicrosecond);
+  for (int n : {2, 4})
+    for (int with_status : {0, 1})
+      benchmark::RegisterBenchmark("count_exchange", count_exchange)
+          ->Args({n, with_status})
+          ->ArgNames({"ranks", "with_status"})
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
   for (int mode : {0, 1, 2})
     benchmark::RegisterBenchmark("local_world_overlap", local_world_overlap)
         ->Arg(mode)

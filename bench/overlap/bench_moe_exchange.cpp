@@ -11,6 +11,12 @@
 // iteration is one forward on every rank; the reported time is rank 0's makespan (manual
 // time), with counters: exposed_comm_ms (makespan - compute-stream busy time), compute_ms,
 // comm_ms. Compare a ratio's C = 1 row with its C > 1 rows.
+//
+// `moe_call_overhead`: the same 4 ranks with no link and no expert time, 64 or 1024 tokens per
+// rank, C = 1 or 4, one forward through the callback form (form 0) or two micro-batches through
+// handles, both dispatched before either is computed (form 1): the time of a step is then the
+// layer's own cost (planning, count exchanges, copies, stream hand-offs), which is where a change
+// of the success path shows.
 #include <benchmark/benchmark.h>
 
 #include "moe_bench_setup.hpp"
@@ -156,6 +162,85 @@ class layer_ranks {
 
 void run_steps(benchmark::State& state, layer_ranks& layer, int chunks, double ratio);
 
+// The layer's own cost per step, with no link and no expert time (the experts copy their rows).
+// Persistent ranks as in `layer_ranks`; each step is one forward on every rank (form 0) or two
+// micro-batches' forwards through handles (form 1), timed on rank 0 from its start to both of
+// its streams drained.
+class overhead_ranks {
+ public:
+  overhead_ranks(int chunks, std::size_t tokens_per_rank, int form)
+      : world_(ranks)
+      , start_(ranks + 1)
+      , done_(ranks + 1) {
+    for (int r = 0; r < ranks; ++r)
+      threads_.emplace_back(
+          [this, r, chunks, tokens_per_rank, form] { serve(r, chunks, tokens_per_rank, form); });
+  }
+  ~overhead_ranks() {
+    stop_ = true;
+    start_.arrive_and_wait();
+    for (auto& t : threads_)
+      t.join();
+  }
+  double step_seconds() {
+    start_.arrive_and_wait();
+    done_.arrive_and_wait();
+    return seconds_;
+  }
+
+ private:
+  void serve(int r, int chunks, std::size_t n, int form) {
+    weave::moe_options o = options(n, chunks);
+    o.max_in_flight = 2;
+    using exchange = weave::moe_exchange<weave::local_communicator>;
+    exchange ex(world_.comm(r), weave::placement::contiguous(experts, ranks), o);
+    weave::host_stream compute("compute"), stream("comm");
+    std::mt19937 rng(11 + static_cast<unsigned>(r));
+    rank_data a = make_rank_data(n, rng), b = make_rank_data(n, rng);
+    const auto copy = [](const weave::expert_batch& e) { emulated_experts(e.input, e.output, e.expert_offsets, 0.0); };
+    for (;;) {
+      start_.arrive_and_wait();
+      if (stop_)
+        return;
+      const auto begin = std::chrono::steady_clock::now();
+      if (form == 0) {
+        ex.forward(a.x.view(), a.ids, a.weights, a.y.view(), copy, compute, stream);
+      } else { // b's dispatch runs under a's experts (DualPipe's order)
+        exchange::handle ha = ex.dispatch(a.x.view(), a.ids, a.weights, compute, stream);
+        exchange::handle hb = ex.dispatch(b.x.view(), b.ids, b.weights, compute, stream);
+        for (exchange::handle* h : {&ha, &hb}) {
+          for (const exchange::chunk c : ex.chunks(*h))
+            compute.submit([c, copy] { copy(c.experts()); });
+          ex.combine(*h, (h == &ha ? a : b).y.view(), compute, stream);
+        }
+      }
+      compute.synchronize();
+      stream.synchronize();
+      if (r == 0)
+        seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+      done_.arrive_and_wait();
+    }
+  }
+
+  weave::local_world world_;
+  std::barrier<> start_, done_;
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+  double seconds_ = 0;
+};
+
+void moe_call_overhead(benchmark::State& state) {
+  overhead_ranks layer(static_cast<int>(state.range(0)), static_cast<std::size_t>(state.range(1)),
+                       static_cast<int>(state.range(2)));
+  for (int warm = 0; warm < 3; ++warm)
+    layer.step_seconds();
+  for (auto _ : state)
+    state.SetIterationTime(layer.step_seconds());
+  state.counters["chunks"] = static_cast<double>(state.range(0));
+  state.counters["tokens"] = static_cast<double>(state.range(1));
+  state.counters["form"] = static_cast<double>(state.range(2));
+}
+
 void moe_layer(benchmark::State& state) {
   const int chunks = static_cast<int>(state.range(0));
   const double ratio = static_cast<double>(state.range(1)) / 100.0;
@@ -219,5 +304,12 @@ BENCHMARK(moe_block)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond)
     ->Iterations(5);
+
+BENCHMARK(moe_call_overhead)
+    ->ArgNames({"chunks", "tokens", "form"})
+    ->ArgsProduct({{1, 4}, {64, 1024}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->MinTime(1.0);
 
 BENCHMARK_MAIN();

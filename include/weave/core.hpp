@@ -7,6 +7,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/core/fp8.hpp"
 #include "weave/core/host_matrix.hpp"
 #include "weave/core/memory.hpp"

@@ -4,11 +4,14 @@
 #include <doctest/doctest.h>
 
 #include <weave/comm.hpp>
+#include <weave/core/failure.hpp>
 
 #include <chrono>
 #include <cstdint>
 #include <future>
 #include <stdexcept>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -219,6 +222,10 @@ TEST_CASE("one communicator's operations running out of order are rejected") {
         second.synchronize();
       } catch (...) {
         gate.set_value();
+        try { // observe the first stream's failure too
+          first.synchronize();
+        } catch (...) {
+        }
         throw;
       }
       gate.set_value();
@@ -231,4 +238,80 @@ TEST_CASE("one communicator's operations running out of order are rejected") {
   });
   CHECK(code_of(failures[0]) == weave::errc::invalid_state);
   CHECK(code_of(failures[1]) == weave::errc::peer_failure);
+}
+
+TEST_CASE("ranks match operations in the order they run: a skipped one matches nothing") {
+  // Rank 0's stream fails before its first barrier, which is skipped; once it recovered, its
+  // all-to-all must meet rank 1's all-to-all (not rank 1's barrier-free history), as in MPI.
+  weave::local_world world(2, quick());
+  std::vector<std::vector<std::int32_t>> got(2);
+  world.run([&](weave::local_communicator& comm) {
+    weave::host_stream s;
+    const int r = comm.rank();
+    if (r == 0) {
+      s.submit([] { throw std::runtime_error("local failure"); });
+      comm.barrier(s); // skipped: the stream failed
+      CHECK_THROWS_AS(s.synchronize(), std::runtime_error);
+    }
+    std::vector<std::int32_t> send = {10 * r, 10 * r + 1}, recv(2, -1);
+    const std::vector<std::int64_t> counts{4, 4}, displs{0, 4};
+    comm.all_to_all_v(s, send.data(), counts, displs, recv.data(), counts, displs);
+    s.synchronize();
+    got[std::size_t(r)] = recv;
+  });
+  CHECK(got[0] == std::vector<std::int32_t>{0, 10});
+  CHECK(got[1] == std::vector<std::int32_t>{1, 11});
+}
+
+TEST_CASE("a peer_error names the rank where the failure started, its code and its message") {
+  weave::local_world world(3, quick());
+  auto failures = world.run_collect([&](weave::local_communicator& comm) {
+    weave::host_stream s;
+    if (comm.rank() == 2) {
+      comm.abort(weave::failure_record{2, weave::errc::out_of_range, true, "expert 9 of 8"});
+      return;
+    }
+    comm.barrier(s);
+    s.synchronize();
+  });
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(failures[std::size_t(r)]);
+    try {
+      std::rethrow_exception(failures[std::size_t(r)]);
+    } catch (const weave::peer_error& e) {
+      CHECK(e.code() == weave::errc::peer_failure);
+      CHECK(e.origin().rank == 2);
+      CHECK(e.origin().code == weave::errc::out_of_range);
+      CHECK(e.origin().message == "expert 9 of 8");
+      CHECK(e.message().find("rank 2 failed with out_of_range: expert 9 of 8") !=
+            std::string::npos);
+    }
+  }
+  CHECK_FALSE(failures[2]);
+}
+
+TEST_CASE("local_world::run reports the root cause first, then every rank's error") {
+  weave::local_world world(3, quick());
+  try {
+    world.run([&](weave::local_communicator& comm) {
+      weave::host_stream s;
+      if (comm.rank() == 1) {
+        std::this_thread::sleep_for(20ms); // the others wait in the barrier already
+        WEAVE_THROW(weave::errc::invalid_argument, "bad input on rank one");
+      }
+      comm.barrier(s);
+      s.synchronize();
+    });
+    FAIL("run did not throw");
+  } catch (const weave::peer_error&) {
+    FAIL("run reported a consequence, not the root cause");
+  } catch (const weave::error& e) {
+    CHECK(e.code() == weave::errc::invalid_argument);
+    const std::string m = e.message();
+    CHECK(m.rfind("bad input on rank one", 0) == 0); // the root cause first
+    const auto r0 = m.find("[rank 0] weave peer_failure"), r2 = m.find("[rank 2] weave peer_failure");
+    CHECK(r0 != std::string::npos);
+    CHECK(r2 != std::string::npos);
+    CHECK(r0 < r2);
+  }
 }

@@ -5,29 +5,28 @@
 #include <doctest/doctest.h>
 
 #include "a2a_cases.hpp"
+#include "mpi_session.hpp"
 
 #include <weave/comm.hpp>
 #include <weave/comm/mpi_communicator.hpp>
+#include <weave/core/failure.hpp>
 
 #include <mpi.h>
 
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
 namespace {
 
-// MPI lives for the whole test executable (doctest's main runs inside it).
-struct mpi_lifetime {
-  mpi_lifetime() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  ~mpi_lifetime() { MPI_Finalize(); }
-} mpi_for_the_whole_run;
+// Buffers of collectives abandoned after an abort (MPI may write into them until MPI_Finalize).
+weave_test::kept_until_finalize abandoned;
+const weave_test::mpi_session mpi_for_the_whole_run;
 
 int world_rank() {
   int r = 0;
@@ -212,13 +211,104 @@ TEST_CASE("a peer that arrives after the timeout makes the waiting rank fail wit
   } else {
     std::this_thread::sleep_for(600ms); // "never" arrives within rank 0's timeout
     comm.barrier(s);
-    try { // completes once rank 0 progresses MPI again below, or times out: both are fine here
+    try { // rank 0's timeout aborted the communicator: the late rank learns it at once
       s.synchronize();
-    } catch (const weave::error& e) {
-      CHECK(e.code() == weave::errc::timeout);
+      FAIL("a late rank did not learn of rank 0's timeout");
+    } catch (const weave::peer_error& e) {
+      CHECK(e.origin().rank == 0);
+      CHECK(e.origin().code == weave::errc::timeout);
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD); // rank 0's orphaned request completes here; the comm is dropped
+  CHECK(comm.aborted());
+  MPI_Barrier(MPI_COMM_WORLD); // the caller's communicator is unaffected
+}
+
+TEST_CASE("an abort reaches every peer at once, naming the rank, its code and its message") {
+  using namespace std::chrono_literals;
+  weave::mpi_options options;
+  options.timeout = 60s; // the peers must not need it
+  weave::mpi_communicator comm(MPI_COMM_WORLD, options);
+  weave::host_stream s;
+  const auto start = std::chrono::steady_clock::now();
+  if (comm.rank() == world_size() - 1) {
+    std::this_thread::sleep_for(50ms); // the others are waiting in the barrier
+    comm.abort(
+        weave::failure_record{comm.rank(), weave::errc::invalid_argument, true, "NaN gate weight"});
+    comm.barrier(s);
+    try {
+      s.synchronize();
+      FAIL("an aborted communicator ran a barrier");
+    } catch (const weave::error& e) {
+      CHECK(e.code() == weave::errc::invalid_argument);
+      CHECK(e.message().find("NaN gate weight") != std::string::npos);
+    }
+  } else {
+    comm.barrier(s);
+    try {
+      s.synchronize();
+      FAIL("a peer of an aborted rank finished its barrier");
+    } catch (const weave::peer_error& e) {
+      CHECK(e.origin().rank == world_size() - 1);
+      CHECK(e.origin().code == weave::errc::invalid_argument);
+      CHECK(e.origin().message == "NaN gate weight");
+    }
+    comm.barrier(s); // later operations fail at once
+    CHECK_THROWS_AS(s.synchronize(), weave::peer_error);
+  }
+  CHECK(comm.aborted());
+  CHECK(std::chrono::steady_clock::now() - start < 30s);
+  MPI_Barrier(MPI_COMM_WORLD); // the caller's communicator is unaffected
+}
+
+TEST_CASE("MPI errors become errc::mpi naming the operation and MPI's text") {
+  // Open MPI reports errors inside its non-blocking collectives through MPI_COMM_WORLD's
+  // handler (see mpi_communicator): return them here, as the header documents.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  {
+    weave::mpi_communicator comm(MPI_COMM_WORLD);
+    weave::host_stream s;
+    const int n = comm.size(), r = comm.rank();
+    // Rank 0 sends 8 bytes to rank 1, which expects 4: rank 1's receive is truncated.
+    const auto ranks = static_cast<std::size_t>(n);
+    std::vector<std::int64_t> send_counts(ranks, 4), recv_counts(ranks, 4), displs(ranks);
+    for (int j = 0; j < n; ++j)
+      displs[std::size_t(j)] = 8 * j;
+    if (r == 0)
+      send_counts[1] = 8;
+    auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));
+    auto recv = std::make_shared<std::vector<std::byte>>(send->size());
+    abandoned.keep(send);
+    abandoned.keep(recv);
+    comm.all_to_all_v(s, send->data(), send_counts, displs, recv->data(), recv_counts, displs);
+    if (r == 1) {
+      try {
+        s.synchronize();
+        FAIL("a truncated receive went unnoticed");
+      } catch (const weave::error& e) {
+        CHECK(e.code() == weave::errc::mpi);
+        CHECK(e.message().find("all_to_all_v") != std::string::npos);
+        CHECK(e.message().find("MPI_ERR_TRUNCATE") != std::string::npos);
+      }
+      CHECK(comm.aborted()); // its peers may wait for it: it told them
+    } else {
+      try {
+        s.synchronize(); // completes, or learns of rank 1's failure: both are fine here
+      } catch (const weave::peer_error& e) {
+        CHECK(e.origin().rank == 1);
+        CHECK(e.origin().code == weave::errc::mpi);
+      }
+      comm.barrier(s); // rank 1's notice reaches every peer
+      try {
+        s.synchronize();
+        FAIL("rank 1's MPI error did not reach rank ", r);
+      } catch (const weave::peer_error& e) {
+        CHECK(e.origin().rank == 1);
+        CHECK(e.origin().code == weave::errc::mpi);
+      }
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
 }
 
 TEST_CASE("a real exchange of more than 2^31 bytes per peer (opt-in: WEAVE_COMM_LARGE_TEST=1)") {

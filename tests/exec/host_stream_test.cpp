@@ -9,6 +9,7 @@
 #include <chrono>
 #include <future>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -121,6 +122,46 @@ TEST_CASE("a waiter on a failed stream fails instead of hanging or running on ba
   CHECK_THROWS_WITH_AS(e.synchronize(), "dispatch failed", std::runtime_error);
   CHECK_THROWS_AS(producer.synchronize(), std::runtime_error);
   CHECK_NOTHROW(producer.synchronize()); // cleared
+}
+
+TEST_CASE("submit_always runs on a failed stream, sees the failure and decides what stays") {
+  weave::host_stream s;
+  std::vector<int> ran;
+  s.submit([] { throw std::runtime_error("first"); });
+  s.submit([&] { ran.push_back(1); }); // skipped
+  std::string seen;
+  s.submit_always([&](std::exception_ptr failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      seen = e.what();
+    }
+    return std::exception_ptr{}; // cleared: later tasks run again
+  });
+  s.submit([&] { ran.push_back(2); });
+  s.submit_always([&](std::exception_ptr failure) {
+    CHECK_FALSE(failure); // healthy here
+    ran.push_back(3);
+    return std::make_exception_ptr(std::runtime_error("second"));
+  });
+  const weave::host_event after = s.record();
+  s.submit([&] { ran.push_back(4); }); // skipped: the failure the task returned stays
+  s.submit_always([&](std::exception_ptr failure) {
+    ran.push_back(5);
+    return failure; // kept
+  });
+  try {
+    s.synchronize();
+    FAIL("the failure returned by submit_always was lost");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "second");
+  }
+  CHECK(seen == "first");
+  CHECK(ran == std::vector<int>{2, 3, 5});
+  CHECK_THROWS_AS(after.synchronize(), std::runtime_error); // events carry it
+  s.submit_always([](std::exception_ptr) -> std::exception_ptr { throw std::logic_error("thrown"); });
+  CHECK_THROWS_AS(s.synchronize(), std::logic_error); // a throw fails the stream too
+  s.synchronize();                                    // and synchronize cleared it
 }
 
 TEST_CASE("many threads may submit concurrently") {

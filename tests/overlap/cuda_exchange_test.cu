@@ -333,9 +333,12 @@ TEST_CASE("a static-shape cuda_moe_exchange over NCCL runs inside a CUDA graph")
   WEAVE_NCCL_CHECK(ncclCommDestroy(raw));
 }
 
-TEST_CASE("cuda_moe_exchange flags a bad expert id without hanging its peers") {
+TEST_CASE("cuda_moe_exchange fails every rank at the count exchange after a bad expert id") {
+  // Dynamic shapes: the flags travel with the chunk's count exchange and the host reads them
+  // there, so rank 0 throws its out_of_range and rank 1 a peer_error naming rank 0.
   weave::cuda_local_world world(2);
   std::vector<weave::errc> codes(2, weave::errc{});
+  std::vector<int> origins(2, -1);
   world.run([&](weave::cuda_local_communicator& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
     std::mt19937 rng(4 + static_cast<unsigned>(r));
@@ -350,10 +353,15 @@ TEST_CASE("cuda_moe_exchange flags a bad expert id without hanging its peers") {
     o.save_for_backward = true;
     try {
       run_rank<float>(comm, weave::placement::contiguous(4, 2), o, in, experts);
+    } catch (const weave::peer_error& e) {
+      codes[r] = e.code();
+      origins[r] = e.origin().rank;
+      CHECK(e.origin().code == weave::errc::out_of_range);
     } catch (const weave::error& e) {
       codes[r] = e.code();
     }
   });
   CHECK(codes[0] == weave::errc::out_of_range);
-  CHECK(codes[1] == weave::errc{});
+  CHECK(codes[1] == weave::errc::peer_failure);
+  CHECK(origins[1] == 0);
 }

@@ -221,12 +221,20 @@ TEST_CASE("device exchange decides capacity like moe_exchange, for every order")
 }
 
 TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slots") {
-  // Rank 0 passes a bad id, a duplicate or a NaN weight: its peers do not hang (flagged ids are
-  // treated as absent, so every shape stays consistent) and check_errors reports the kind.
+  // Rank 0 passes a bad id, a duplicate or a NaN weight: flagged ids are treated as absent, so
+  // every shape stays consistent and nobody hangs; the flags travel with the count exchange, so
+  // rank 0 reports the kind and rank 1 a peer_failure naming rank 0 and that kind: with dynamic
+  // shapes both streams fail at that exchange, with static shapes check_errors reports it.
   const auto where = weave::placement::contiguous(4, 2);
-  const auto code_of = [&](auto&& poison, bool fixed, std::size_t slot_rows) {
+  struct outcome {
+    weave::errc code{};
+    int origin = -1; // rank named by a peer_error
+    weave::errc origin_code{};
+  };
+  const auto outcomes = [&](auto&& poison, bool fixed, std::size_t slot_rows,
+                            bool idle_peer = false) {
     weave::local_world world(2, {std::chrono::seconds(20), {}});
-    std::vector<weave::errc> codes(2, weave::errc{});
+    std::vector<outcome> out(2);
     world.run([&](weave::local_communicator& comm) {
       const auto r = static_cast<std::size_t>(comm.rank());
       setup s;
@@ -238,6 +246,8 @@ TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slo
       auto in = moe_test::random_input<float>(12, s.hidden, 4, 2, rng);
       if (r == 0)
         poison(in);
+      if (r == 1 && idle_peer) // every choice "no expert": sends nothing, so cannot overflow
+        std::fill(in.ids.begin(), in.ids.end(), -1);
       weave::host_matrix<float> y(12, s.hidden);
       device_exchange ex(comm, where, options_of(s, weave::dtype::f32, 2));
       aligned_buffer ws(ex.workspace_size());
@@ -250,30 +260,39 @@ TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slo
                 {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
           },
           compute, comm_stream);
-      compute.synchronize();
-      comm_stream.synchronize();
       try {
-        ex.check_errors(compute);
+        ex.synchronize(compute, comm_stream);
+      } catch (const weave::peer_error& e) {
+        out[r] = {e.code(), e.origin().rank, e.origin().code};
       } catch (const weave::error& e) {
-        codes[r] = e.code();
+        out[r].code = e.code();
       }
+      CHECK(ex.usable()); // the ranks failed together: the layer can be called again
     });
-    return codes;
+    return out;
+  };
+  const auto expect = [](const std::vector<outcome>& got, weave::errc code) {
+    CHECK(got[0].code == code);
+    CHECK(got[1].code == weave::errc::peer_failure);
+    CHECK(got[1].origin == 0);
+    CHECK(got[1].origin_code == code);
   };
   const auto none = [](moe_test::rank_input<float>&) {};
   for (const bool fixed : {false, true}) {
     CAPTURE(fixed);
-    CHECK(code_of(none, fixed, 0) == std::vector<weave::errc>(2, weave::errc{}));
+    const auto clean = outcomes(none, fixed, 0);
+    CHECK(clean[0].code == weave::errc{});
+    CHECK(clean[1].code == weave::errc{});
     const auto bad_id = [](moe_test::rank_input<float>& in) { in.ids[5] = 4; };
-    CHECK(code_of(bad_id, fixed, 0)[0] == weave::errc::out_of_range);
+    expect(outcomes(bad_id, fixed, 0), weave::errc::out_of_range);
     const auto negative = [](moe_test::rank_input<float>& in) { in.ids[3] = -7; };
-    CHECK(code_of(negative, fixed, 0)[0] == weave::errc::out_of_range);
+    expect(outcomes(negative, fixed, 0), weave::errc::out_of_range);
     const auto twice = [](moe_test::rank_input<float>& in) { in.ids[7] = in.ids[6] = 1; };
-    CHECK(code_of(twice, fixed, 0)[0] == weave::errc::invalid_argument);
+    expect(outcomes(twice, fixed, 0), weave::errc::invalid_argument);
     const auto nan = [](moe_test::rank_input<float>& in) {
       in.weights[2] = std::numeric_limits<float>::quiet_NaN();
     };
-    CHECK(code_of(nan, fixed, 0)[0] == weave::errc::invalid_argument);
+    expect(outcomes(nan, fixed, 0), weave::errc::invalid_argument);
   }
   // Slots of 2 rows cannot hold a chunk of 6 tokens sent mostly to one peer.
   const auto crowd = [](moe_test::rank_input<float>& in) {
@@ -282,8 +301,10 @@ TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slo
       in.ids[i + 1] = 1;
     }
   };
-  CHECK(code_of(crowd, true, 2)[0] == weave::errc::size_overflow);
-  CHECK(code_of(crowd, true, 6) == std::vector<weave::errc>(2, weave::errc{}));
+  expect(outcomes(crowd, true, 2, true), weave::errc::size_overflow);
+  const auto roomy = outcomes(crowd, true, 6);
+  CHECK(roomy[0].code == weave::errc{});
+  CHECK(roomy[1].code == weave::errc{});
 }
 
 TEST_CASE("device exchange rejects bad arguments") {
@@ -303,6 +324,8 @@ TEST_CASE("device exchange rejects bad arguments") {
             weave::moe_exchange<weave::local_communicator>(comm, where, fixed);
           }) == weave::errc::not_supported);
     device_exchange ex(comm, where, o);
+    aligned_buffer ws(ex.workspace_size()); // outlives the streams: rejected calls still take
+                                            // their turn on them, which uses the workspace
     weave::host_matrix<float> x(8, 4), y(8, 4), wide(8, 5), many(9, 4);
     std::vector<std::int32_t> ids(16, 0);
     std::vector<float> w(16, 1.0f);
@@ -310,7 +333,6 @@ TEST_CASE("device exchange rejects bad arguments") {
     const auto noop = [](const weave::device_expert_batch<weave::host_space>&) {};
     CHECK(moe_test::error_code_of([&] { ex.forward(x.view(), ids, w, y.view(), noop, a, b); }) ==
           weave::errc::invalid_state); // not initialised
-    aligned_buffer ws(ex.workspace_size());
     CHECK(moe_test::error_code_of([&] { ex.initialize(ws.ptr, ws.size / 2, a); }) ==
           weave::errc::size_mismatch);
     ex.initialize(ws.ptr, ws.size, a);

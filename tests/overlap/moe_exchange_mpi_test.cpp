@@ -17,20 +17,14 @@
 
 #include "aligned_buffer.hpp"
 #include "handle_support.hpp"
+#include "mpi_session.hpp"
 
 #include <cstring>
 #include <random>
 
 namespace {
 
-// MPI lives for the whole test executable (doctest's main runs inside it).
-struct mpi_session {
-  mpi_session() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  ~mpi_session() { MPI_Finalize(); }
-} session;
+const weave_test::mpi_session session;
 
 using exchange = weave::moe_exchange<weave::mpi_communicator>;
 

@@ -323,9 +323,9 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::
     }
     CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
           weave::errc::invalid_state); // twice
-    weave::host_matrix<float> short_dy(1, s.hidden);
-    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(h, short_dy, c, st); }) ==
-          weave::errc::size_mismatch);
+    // (Rows of the wrong size at combine / combine_backward / dispatch_backward are bad input and
+    // abort the communicator: the fault matrix checks those. The handle misuse here issues
+    // nothing and aborts nothing: the handle stays as it was.)
     auto moved = std::move(g);
     CHECK(!g.valid());
     CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(g, in.x, c, st); }) ==
@@ -334,9 +334,6 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::
     CHECK(l.ex.handles_in_flight() == 1);
     l.ex.combine_backward(h, in.x, c, st);
     handle_test::compute_experts(l.ex, h, lin, c, true);
-    std::vector<float> short_dw(1);
-    CHECK(moe_test::error_code_of([&] { l.ex.dispatch_backward(h, dx, short_dw, c, st); }) ==
-          weave::errc::size_mismatch);
     l.ex.dispatch_backward(h, dx, dw, c, st);
     CHECK(h.phase() == weave::moe_phase::finished);
     // An output given to chunks() is being written: combine must name the same one.

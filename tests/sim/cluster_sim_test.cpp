@@ -16,6 +16,7 @@
 
 using weave::errc;
 using weave::placement;
+using weave::routing_trace;
 using namespace weave::sim;
 
 namespace {
@@ -394,4 +395,39 @@ TEST_CASE("simulate_cluster scales volumes with sampling and reports consistent 
   moe_model bad = m;
   bad.k = 40;
   CHECK(code_of([&] { simulate_cluster(c, bad, p, src, o); }) == errc::invalid_argument);
+}
+
+TEST_CASE("per-layer traces: layer l replays trace l mod count, each as that trace alone") {
+  ring_case rc;
+  sim_options o;
+  o.kernel_fixed_us = 1.0;
+  const routing_trace ring = rc.src.trace;
+  const routing_trace home{4, 1, {0, 1, 2, 3}}; // every rank routes to its own expert
+  routing_source layered;
+  layered.layer_traces = {home, ring};
+  rc.m.layers = 3;
+  CHECK(routing_pool_count(layered, rc.m.layers) == 2);
+  CHECK(routing_pool_count(layered, 1) == 1);
+  CHECK(routing_pool(layered, rc.m, 4, 0, 0) == home);
+  CHECK(routing_pool(layered, rc.m, 4, 0, 1) == ring);
+  CHECK(routing_pool(layered, rc.m, 4, 0, 2) == home);
+  const sim_result got = simulate_cluster(rc.c, rc.m, rc.p, layered, o);
+  REQUIRE(got.layers.size() == 3);
+  rc.m.layers = 1;
+  routing_source alone;
+  for (const auto& [l, t] : {std::pair{0, home}, std::pair{1, ring}, std::pair{2, home}}) {
+    CAPTURE(l);
+    alone.trace = t;
+    const layer_result want = simulate_cluster(rc.c, rc.m, rc.p, alone, o).layers[0];
+    const layer_result& have = got.layers[static_cast<std::size_t>(l)];
+    CHECK(have.makespan_us == doctest::Approx(want.makespan_us));
+    CHECK(have.max_sent_bytes == doctest::Approx(want.max_sent_bytes));
+    CHECK(have.inter_bytes == doctest::Approx(want.inter_bytes));
+  }
+  CHECK(got.layers[0].max_sent_bytes == 0.0); // the home layer sends nothing
+  CHECK(got.layers[1].max_sent_bytes > 0.0);
+  routing_source wrong;
+  wrong.layer_traces = {ring, routing_trace{8, 1, {0, 1, 2, 3}}};
+  rc.m.layers = 2;
+  CHECK(code_of([&] { simulate_cluster(rc.c, rc.m, rc.p, wrong, o); }) == errc::size_mismatch);
 }

@@ -1,8 +1,12 @@
-// MPI for the whole life of an MPI test executable (doctest's main runs inside it), with
-// MPI_THREAD_MULTIPLE: the communicator's operations run on host stream threads.
+// MPI for the whole test executable: define one `mpi_session` object at namespace scope (doctest's
+// main runs inside its lifetime). MPI_THREAD_MULTIPLE, as weave's MPI tests need.
 #pragma once
 
 #include <mpi.h>
+
+#include <memory>
+#include <utility>
+#include <vector>
 
 namespace weave_test {
 
@@ -14,6 +18,16 @@ struct mpi_session {
   ~mpi_session() { MPI_Finalize(); }
   mpi_session(const mpi_session&) = delete;
   mpi_session& operator=(const mpi_session&) = delete;
+};
+
+// What MPI may still touch until MPI_Finalize: the buffers (and communicators) of a collective
+// abandoned after an abort. Define one before the `mpi_session`, so it is destroyed after it.
+struct kept_until_finalize {
+  std::vector<std::shared_ptr<void>> things;
+  template <class T>
+  void keep(std::shared_ptr<T> thing) {
+    things.push_back(std::move(thing));
+  }
 };
 
 } // namespace weave_test

@@ -20,6 +20,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <span>
 #include <type_traits>
@@ -83,6 +84,18 @@ concept has_exchange_counts = communicator<C> &&
     requires(C& c, typename C::stream_type& s, std::span<const std::int64_t> in,
              std::span<std::int64_t> out) {
   c.exchange_counts(s, in, out);
+};
+
+//! A count exchange taken now and run later (host backends): `c.deferred_exchange_counts(in,
+//! out)` takes the exchange's place in the communicator's order and returns a task `t` that a
+//! stream task calls on the stream thread, in stream order: `t(nullptr)` runs the exchange
+//! (throwing on failure), `t(failure)` skips it as on a failed stream and returns `failure`.
+//! Lets a task wrap the exchange (weave's status-carrying count exchange) without extra tasks.
+template <class C>
+concept has_deferred_exchange_counts = has_exchange_counts<C> &&
+    requires(C& c, std::span<const std::int64_t> in, std::span<std::int64_t> out,
+             std::exception_ptr failure) {
+  { c.deferred_exchange_counts(in, out)(failure) } -> std::same_as<std::exception_ptr>;
 };
 
 //! Element-wise reduction of `T` across ranks, result on every rank.

@@ -16,6 +16,7 @@
 //! `errc::peer_failure`, a rank that never arrives fails them with `errc::timeout`.
 #pragma once
 
+#include "weave/comm/cuda_all_gather.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
 #include "weave/core/error.hpp"
@@ -23,6 +24,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -61,6 +63,13 @@ class cuda_local_communicator {
 
   //! Fails every pending and later collective of the world with `errc::peer_failure`.
   void abort(const std::string& reason);
+
+  //! True once the world failed (a rank aborted or threw, or a collective failed).
+  bool aborted() const;
+
+  //! A blocking all-gather of a few 64-bit words per rank, for setup-time agreement (not for the
+  //! hot path): through a temporary device buffer and stream.
+  std::vector<std::int64_t> all_gather_now(std::span<const std::int64_t> mine);
 
  private:
   friend class cuda_local_world;
@@ -250,6 +259,21 @@ inline void cuda_local_communicator::exchange_counts(cuda_stream_ref s,
 
 inline void cuda_local_communicator::abort(const std::string& reason) {
   world_->fail("rank " + std::to_string(rank_) + " aborted: " + reason);
+}
+
+inline bool cuda_local_communicator::aborted() const {
+  std::lock_guard lock(world_->mutex_);
+  return !world_->failure_.empty();
+}
+
+inline std::vector<std::int64_t>
+cuda_local_communicator::all_gather_now(std::span<const std::int64_t> mine) {
+  return detail::all_gather_through_device(
+      size(), mine,
+      [this](cuda_stream_ref s, std::span<const std::int64_t> send, std::span<std::int64_t> recv) {
+        exchange_counts(s, send, recv);
+      },
+      [](cuda_stream_ref s) { WEAVE_CUDA_CHECK(cudaStreamSynchronize(s.get())); });
 }
 
 WEAVE_NAMESPACE_END

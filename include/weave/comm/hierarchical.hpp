@@ -9,9 +9,17 @@
 //! each message now aggregating a whole node's traffic. Results are identical to the flat
 //! all-to-all byte for byte. Cost: one count exchange inside the node and three local copies
 //! (pack, regroup, unpack) through staging buffers allocated once at construction.
+//!
+//! Fail-stop: at construction every rank checks, in four small collectives (inside its node,
+//! across the nodes twice, inside its node again), that the two communicators form a consistent
+//! nodes x local grid with the same staging size everywhere; every rank throws
+//! `errc::config_mismatch` otherwise. A step that fails on one rank (staging too small) aborts
+//! both communicators, so its peers fail at once rather than wait.
 #pragma once
 
+#include "weave/comm/agreement.hpp"
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -20,7 +28,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
@@ -38,9 +48,11 @@ class hierarchical_all_to_all {
   using stream_type = typename Intra::stream_type;
 
   //! `intra`: the ranks of this node (rank = local rank); `inter`: the ranks with this local
-  //! rank on every node (rank = node). All nodes must have the same number of local ranks.
+  //! rank on every node (rank = node). All nodes must have the same number of local ranks, and
+  //! every rank the same `staging_bytes`. Collective over both: throws `errc::config_mismatch`
+  //! on every rank when they do not form such a grid.
   hierarchical_all_to_all(Intra& intra, Inter& inter, std::size_t staging_bytes)
-      : intra_(intra)
+      : intra_(agree_on_grid(intra, inter, staging_bytes))
       , inter_(inter)
       , local_(intra.size())
       , nodes_(inter.size())
@@ -65,21 +77,83 @@ class hierarchical_all_to_all {
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
                     std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
-    s.submit([=, this] { pack(send, send_counts, send_displs, recv_counts, recv_displs, unit); });
+    step(s, [=, this] { pack(send, send_counts, send_displs, recv_counts, recv_displs, unit); });
     intra_.exchange_counts(s, std::span<const std::int64_t>(block_counts_send_),
                            std::span<std::int64_t>(block_counts_recv_));
-    s.submit([this] { plan_intra(); });
+    step(s, [this] { plan_intra(); });
     weave::all_to_all_v(intra_, s, pack_.data(), part(intra_layout_, 0, local_),
                         part(intra_layout_, 1, local_), routed_.data(),
                         part(intra_layout_, 2, local_), part(intra_layout_, 3, local_));
-    s.submit([=, this] { regroup(recv_counts, unit); });
+    step(s, [=, this] { regroup(recv_counts, unit); });
     weave::all_to_all_v(inter_, s, regrouped_.data(), part(inter_layout_, 0, nodes_),
                         part(inter_layout_, 1, nodes_), pack_.data(),
                         part(inter_layout_, 2, nodes_), part(inter_layout_, 3, nodes_));
-    s.submit([=, this] { unpack(recv, recv_counts, recv_displs, unit); });
+    step(s, [=, this] { unpack(recv, recv_counts, recv_displs, unit); });
   }
 
  private:
+  // The agreement of the constructor (see the file comment). A verdict names where
+  // a disagreement was found: phase << 40 | group << 20 | (field + 1), 0 for none.
+  static Intra& agree_on_grid(Intra& intra, Inter& inter, std::size_t staging_bytes) {
+    const auto staging = static_cast<std::int64_t>(staging_bytes);
+    config_fingerprint node("hierarchical_all_to_all (the ranks of one node)");
+    node.add("node (inter-node rank)", inter.rank())
+        .add("nodes (inter-node size)", inter.size())
+        .add("ranks per node (intra-node size)", intra.size())
+        .add("staging bytes", staging);
+    config_fingerprint column("hierarchical_all_to_all (one local rank of every node)");
+    column.add("local rank (intra-node rank)", intra.rank())
+        .add("ranks per node (intra-node size)", intra.size())
+        .add("nodes (inter-node size)", inter.size())
+        .add("staging bytes", staging);
+    const auto verdict = [](std::int64_t phase, int group,
+                            const std::optional<config_disagreement>& d) -> std::int64_t {
+      return d ? phase << 40 | std::int64_t{group} << 20 | static_cast<std::int64_t>(d->field + 1)
+               : 0;
+    };
+    const auto first = [](const std::vector<std::int64_t>& verdicts) {
+      for (const std::int64_t v : verdicts)
+        if (v != 0)
+          return v;
+      return std::int64_t{0};
+    };
+    // 1: inside the node; 2: across the nodes, carrying the nodes' verdicts; 3: back inside.
+    const auto in_node = find_config_disagreement(intra, node);
+    const std::int64_t v1 = verdict(1, inter.rank(), in_node);
+    const auto across = find_config_disagreement(inter, column);
+    const std::int64_t mine1 = v1 != 0 ? v1 : verdict(2, intra.rank(), across);
+    const std::int64_t v2 = first(all_gather_now(inter, std::span<const std::int64_t>(&mine1, 1)));
+    const std::int64_t v3 = first(all_gather_now(intra, std::span<const std::int64_t>(&v2, 1)));
+    if (v3 == 0)
+      return intra;
+    if (in_node && v3 == v1)
+      WEAVE_THROW(errc::config_mismatch, in_node->message);
+    if (across && v3 == verdict(2, intra.rank(), across))
+      WEAVE_THROW(errc::config_mismatch, across->message);
+    const auto field = static_cast<std::size_t>((v3 & 0xFFFFF) - 1);
+    const bool within = (v3 >> 40) == 1;
+    const config_fingerprint& where = within ? node : column;
+    WEAVE_THROW(errc::config_mismatch, "hierarchical_all_to_all: ranks disagree on ",
+                field < where.size() ? where.name(field) : std::string("their kind"),
+                within ? " among the ranks of node " : " among local rank ", (v3 >> 20) & 0xFFFFF,
+                within ? "" : " of every node",
+                " (found there; every rank must see a consistent nodes x local grid)");
+  }
+
+  // A step of the exchange: on failure the peers, which wait in the next collective, are told.
+  template <class F>
+  void step(stream_type& s, F f) {
+    s.submit([this, f = std::move(f)]() mutable {
+      try {
+        f();
+      } catch (...) {
+        abort_peers(intra_, std::current_exception());
+        abort_peers(inter_, std::current_exception());
+        throw;
+      }
+    });
+  }
+
   static std::span<const std::int64_t> part(const std::vector<std::int64_t>& v, int which, int n) {
     return std::span<const std::int64_t>(v).subspan(std::size_t(which) * std::size_t(n),
                                                     std::size_t(n));

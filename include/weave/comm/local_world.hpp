@@ -7,15 +7,21 @@
 //! every rank finished reading before completing (so a completed operation's send buffer may be
 //! reused). A rank that never arrives makes the others fail with `errc::timeout` after the
 //! world's timeout; a rank that aborts (or throws inside `run`) makes every pending and later
-//! operation of the others fail with `errc::peer_failure`; mismatched sizes between a sender
-//! and a receiver, or ranks calling different collectives, fail with a message naming both.
-//! Any failure inside a collective aborts the world, as an NCCL communicator error does.
+//! operation of the others fail with a `peer_error` (`errc::peer_failure`) naming that rank,
+//! its error code and message; mismatched sizes between a sender and a receiver, or ranks
+//! calling different collectives, fail with a message naming both. Any failure inside a
+//! collective aborts the world, as an NCCL communicator error does.
+//!
+//! Ranks' operations match in the order they run, as in MPI and NCCL: an operation skipped
+//! because its stream had failed moves nothing and matches nothing (it only keeps its place in
+//! its communicator's enqueue order, which is checked).
 #pragma once
 
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/emulated_link.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/exec/host_stream.hpp"
 
 #include <algorithm>
@@ -79,7 +85,8 @@ constexpr int reduce_type_id() noexcept {
 
 //! What one rank posts for one operation; every pointer stays valid until all ranks finished.
 struct local_post {
-  std::uint64_t seq = 0; // 0: nothing posted yet
+  std::uint64_t order = 0; // place in the enqueue order of its communicator (from 1)
+  std::uint64_t seq = 0;   // place in the order operations ran on its rank (0: none yet)
   local_op op = local_op::none;
   const std::byte* send = nullptr;
   std::byte* recv = nullptr;
@@ -98,7 +105,8 @@ class local_world_state {
       , timeout_(options.timeout)
       , links_(static_cast<std::size_t>(size) * static_cast<std::size_t>(size), options.link)
       , posts_(static_cast<std::size_t>(size))
-      , finished_(static_cast<std::size_t>(size), 0) {
+      , finished_(static_cast<std::size_t>(size), 0)
+      , taken_(static_cast<std::size_t>(size), 0) {
     for (int r = 0; r < size; ++r)
       links_[index(r, r)] = emulated_link{}; // a rank's copy to itself is local
   }
@@ -106,44 +114,38 @@ class local_world_state {
   int size() const noexcept { return size_; }
   emulated_link& link(int src, int dst) { return links_[index(src, dst)]; }
 
-  //! Marks the world failed because of `rank`; every waiting and later operation throws.
-  void abort(int rank, const std::string& reason) {
+  //! Marks the world failed because of `why.rank`; every waiting and later operation throws.
+  void abort(const failure_record& why) {
     {
       std::lock_guard lock(mutex_);
-      if (!failed_) {
-        failed_ = true;
-        failed_rank_ = rank;
-        failure_ = reason;
-      }
+      fail(why);
     }
     changed_.notify_all();
   }
 
   int failed_rank() const {
     std::lock_guard lock(mutex_);
-    return failed_ ? failed_rank_ : -1;
+    return failed_ ? failure_.rank : -1;
+  }
+
+  //! `post` will not run (its stream had failed): it only takes its place in the order.
+  void skip(int rank, const local_post& post) {
+    std::unique_lock lock(mutex_);
+    take_turn(lock, rank, post);
   }
 
   //! Runs `post` (made by `rank`) as one step of the world; throws on any failure.
-  void execute(int rank, const local_post& post) {
+  void execute(int rank, local_post post) {
     try {
       check_own(post);
-    } catch (const std::exception& e) {
-      abort(rank, e.what());
+    } catch (const std::exception&) {
+      abort(record_of(std::current_exception(), rank));
       throw;
     }
     const auto r = static_cast<std::size_t>(rank);
     std::unique_lock lock(mutex_);
-    if (!failed_ && posts_[r].seq + 1 != post.seq) {
-      const std::string message =
-          detail::concat("local_world rank ", rank, ": operation #", post.seq, " (",
-                         to_string(post.op), ") ran after #", posts_[r].seq,
-                         "; one communicator's operations must run in the order "
-                         "they were enqueued (use one stream, or order the streams)");
-      lock.unlock();
-      abort(rank, message);
-      WEAVE_THROW(errc::invalid_state, message);
-    }
+    take_turn(lock, rank, post);
+    post.seq = posts_[r].seq + 1; // ranks' operations match in the order they run
     posts_[r] = post;
     changed_.notify_all();
     await(lock, rank, post, true, [&] {
@@ -154,21 +156,15 @@ class local_world_state {
     lock.unlock();
     // Posts of this sequence number cannot change until every rank has finished below.
     std::exception_ptr failure;
-    std::string reason;
     try {
       transfer(rank, post);
-    } catch (const std::exception& e) {
+    } catch (...) {
       failure = std::current_exception();
-      reason = e.what();
     }
     lock.lock();
     --in_transfer_;
     if (failure) {
-      if (!failed_) {
-        failed_ = true;
-        failed_rank_ = rank;
-        failure_ = reason;
-      }
+      fail(record_of(failure, rank));
       changed_.notify_all();
       changed_.wait(lock, [&] { return in_transfer_ == 0; });
       std::rethrow_exception(failure);
@@ -182,6 +178,31 @@ class local_world_state {
   }
 
  private:
+  // Under mutex_: checks that `post` is the next operation its communicator enqueued (on one
+  // stream, or on streams ordered so) and records that it was taken.
+  void take_turn(std::unique_lock<std::mutex>& lock, int rank, const local_post& post) {
+    const auto r = static_cast<std::size_t>(rank);
+    if (!failed_ && taken_[r] + 1 != post.order) {
+      const std::string message =
+          detail::concat("local_world rank ", rank, ": operation #", post.order, " (",
+                         to_string(post.op), ") ran after #", taken_[r],
+                         "; one communicator's operations must run in the order "
+                         "they were enqueued (use one stream, or order the streams)");
+      lock.unlock();
+      abort({rank, errc::invalid_state, true, message});
+      WEAVE_THROW(errc::invalid_state, message);
+    }
+    taken_[r] = post.order;
+  }
+
+  // Under mutex_: the first failure wins.
+  void fail(const failure_record& why) {
+    if (!failed_) {
+      failed_ = true;
+      failure_ = why;
+    }
+  }
+
   std::size_t index(int src, int dst) const noexcept {
     return static_cast<std::size_t>(src) * static_cast<std::size_t>(size_) +
            static_cast<std::size_t>(dst);
@@ -201,8 +222,8 @@ class local_world_state {
         return;
       if (failed_) {
         drain();
-        WEAVE_THROW(errc::peer_failure, "local_world rank ", rank, ": ", to_string(post.op), " #",
-                    post.seq, " aborted because rank ", failed_rank_, " failed: ", failure_);
+        throw peer_error(failure_, detail::concat("local_world rank ", rank, ": ",
+                                                  to_string(post.op), " #", post.seq, " aborted"));
       }
       if (ready())
         return;
@@ -218,9 +239,7 @@ class local_world_state {
             detail::concat("local_world rank ", rank, ": ", to_string(post.op), " #", post.seq,
                            " timed out after ", timeout_.count(), " ms waiting for rank(s) ",
                            missing, arriving ? " to arrive at it" : " to complete it");
-        failed_ = true;
-        failed_rank_ = rank;
-        failure_ = message;
+        fail({rank, errc::timeout, true, message});
         changed_.notify_all();
         drain();
         WEAVE_THROW(errc::timeout, message);
@@ -388,10 +407,30 @@ class local_world_state {
   std::condition_variable changed_;
   std::vector<local_post> posts_;       // under mutex_ while being posted
   std::vector<std::uint64_t> finished_; // last sequence number each rank finished reading
+  std::vector<std::uint64_t> taken_;    // last enqueue order each rank ran or skipped
   int in_transfer_ = 0;                 // ranks copying between the two rendezvous
   bool failed_ = false;
-  int failed_rank_ = -1;
-  std::string failure_;
+  failure_record failure_; // why the world failed (its rank is the origin)
+};
+
+// The stream task of one operation: runs it, or on a failed stream only takes its turn (see
+// the file comment).
+struct local_task {
+  std::shared_ptr<local_world_state> state;
+  int rank = 0;
+  local_post post;
+
+  std::exception_ptr operator()(std::exception_ptr failure) const {
+    if (!failure) {
+      state->execute(rank, post);
+      return failure;
+    }
+    try {
+      state->skip(rank, post);
+    } catch (...) {
+    } // the stream keeps its own, earlier failure
+    return failure;
+  }
 };
 
 } // namespace detail
@@ -440,12 +479,19 @@ class local_communicator {
   //! with `errc::size_mismatch`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv) {
+    s.submit_always(deferred_exchange_counts(send, recv));
+  }
+
+  //! `exchange_counts` taken now and run when the returned task is called on the stream thread
+  //! (see `has_deferred_exchange_counts`).
+  detail::local_task deferred_exchange_counts(std::span<const std::int64_t> send,
+                                              std::span<std::int64_t> recv) {
     detail::local_post p = make(detail::local_op::exchange_counts);
     p.send_counts = send;
     p.recv_counts = recv;
     p.recv = reinterpret_cast<std::byte*>(recv.data());
     p.unit = send.size() / static_cast<std::size_t>(size());
-    enqueue(s, p);
+    return {state_, rank_, p};
   }
 
   //! Element-wise reduction into `out` on every rank; `in` and `out` are the same array or do
@@ -466,9 +512,14 @@ class local_communicator {
   //! Completes once every rank reached its barrier.
   void barrier(host_stream& s) { enqueue(s, make(detail::local_op::barrier)); }
 
-  //! Declares this rank failed: every pending and later operation of every rank fails with
-  //! `errc::peer_failure` naming `reason`.
-  void abort(const std::string& reason) { state_->abort(rank_, reason); }
+  //! Declares this rank failed: every pending and later operation of every rank fails with a
+  //! `peer_error` naming this rank and `reason`.
+  void abort(const std::string& reason) { state_->abort({rank_, errc::internal, false, reason}); }
+  //! As above, with the failure's code and message (its `rank` is taken as is: a failure that
+  //! started elsewhere keeps its origin).
+  void abort(const failure_record& why) { state_->abort(why); }
+  //! True once the world was aborted (by any rank, or a timeout): every operation now fails.
+  bool aborted() const { return state_->failed_rank() >= 0; }
 
  private:
   friend class local_world;
@@ -479,22 +530,23 @@ class local_communicator {
 
   detail::local_post make(detail::local_op op) {
     detail::local_post p;
-    p.seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    p.order = next_order_.fetch_add(1, std::memory_order_relaxed) + 1;
     p.op = op;
     return p;
   }
 
   void enqueue(host_stream& s, const detail::local_post& p) {
-    s.submit([state = state_, rank = rank_, p] { state->execute(rank, p); });
+    s.submit_always(detail::local_task{state_, rank_, p});
   }
 
   std::shared_ptr<detail::local_world_state> state_;
   int rank_;
-  std::atomic<std::uint64_t> next_seq_{0};
+  std::atomic<std::uint64_t> next_order_{0};
 };
 
 static_assert(has_all_to_all_v<local_communicator> && has_send_recv<local_communicator> &&
-              has_exchange_counts<local_communicator> && has_barrier<local_communicator> &&
+              has_exchange_counts<local_communicator> &&
+              has_deferred_exchange_counts<local_communicator> && has_barrier<local_communicator> &&
               has_all_reduce<local_communicator, double>);
 
 //! N in-process ranks. Owns the shared state and one `local_communicator` per rank; the state
@@ -541,12 +593,9 @@ class local_world {
       threads.emplace_back([&, r] {
         try {
           f(comm(r));
-        } catch (const std::exception& e) {
-          failures[static_cast<std::size_t>(r)] = std::current_exception();
-          state_->abort(r, e.what());
         } catch (...) {
           failures[static_cast<std::size_t>(r)] = std::current_exception();
-          state_->abort(r, "unknown exception");
+          state_->abort(record_of(failures[static_cast<std::size_t>(r)], r));
         }
       });
     for (std::thread& t : threads)
@@ -554,16 +603,36 @@ class local_world {
     return failures;
   }
 
-  //! As `run_collect`, but rethrows the exception of the rank that failed first, if any.
+  //! As `run_collect`, then throws the root cause: the exception of the rank whose failure
+  //! aborted the world (else the lowest failing rank's). When several ranks failed, a
+  //! `weave::error` root cause is rethrown with every rank's error appended to its message.
   template <class F>
   void run(F&& f) {
-    std::vector<std::exception_ptr> failures = run_collect(std::forward<F>(f));
+    const std::vector<std::exception_ptr> failures = run_collect(std::forward<F>(f));
+    std::size_t root = failures.size(), count = 0;
+    for (std::size_t r = 0; r < failures.size(); ++r)
+      if (failures[r]) {
+        root = std::min(root, r);
+        ++count;
+      }
     const int first = failed_rank();
     if (first >= 0 && failures[static_cast<std::size_t>(first)])
-      std::rethrow_exception(failures[static_cast<std::size_t>(first)]);
-    for (const std::exception_ptr& failure : failures)
-      if (failure)
-        std::rethrow_exception(failure);
+      root = static_cast<std::size_t>(first);
+    if (count == 0)
+      return;
+    if (count == 1)
+      std::rethrow_exception(failures[root]);
+    std::string all = detail::concat("; every rank's error: [rank ", root, "] first");
+    for (std::size_t r = 0; r < failures.size(); ++r)
+      if (failures[r] && r != root)
+        all += detail::concat("; [rank ", r, "] ", what_of(failures[r]));
+    try {
+      std::rethrow_exception(failures[root]);
+    } catch (const peer_error& e) {
+      throw peer_error(e.origin(), detail::concat("local_world::run, rank ", root, all), e.where());
+    } catch (const error& e) {
+      throw error(e.code(), e.message() + all, e.where());
+    }
   }
 
  private:

@@ -2,11 +2,25 @@
 //! `mpi_communicator`: weave's communicator over MPI (component `weave::mpi`).
 //!
 //! Wraps a caller's `MPI_Comm` without owning it: the constructor duplicates it (collective) and
-//! owns only the duplicate, on which it installs `MPI_ERRORS_RETURN` (so MPI failures become
-//! `errc::mpi` errors instead of aborting the job; the caller's communicator and its handler
-//! are left untouched, and weave's traffic cannot match the caller's messages). Operations are
-//! non-blocking MPI calls (MPI_Ialltoallv, MPI_Ialltoall, MPI_Iallreduce, MPI_Ibarrier) issued
-//! and progressed by a task on a `host_stream`, so they compose with compute on other streams.
+//! owns only the duplicates, on which it installs `MPI_ERRORS_RETURN` (so MPI failures become
+//! `errc::mpi` errors naming the operation and MPI's error string instead of aborting the job;
+//! the caller's communicator and its handler are left untouched, and weave's traffic cannot
+//! match the caller's messages). Operations are non-blocking MPI calls (MPI_Ialltoallv,
+//! MPI_Ialltoall, MPI_Iallreduce, MPI_Ibarrier) issued and progressed by a task on a
+//! `host_stream`, so they compose with compute on other streams.
+//!
+//! Failures (fail-stop): `abort(why)` sends a failure notice to every peer over a second
+//! duplicate (`mpi_failure_notices`), where each rank keeps a receive posted; an operation waiting
+//! for a peer that aborted fails at once with a `peer_error` naming that rank, its code and its
+//! message. A timeout aborts the same way. MPI cannot cancel a collective, so after an abort the
+//! communicator is unusable (every later operation fails at once): the collective the
+//! survivors were in stays incomplete, and MPI may still write into the receive buffers it
+//! named until `MPI_Finalize`, so keep them alive until then (or end the job); for the same
+//! reason the destructor leaves that duplicate to `MPI_Finalize`. Open MPI 4.1 reports errors
+//! found inside its non-blocking collectives through `MPI_COMM_WORLD`'s handler (fatal by
+//! default): weave's layers rule out the size disagreements that cause them by agreeing on
+//! their configuration first; for direct use, set `MPI_ERRORS_RETURN` on `MPI_COMM_WORLD` to
+//! have them reported as `errc::mpi`.
 //!
 //! 64-bit sizes: MPI 3.1 (Open MPI 4.1) counts are `int`. A peer block of more than
 //! `max_chunk_units` units (at most INT_MAX / size) is sent point to point in pieces of at most
@@ -17,20 +31,26 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/mpi_failure_notices.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/core/mpi_error.hpp"
 #include "weave/exec/host_stream.hpp"
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <span>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -39,8 +59,8 @@ WEAVE_NAMESPACE_BEGIN
 //! Settings of an `mpi_communicator`.
 struct mpi_options {
   //! How long an operation may take once its stream reaches it before it fails with
-  //! `errc::timeout`. MPI cannot cancel a collective: after a timeout the communicator is
-  //! unusable (abort the job, or at least stop using it).
+  //! `errc::timeout`. The timeout aborts the communicator (its peers learn it at once); MPI
+  //! cannot cancel a collective, so the communicator is unusable afterwards.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
   //! Peer blocks of more units than this go point to point, in pieces of at most this many
   //! units (clamped to INT_MAX / size). Lower it only to test the large-message path.
@@ -87,10 +107,12 @@ class mpi_communicator {
                  provided, "): initialize MPI with MPI_Init_thread");
     WEAVE_EXPECT(options.timeout.count() > 0, errc::invalid_argument,
                  "mpi_communicator: timeout must be positive");
+    threads_ = provided;
     WEAVE_MPI_CHECK(MPI_Comm_dup(comm, &comm_));
     WEAVE_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     WEAVE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     WEAVE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    notices_.open(comm);
     const auto n = static_cast<std::size_t>(size_);
     ints_.resize(4 * n);
     options_.max_chunk_units =
@@ -102,7 +124,9 @@ class mpi_communicator {
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
 
-  //! Frees the duplicate communicator (and cached datatype); never throws.
+  //! Frees the duplicate communicators (and cached datatype); never throws. A duplicate on which
+  //! a collective was abandoned (after an abort) is not freed: MPI may still progress that
+  //! collective, which must find its communicator (MPI_Finalize releases it).
   ~mpi_communicator() {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -110,7 +134,8 @@ class mpi_communicator {
       return;
     if (unit_type_ != MPI_DATATYPE_NULL)
       MPI_Type_free(&unit_type_);
-    MPI_Comm_free(&comm_);
+    if (!abandoned_)
+      MPI_Comm_free(&comm_);
   }
 
   int rank() const noexcept { return rank_; }
@@ -118,12 +143,36 @@ class mpi_communicator {
   //! The duplicate communicator weave uses.
   MPI_Comm get() const noexcept { return comm_; }
 
+  //! Declares this communicator failed because of `why` and tells every peer: their waiting
+  //! and later operations fail at once with a `peer_error` naming `why` (a failure that started
+  //! on another rank keeps its origin). Later operations here fail too. With
+  //! `MPI_THREAD_MULTIPLE` the notices leave now; below it they leave from the thread that runs
+  //! this communicator's next operation (its stream's, even when that operation is skipped), so
+  //! that no two threads call MPI at once. Idempotent: the first failure wins.
+  void abort(const failure_record& why) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failed_)
+        return;
+      failed_ = why;
+      notices_.prepare(why);
+    }
+    failed_flag_.store(true, std::memory_order_release);
+    if (threads_ == MPI_THREAD_MULTIPLE)
+      send_notices();
+  }
+  //! As above, for a failure described by text only.
+  void abort(const std::string& reason) { abort({rank_, errc::internal, false, reason}); }
+
+  //! True once this communicator failed: aborted here, told by a peer, or timed out.
+  bool aborted() const noexcept { return failed_flag_.load(std::memory_order_acquire); }
+
   //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`).
   void all_to_all_v(host_stream& s, const void* send, std::span<const std::int64_t> send_counts,
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
                     std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
-    s.submit([=, this] {
+    run(s, "all_to_all_v", [=, this] {
       run_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
                        static_cast<std::byte*>(recv), recv_counts, recv_displs, unit);
     });
@@ -132,18 +181,36 @@ class mpi_communicator {
   //! Sends `send[j*k .. j*k+k)` to rank j, receives rank j's k counts at `recv[j*k ..)`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv) {
+    s.submit_always(deferred_exchange_counts(send, recv));
+  }
+
+  //! The task of a deferred `exchange_counts` (see `has_deferred_exchange_counts`).
+  struct counts_task {
+    mpi_communicator* self;
+    std::span<const std::int64_t> send;
+    std::span<std::int64_t> recv;
+    int k;
+    std::exception_ptr operator()(std::exception_ptr failure) const {
+      return self->step("exchange_counts", std::move(failure), [this] {
+        MPI_Request request = MPI_REQUEST_NULL;
+        self->check(MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T,
+                                  self->comm_, &request),
+                    "MPI_Ialltoall", "exchange_counts");
+        self->wait_all(std::span<MPI_Request>(&request, 1), "exchange_counts");
+      });
+    }
+  };
+
+  //! `exchange_counts` run when the returned task is called on the stream thread (see
+  //! `has_deferred_exchange_counts`).
+  counts_task deferred_exchange_counts(std::span<const std::int64_t> send,
+                                       std::span<std::int64_t> recv) {
     const auto n = static_cast<std::size_t>(size_);
     WEAVE_EXPECT(!send.empty() && send.size() % n == 0 && recv.size() == send.size(),
                  errc::size_mismatch, "exchange_counts: ", send.size(), " send and ", recv.size(),
                  " receive counts for ", size_,
                  " ranks (need the same non-zero multiple of the group size)");
-    const int k = checked_cast<int>(send.size() / n, "counts per peer");
-    s.submit([=, this] {
-      MPI_Request request = MPI_REQUEST_NULL;
-      WEAVE_MPI_CHECK(
-          MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T, comm_, &request));
-      wait_all(std::span<MPI_Request>(&request, 1), "exchange_counts");
-    });
+    return {this, send, recv, checked_cast<int>(send.size() / n, "counts per peer")};
   }
 
   //! Element-wise reduction into `out` on every rank (`in` may equal `out`).
@@ -152,20 +219,21 @@ class mpi_communicator {
     WEAVE_EXPECT(in.size() == out.size(), errc::size_mismatch, "all_reduce: ", in.size(),
                  " inputs for ", out.size(), " outputs");
     const int count = checked_cast<int>(in.size(), "all_reduce element count");
-    s.submit([=, this] {
+    run(s, "all_reduce", [=, this] {
       const void* source = in.data() == out.data() ? MPI_IN_PLACE : in.data();
       MPI_Request request = MPI_REQUEST_NULL;
-      WEAVE_MPI_CHECK(MPI_Iallreduce(source, out.data(), count, detail::mpi_type<T>(),
-                                     op == reduce_op::sum ? MPI_SUM : MPI_MAX, comm_, &request));
+      check(MPI_Iallreduce(source, out.data(), count, detail::mpi_type<T>(),
+                           op == reduce_op::sum ? MPI_SUM : MPI_MAX, comm_, &request),
+            "MPI_Iallreduce", "all_reduce");
       wait_all(std::span<MPI_Request>(&request, 1), "all_reduce");
     });
   }
 
   //! Completes once every rank reached its barrier.
   void barrier(host_stream& s) {
-    s.submit([this] {
+    run(s, "barrier", [this] {
       MPI_Request request = MPI_REQUEST_NULL;
-      WEAVE_MPI_CHECK(MPI_Ibarrier(comm_, &request));
+      check(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", "barrier");
       wait_all(std::span<MPI_Request>(&request, 1), "barrier");
     });
   }
@@ -173,19 +241,129 @@ class mpi_communicator {
  private:
   static constexpr int piece_tag = 0x5EA7;
 
-  // Progresses `requests` until all complete or the timeout expires.
+  // Runs an operation's task on `s`. On a failed stream it moves nothing but still sends the
+  // notices of an abort that waited for this thread. A failed communicator fails at once.
+  template <class F>
+  void run(host_stream& s, const char* what, F body) {
+    s.submit_always([this, what, body = std::move(body)](std::exception_ptr failure) mutable {
+      return step(what, std::move(failure), body);
+    });
+  }
+
+  // The stream task of an operation (see `run`), given the stream's failure.
+  template <class F>
+  std::exception_ptr step(const char* what, std::exception_ptr failure, F&& body) {
+    if (failed_flag_.load(std::memory_order_acquire)) {
+      send_notices();
+      if (failure)
+        return failure;
+      throw_failed(what);
+    }
+    if (failure)
+      return failure;
+    try {
+      check_notice(what); // a peer already failed: do not start what it will never join
+      body();
+    } catch (...) { // the peers may wait for this rank in the operation: tell them
+      abort(record_of(std::current_exception(), rank_));
+      send_notices();
+      throw;
+    }
+    return failure;
+  }
+
+  // Throws the error every operation of a failed communicator raises: a peer's failure, or
+  // this rank's own (its code and message) when it aborted.
+  [[noreturn]] void throw_failed(const char* what) {
+    const failure_record why = failure();
+    if (why.rank != rank_)
+      throw peer_error(why, detail::concat("mpi_communicator rank ", rank_, ": ", what));
+    WEAVE_THROW(why.weave_error ? why.code : errc::invalid_state, why.message,
+                " (mpi_communicator rank ", rank_, " aborted for it; ", what,
+                " cannot run: MPI cannot cancel collectives, so the communicator stays unusable)");
+  }
+
+  failure_record failure() {
+    std::lock_guard lock(mutex_);
+    return failed_.value_or(failure_record{});
+  }
+
+  // Sends the pending failure notice to every peer once (on the thread allowed to call MPI).
+  void send_notices() { notices_.send(); }
+
+  // A peer's failure notice, if one arrived: the communicator fails and the caller throws.
+  void check_notice(const char* what) {
+    std::optional<failure_record> why = notices_.poll();
+    if (!why)
+      return;
+    {
+      std::lock_guard lock(mutex_);
+      if (!failed_)
+        failed_ = *why;
+    }
+    notices_.silence(); // the peers were told by the origin
+    failed_flag_.store(true, std::memory_order_release);
+    throw_failed(what);
+  }
+
+  // Unless `status` is success: aborts the communicator (a peer may wait for this rank in the
+  // failed operation) and throws `errc::mpi` naming the call, the operation and MPI's text.
+  void check(int status, const char* call, const char* what) {
+    if (WEAVE_LIKELY(status == MPI_SUCCESS))
+      return;
+    const std::string message =
+        detail::concat("mpi_communicator rank ", rank_, ": ", what, ": ", call, " failed (", status,
+                       "): ", mpi_error_string(status));
+    abort({rank_, errc::mpi, true, message});
+    send_notices();
+    WEAVE_THROW(errc::mpi, message);
+  }
+
+  // Progresses `requests` until all complete, a peer's failure notice arrives, or the timeout
+  // expires (which aborts the communicator). Single requests use MPI_Test, whose return value
+  // is the request's own error (MPI_Testall would report MPI_ERR_IN_STATUS).
   void wait_all(std::span<MPI_Request> requests, const char* what) {
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    statuses_.resize(requests.size());
+    struct abandon_guard { // leaving without completing abandons the requests (see ~)
+      bool& abandoned;
+      bool completed = false;
+      ~abandon_guard() {
+        if (!completed)
+          abandoned = true;
+      }
+    } guard{abandoned_};
     for (unsigned spins = 0;; ++spins) {
       int done = 0;
-      WEAVE_MPI_CHECK(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                                  MPI_STATUSES_IGNORE));
-      if (done)
+      if (requests.size() == 1) {
+        check(MPI_Test(requests.data(), &done, MPI_STATUS_IGNORE), "MPI_Test", what);
+      } else {
+        const int status = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                                       statuses_.data());
+        if (status == MPI_ERR_IN_STATUS)
+          for (const MPI_Status& st : statuses_)
+            if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING)
+              check(st.MPI_ERROR, "a request of MPI_Testall", what);
+        check(status, "MPI_Testall", what);
+      }
+      if (done) {
+        guard.completed = true;
         return;
-      if (std::chrono::steady_clock::now() > deadline)
-        WEAVE_THROW(errc::timeout, "mpi_communicator rank ", rank_, ": ", what,
-                    " did not complete within ", options_.timeout.count(),
-                    " ms (a peer never arrived or died); the communicator is now unusable");
+      }
+      check_notice(what);
+      if (failed_flag_.load(std::memory_order_acquire)) { // aborted by another thread
+        send_notices();
+        throw_failed(what);
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        const std::string message =
+            detail::concat("mpi_communicator rank ", rank_, ": ", what, " did not complete within ",
+                           options_.timeout.count(),
+                           " ms (a peer never arrived or died); the communicator was aborted");
+        abort({rank_, errc::timeout, true, message});
+        send_notices();
+        WEAVE_THROW(errc::timeout, message);
+      }
       if (spins > 64)
         std::this_thread::yield(); // let oversubscribed peers run
     }
@@ -196,10 +374,10 @@ class mpi_communicator {
       return MPI_BYTE;
     if (unit != cached_unit_) {
       if (unit_type_ != MPI_DATATYPE_NULL)
-        WEAVE_MPI_CHECK(MPI_Type_free(&unit_type_));
-      WEAVE_MPI_CHECK(
-          MPI_Type_contiguous(checked_cast<int>(unit, "unit bytes"), MPI_BYTE, &unit_type_));
-      WEAVE_MPI_CHECK(MPI_Type_commit(&unit_type_));
+        check(MPI_Type_free(&unit_type_), "MPI_Type_free", "all_to_all_v");
+      check(MPI_Type_contiguous(checked_cast<int>(unit, "unit bytes"), MPI_BYTE, &unit_type_),
+            "MPI_Type_contiguous", "all_to_all_v");
+      check(MPI_Type_commit(&unit_type_), "MPI_Type_commit", "all_to_all_v");
       cached_unit_ = unit;
     }
     return unit_type_;
@@ -266,13 +444,13 @@ class mpi_communicator {
     }
     if (!large) {
       MPI_Request request = MPI_REQUEST_NULL;
-      WEAVE_MPI_CHECK(
-          MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &request));
+      check(MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &request),
+            "MPI_Ialltoallv", "all_to_all_v");
       wait_all(std::span<MPI_Request>(&request, 1), "all_to_all_v");
     } else {
       std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
-      WEAVE_MPI_CHECK(
-          MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &requests[0]));
+      check(MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &requests[0]),
+            "MPI_Ialltoallv", "all_to_all_v");
       // Pieces of one block share (source, tag, communicator), so MPI delivers them in order.
       auto pieces = [&](std::int64_t count, auto&& post) {
         for (std::int64_t done = 0; done < count; done += limit)
@@ -283,14 +461,16 @@ class mpi_communicator {
         if (recv_counts[j] > limit)
           pieces(recv_counts[j], [&](std::int64_t at, int count) {
             requests.push_back(MPI_REQUEST_NULL);
-            WEAVE_MPI_CHECK(MPI_Irecv(recv + (recv_displs[j] + at) * std::int64_t(unit), count,
-                                      type, peer, piece_tag, comm_, &requests.back()));
+            check(MPI_Irecv(recv + (recv_displs[j] + at) * std::int64_t(unit), count, type, peer,
+                            piece_tag, comm_, &requests.back()),
+                  "MPI_Irecv", "all_to_all_v");
           });
         if (send_counts[j] > limit)
           pieces(send_counts[j], [&](std::int64_t at, int count) {
             requests.push_back(MPI_REQUEST_NULL);
-            WEAVE_MPI_CHECK(MPI_Isend(send + (send_displs[j] + at) * std::int64_t(unit), count,
-                                      type, peer, piece_tag, comm_, &requests.back()));
+            check(MPI_Isend(send + (send_displs[j] + at) * std::int64_t(unit), count, type, peer,
+                            piece_tag, comm_, &requests.back()),
+                  "MPI_Isend", "all_to_all_v");
           });
       }
       wait_all(requests, "all_to_all_v");
@@ -306,12 +486,20 @@ class mpi_communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0;
   int size_ = 0;
-  std::vector<int> ints_; // MPI's int counts and displacements, reused by every call
+  int threads_ = MPI_THREAD_SERIALIZED; // the thread level MPI provides
+  mpi_failure_notices notices_;         // the failure-notice channel (its own duplicate)
+  std::vector<MPI_Status> statuses_;
+  std::mutex mutex_; // guards failed_ (abort may come from any thread)
+  std::optional<failure_record> failed_;
+  std::atomic<bool> failed_flag_{false};
+  bool abandoned_ = false; // a wait gave up on incomplete requests (stream thread only)
+  std::vector<int> ints_;  // MPI's int counts and displacements, reused by every call
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;
 };
 
 static_assert(has_all_to_all_v<mpi_communicator> && has_exchange_counts<mpi_communicator> &&
-              has_barrier<mpi_communicator> && has_all_reduce<mpi_communicator, double>);
+              has_deferred_exchange_counts<mpi_communicator> && has_barrier<mpi_communicator> &&
+              has_all_reduce<mpi_communicator, double>);
 
 WEAVE_NAMESPACE_END

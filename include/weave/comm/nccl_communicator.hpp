@@ -12,25 +12,34 @@
 //! Failures: `synchronize(s)` waits for the stream while polling `ncclCommGetAsyncError`; an
 //! asynchronous NCCL error or the timeout aborts the communicator (`ncclCommAbort`, which also
 //! frees it: its owner must then not call `ncclCommDestroy`) and throws `errc::nccl` or
-//! `errc::timeout`.
+//! `errc::timeout`. `abort(why)` does the same on request (weave's layers call it when a step
+//! fails after a dispatch). NCCL has no channel to tell the peers: they learn a failure from the
+//! status weave's layers send with their count exchanges, or else from their own timeout (and,
+//! over a network transport, from NCCL's remote error once the aborted rank's connections
+//! close). Set `nccl_options.timeout` to what a step may take at most.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/cuda_all_gather.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/core/nccl_error.hpp"
 #include "weave/exec/cuda_stream.hpp"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <thread>
+#include <vector>
 
 WEAVE_NAMESPACE_BEGIN
 
@@ -82,6 +91,33 @@ class nccl_communicator {
   int size() const noexcept { return size_; }
   //! The wrapped communicator (null after an abort).
   ncclComm_t get() const noexcept { return comm_; }
+
+  //! True once the communicator was aborted (here, after an error, a timeout or `abort`).
+  bool aborted() const noexcept { return comm_ == nullptr; }
+
+  //! Aborts the communicator (`ncclCommAbort`; its owner must then not destroy it) because of
+  //! `why`; later operations fail with `errc::invalid_state` naming it. Idempotent.
+  void abort(const failure_record& why) {
+    if (comm_ == nullptr)
+      return;
+    why_ = why.describe();
+    abort();
+  }
+  //! As above, for a failure described by text only.
+  void abort(const std::string& reason) {
+    abort(failure_record{rank_, errc::internal, false, reason});
+  }
+
+  //! A blocking all-gather of a few 64-bit words per rank, for setup-time agreement (not for the
+  //! hot path): through a temporary device buffer and stream, waited for by `synchronize`.
+  std::vector<std::int64_t> all_gather_now(std::span<const std::int64_t> mine) {
+    usable();
+    return detail::all_gather_through_device(
+        size_, mine,
+        [this](cuda_stream_ref s, std::span<const std::int64_t> send,
+               std::span<std::int64_t> recv) { exchange_counts(s, send, recv); },
+        [this](cuda_stream_ref s) { synchronize(s); });
+  }
 
   //! One NCCL group of ncclSend/ncclRecv; the transfer list is read during the call.
   void send_recv(cuda_stream_ref s, std::span<const peer_transfer> transfers) {
@@ -195,8 +231,9 @@ class nccl_communicator {
 
  private:
   void usable() const {
-    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state,
-                 "nccl_communicator: used after it was aborted");
+    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state, "nccl_communicator rank ", rank_,
+                 ": used after it was aborted", why_.empty() ? "" : " (", why_,
+                 why_.empty() ? "" : ")");
   }
   void abort() noexcept {
     (void)ncclCommAbort(comm_);
@@ -205,6 +242,7 @@ class nccl_communicator {
 
   ncclComm_t comm_;
   nccl_options options_;
+  std::string why_; // what `abort(why)` was given
   int rank_ = 0;
   int size_ = 0;
   int* scratch_ = nullptr;

@@ -32,6 +32,7 @@ enum class errc : int {
   nccl = 10,            //!< NCCL reported an error
   mpi = 11,             //!< MPI reported an error
   internal = 12,        //!< a weave invariant broke: a bug, please report it
+  config_mismatch = 13, //!< ranks built one collective object with different configurations
 };
 
 //! Short, stable name of an error code ("invalid_argument", ...).
@@ -61,6 +62,8 @@ constexpr const char* to_string(errc code) noexcept {
     return "mpi";
   case errc::internal:
     return "internal";
+  case errc::config_mismatch:
+    return "config_mismatch";
   }
   return "unknown";
 }

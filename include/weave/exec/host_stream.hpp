@@ -3,9 +3,10 @@
 //!
 //! The host path of every weave algorithm runs on these. Tasks run one at a time in FIFO order
 //! on the stream's own thread. A task that throws puts the stream in a failed state (as a CUDA
-//! error is sticky): later tasks are skipped, events recorded later complete carrying the
-//! failure, a stream waiting on such an event fails too, and `synchronize()` rethrows the first
-//! failure and clears it. Nothing fails silently and nothing deadlocks on a failed producer.
+//! error is sticky): later tasks are skipped (but for `submit_always` tasks, which see the
+//! failure), events recorded later complete carrying the failure, a stream waiting on such an
+//! event fails too, and `synchronize()` rethrows the first failure and clears it. Nothing fails
+//! silently and nothing deadlocks on a failed producer.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -22,6 +23,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 WEAVE_NAMESPACE_BEGIN
@@ -122,6 +124,27 @@ class host_stream {
   //! Enqueues `task` to run after everything submitted before it.
   void submit(unique_task task) { push(std::move(task)); }
 
+  //! Enqueues `task(failure)`, which runs even on a failed stream: `failure` is the stream's
+  //! pending failure (null when healthy), taken from the stream while the task runs; what the
+  //! task returns (or throws) becomes the failure afterwards (return `failure` to keep it, null
+  //! to clear it). Collectives use it to keep their place in a group's sequence, or to tell
+  //! their peers about a failure, when the work before them failed.
+  template <class F>
+  requires std::is_invocable_r_v<std::exception_ptr, F&, std::exception_ptr>
+  void submit_always(F task) {
+    push(unique_task([this, task = std::move(task)]() mutable {
+           std::exception_ptr after;
+           try {
+             after = task(take_failure());
+           } catch (...) {
+             after = std::current_exception();
+           }
+           if (after)
+             fail(std::move(after));
+         }),
+         /*is_marker=*/true);
+  }
+
   //! A new event at the current end of the queue.
   host_event record() {
     host_event e;
@@ -210,6 +233,11 @@ class host_stream {
   std::exception_ptr current_failure() const {
     std::lock_guard lock(mutex_);
     return failure_;
+  }
+
+  std::exception_ptr take_failure() {
+    std::lock_guard lock(mutex_);
+    return std::exchange(failure_, nullptr);
   }
 
   void fail(std::exception_ptr failure) {

@@ -19,9 +19,17 @@
 //! `experts()` are views of the workspace (capacity rows, of which `expert_offsets[L]` are
 //! valid) and device-side offsets, valid in stream order: the caller's work reads them on
 //! `batch.stream`.
+//!
+//! Fail-stop (docs/faults.md): the ranks agree on the configuration at construction; each
+//! chunk's count exchange carries every rank's status (its flags, or a call rejected on the
+//! host), so with dynamic shapes every rank fails at that exchange, and with static shapes
+//! `check_errors` reports the peers' failures; host waits go through the communicator (NCCL:
+//! its timeout and abort). `synchronize` is the one wait that reports the root cause.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/device_status_exchange.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -76,11 +84,18 @@ class basic_device_exchange
   using typename base::stream_arg;
   using typename base::stream_type;
 
-  //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Throws
-  //! `errc::invalid_argument` for bad options or a placement of another size. With
-  //! `cuda_space` it needs a current device (it sizes CUB's scratch).
+  //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Collective:
+  //! checks that every rank builds the layer alike (`agree_on_layer`: `errc::config_mismatch`
+  //! on every rank otherwise). Throws `errc::invalid_argument` for bad options or a placement
+  //! of another size (and its peers a `peer_error` naming this rank). With `cuda_space` it
+  //! needs a current device (it sizes CUB's scratch).
   basic_device_exchange(Comm& comm, placement where, moe_options options)
-      : base(comm, std::move(where), options) {
+      : base(comm, std::move(where), options, "device_exchange", [] {})
+      , status_(comm.size(), comm.rank(), !options.static_shape, "device exchange",
+                [this](int rank, std::uint32_t flags) {
+                  return record_of_call(rank,
+                                        [&] { throw_sender_errors(flags & 0xFFFFu, flags >> 16); });
+                }) {
     D_ = comm.size();
     k_ = options.k;
     const int spd = this->placement_.slots_per_device();
@@ -97,8 +112,11 @@ class basic_device_exchange
     uniform_displs_.resize(D);
     for (std::size_t d = 0; d < D; ++d)
       uniform_displs_[d] = static_cast<std::int64_t>(d * slot_rows_);
-    for (const auto& s : this->slots())
+    for (const auto& s : this->slots()) {
       s->state.construct(this->placement_, options, this->rank_, chunk_tokens_, recv_cap_);
+      for (chunk_state& ch : s->state.chunks)
+        status_.size_block(ch.status);
+    }
     last_forward_ = this->slots().front().get();
   }
 
@@ -124,15 +142,16 @@ class basic_device_exchange
       for (chunk_state& ch : st.chunks) {
         ch.plan.initialize(ch.plan_ws, ch.plan.workspace_size(), stream);
         ch.experts.initialize(ch.experts_ws, ch.experts.workspace_size(), stream);
+        Space::fill(stream, ch.error, 0, sizeof(std::uint32_t));
+        Space::fill(stream, ch.status.recv, 0, status_.words() * sizeof(std::int64_t));
       }
       if (st.filter)
         st.filter->initialize(st.filter_ws, st.filter->workspace_size(), stream);
       Space::fill(stream, st.counters, 0, counter_count * sizeof(std::int64_t));
     }
-    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
     Space::copy_from_host(stream, static_displs_, uniform_displs_.data(),
                           uniform_displs_.size() * sizeof(std::int64_t));
-    stream.synchronize(); // the uploads read host vectors of this object
+    wait_watched(*this->comm_, stream); // the uploads read host vectors of this object
     initialized_ = true;
   }
 
@@ -145,30 +164,34 @@ class basic_device_exchange
 
   //! Waits for `stream`, then throws for what the device flagged since the last check: bad ids
   //! (`errc::out_of_range`), duplicate choices or non-finite weights (`errc::invalid_argument`),
-  //! an overflowing static slot (`errc::size_overflow`). Clears the flags.
-  void check_errors(stream_arg stream) const {
-    std::size_t n = 1;
+  //! an overflowing static slot (`errc::size_overflow`), else a peer's failure its count
+  //! exchanges reported (`peer_error`), else bad received rows. Clears the flags.
+  void check_errors(stream_arg stream) {
+    std::size_t n = 0;
     for (const auto& s : this->slots())
-      n += 2 * s->state.chunks.size();
+      n += 3 * s->state.chunks.size();
     std::vector<std::uint32_t> words(n, 0); // the copies land here when the stream runs them
-    take_error_word<Space>(stream, &words[0], error_);
-    std::size_t at = 1;
+    std::size_t at = 0;
     for (const auto& s : this->slots())
-      for (const chunk_state& ch : s->state.chunks) {
+      for (chunk_state& ch : s->state.chunks) {
+        take_error_word<Space>(stream, &words[at++], ch.error);
         take_error_word<Space>(stream, &words[at++], ch.plan.error_word());
         take_error_word<Space>(stream, &words[at++], ch.experts.error_word());
+        status_.take(stream, ch.status);
       }
-    stream.synchronize();
-    std::uint32_t plan = 0, experts = 0;
-    for (std::size_t i = 1; i < words.size(); i += 2) {
-      plan |= words[i];
-      experts |= words[i + 1];
+    wait_watched(*this->comm_, stream);
+    std::uint32_t own = 0, plan = 0, experts = 0;
+    for (std::size_t i = 0; i < words.size(); i += 3) {
+      own |= words[i];
+      plan |= words[i + 1];
+      experts |= words[i + 2];
     }
-    device_dispatch_plan<Space>::throw_plan_errors(plan, this->placement_.num_experts());
+    throw_sender_errors(plan, own);
+    for (const auto& s : this->slots()) // a peer's failure explains what this rank received
+      for (const chunk_state& ch : s->state.chunks)
+        if (std::exception_ptr peer = status_.peer_failure(ch.status))
+          std::rethrow_exception(peer);
     device_expert_plan<Space>::throw_expert_errors(experts, this->placement_.slots_per_device());
-    WEAVE_EXPECT((words[0] & device_exchange_slot_overflow) == 0, errc::size_overflow,
-                 "a chunk sent more rows to a peer than its static slot of ", slot_rows_,
-                 " rows (moe_options.static_rows_per_peer)");
   }
 
  private:
@@ -178,6 +201,71 @@ class basic_device_exchange
   using slot_type = typename base::slot_type;
   using chunk_state = detail::device_chunk<Space>;
   using call_state = detail::device_call_state<Space>;
+
+  // Throws for a sender's flags: the chunk plans' (`device_plan_error`) and this exchange's own
+  // (`device_exchange_error`); used for this rank's and, through the status, for the peers'.
+  void throw_sender_errors(std::uint32_t plan, std::uint32_t exchange) const {
+    device_dispatch_plan<Space>::throw_plan_errors(plan, this->placement_.num_experts());
+    WEAVE_EXPECT((exchange & device_exchange_slot_overflow) == 0, errc::size_overflow,
+                 "a chunk sent more rows to a peer than its static slot of ", slot_rows_,
+                 " rows (moe_options.static_rows_per_peer)");
+  }
+
+  // The one wait (`moe_exchange_base::synchronize`): both streams through the communicator,
+  // then the device flags unless the communicator was aborted; rethrows the root cause.
+  void synchronize_layer(stream_arg compute, stream_arg comm) {
+    std::exception_ptr waited, flagged;
+    try {
+      synchronize_streams(*this->comm_, compute, comm);
+    } catch (...) {
+      waited = std::current_exception();
+    }
+    if (!communicator_aborted(*this->comm_)) {
+      try {
+        check_errors(compute);
+      } catch (...) {
+        flagged = std::current_exception();
+      }
+    }
+    if (std::exception_ptr root = root_cause({waited, flagged}))
+      std::rethrow_exception(root);
+  }
+
+  // A rejected call's turn (see `moe_exchange_base::reject`): on host streams both streams
+  // carry `failure` while `issue` enqueues it; on CUDA its record is copied to the device and
+  // sent by the call's count exchanges instead of the flags.
+  template <class Issue>
+  void enqueue_rejected(slot_type& s, const std::exception_ptr& failure, stream_arg compute,
+                        stream_arg comm, Issue&& issue) {
+    s.args.x = rows_view(nullptr, 0);
+    s.args.y = rows_view(nullptr, 0);
+    if constexpr (Space::runs_later) {
+      enqueue_failed_call(*this->comm_, compute, comm, failure, std::forward<Issue>(issue));
+    } else {
+      status_.report(comm, failure, s.state.reported_h, s.state.reported);
+      s.state.rejected = true;
+      try {
+        std::forward<Issue>(issue)();
+      } catch (...) {
+        s.state.rejected = false;
+        throw;
+      }
+      s.state.rejected = false;
+    }
+  }
+
+  // Space::launch for the caller's code. A failure before the dispatch on host streams travels
+  // with the count exchange; any other one aborts the communicator, as the peers would
+  // otherwise wait for this rank in a collective that carries no status.
+  template <class F>
+  void launch_fail_stop(stream_type& s, bool before_dispatch, F f) {
+    if (before_dispatch && Space::runs_later)
+      Space::launch(s, std::move(f));
+    else
+      Space::launch(s, [this, f = std::move(f)](stream_arg ls) mutable {
+        abort_peers_on_failure(*this->comm_, [&] { f(ls); });
+      });
+  }
 
   // The worst case of a peer's rows per chunk: every token of the chunk, or fewer when a
   // capacity factor bounds what the experts of one device take from a batch.
@@ -206,11 +294,11 @@ class basic_device_exchange
     };
     const auto D = static_cast<std::size_t>(self.D_), k = static_cast<std::size_t>(self.k_);
     const bool fixed = self.options_.static_shape, grads = self.options_.save_for_backward;
-    set(self.error_, 1);
     set(self.static_displs_, D);
     for (const auto& s : self.slots()) {
       call_state& st = s->state;
       set(st.counters, counter_count);
+      set(st.reported, failure_words);
       if (st.filter) {
         set(st.filter_ws, st.filter->workspace_size());
         set(st.keep, std::max<std::size_t>(self.options_.max_tokens * k, 1));
@@ -231,6 +319,8 @@ class basic_device_exchange
         set(ch.recv_displs, D);
         set(ch.recv_total, 1);
         set(ch.expert_rows, std::max<std::size_t>(self.chunk_tokens_ * k, 1));
+        set(ch.error, 1);
+        self.status_.carve(ch.status, set);
         if (fixed) {
           set(ch.send_routes, self.send_cap_ * k);
           set(ch.slot_row_token, self.send_cap_);
@@ -258,7 +348,7 @@ class basic_device_exchange
   moe_stats read_counters(const slot_type& s, stream_arg stream) const {
     std::int64_t c[counter_count] = {};
     Space::copy_to_host(stream, c, s.state.counters, sizeof(c));
-    stream.synchronize();
+    wait_watched(*this->comm_, stream);
     return {s.tokens,
             c[counter_routed],
             c[counter_dropped],
@@ -350,9 +440,10 @@ class basic_device_exchange
     std::tie(ch.first, ch.count) = this->chunk_range(s.tokens, c);
     const bool produced = args.hooks != nullptr && static_cast<bool>(args.hooks->produce);
     if (produced)
-      Space::launch(st, [hooks = args.hooks, first = ch.first, count = ch.count](stream_arg ls) {
-        hooks->produce(first, count, ls);
-      });
+      launch_fail_stop(st, true,
+                       [hooks = args.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+                         hooks->produce(first, count, ls);
+                       });
     const std::span<std::uint8_t> keep =
         cs.filter ? std::span<std::uint8_t>(cs.keep + ch.first * k, ch.count * k)
                   : std::span<std::uint8_t>{};
@@ -386,7 +477,7 @@ class basic_device_exchange
                                    ch.slot_row_token, ch.send_routes});
       Space::for_each(
           st, D_,
-          detail::slot_counts_step{ch.plan.send_counts().data(), S, ch.slot_counts, error_});
+          detail::slot_counts_step{ch.plan.send_counts().data(), S, ch.slot_counts, ch.error});
       Space::for_each(st, static_cast<std::int64_t>(ch.count * k),
                       detail::layout_token_rows_step{ch.plan.token_rows().data(),
                                                      ch.plan.send_offsets().data(), D_, S,
@@ -409,7 +500,7 @@ class basic_device_exchange
     const std::size_t row = this->options_.hidden * size_of(this->options_.element);
     const bool fixed = this->options_.static_shape;
     if (!s.backward) {
-      exchange_chunk_counts(ch, st);
+      exchange_chunk_counts(s, ch, st);
       if (fixed)
         all_to_all_v(*this->comm_, st, ch.send_routes, uniform_counts_, uniform_displs_,
                      ch.recv_routes, uniform_counts_, uniform_displs_,
@@ -427,24 +518,30 @@ class basic_device_exchange
                    ch.recv_counts_h, ch.recv_displs_h, row);
   }
 
-  // The count exchange of a chunk (every path's one place). Static shapes keep the counts in
-  // memory of the space; dynamic ones copy them to the host and lay out the receive there.
-  void exchange_chunk_counts(chunk_state& ch, stream_type& s) {
+  // The count exchange of a chunk (every path's one place), carrying this rank's status.
+  // Static shapes keep the counts in memory of the space; dynamic ones copy them to the host
+  // and lay out the receive there, where every rank fails alike if a rank's status says so.
+  void exchange_chunk_counts(slot_type& s, chunk_state& ch, stream_type& st) {
     const auto D = static_cast<std::size_t>(D_);
-    const std::span<std::int64_t> recv_counts(ch.recv_counts, D);
+    const std::int64_t* reported = s.state.rejected ? s.state.reported : nullptr;
     if (this->options_.static_shape) {
-      this->comm_->exchange_counts(s, std::span<const std::int64_t>(ch.slot_counts, D),
-                                   recv_counts);
+      status_.exchange(*this->comm_, st, ch.status, ch.slot_counts, ch.recv_counts,
+                       ch.plan.error_word(), ch.error, reported);
       return;
     }
-    this->comm_->exchange_counts(s, ch.plan.send_counts(), recv_counts);
-    Space::copy_to_host(s, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
-    Space::copy_to_host(s, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
-    Space::copy_to_host(s, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
-    Space::on_host(s, [this, &ch] {
-      detail::abort_peers_on_failure(*this->comm_, [&] { plan_receive(ch); });
+    status_.exchange(*this->comm_, st, ch.status, ch.plan.send_counts().data(), ch.recv_counts,
+                     ch.plan.error_word(), ch.error, reported);
+    Space::copy_to_host(st, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
+    Space::copy_to_host(st, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
+    Space::copy_to_host(st, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
+    on_host_watched<Space>(*this->comm_, st, [this, &ch, &s] {
+      if (std::exception_ptr failed = status_.failure(ch.status)) {
+        s.failed_together = true; // every rank raises it here
+        std::rethrow_exception(failed);
+      }
+      abort_peers_on_failure(*this->comm_, [&] { plan_receive(ch); });
     });
-    Space::copy_from_host(s, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
+    Space::copy_from_host(st, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
   }
 
   // Dynamic shapes, on the host once the counts arrived: the receive layout.
@@ -511,7 +608,7 @@ class basic_device_exchange
 
   void enqueue_experts_callback(slot_type& s, int c, stream_type& st) {
     const bool backward = s.backward; // host spaces run it later, maybe in the next phase
-    Space::launch(st, [this, &s, c, backward](stream_arg) {
+    launch_fail_stop(st, false, [this, &s, c, backward](stream_arg) {
       if (backward)
         s.args.experts_grad(experts_grad_of(s, c));
       else
@@ -548,9 +645,10 @@ class basic_device_exchange
                  (s.backward ? args.dx : args.y).subrows(ch.first, ch.count), token_rows, k_,
                  nullptr, nullptr, false);
     if (!s.backward && args.hooks != nullptr && args.hooks->consume)
-      Space::launch(st, [hooks = args.hooks, first = ch.first, count = ch.count](stream_arg ls) {
-        hooks->consume(first, count, ls);
-      });
+      launch_fail_stop(st, false,
+                       [hooks = args.hooks, first = ch.first, count = ch.count](stream_arg ls) {
+                         hooks->consume(first, count, ls);
+                       });
     if (s.backward)
       Space::for_each(
           st, static_cast<std::int64_t>(ch.count),
@@ -565,9 +663,9 @@ class basic_device_exchange
   std::vector<std::int32_t> local_experts_;
   std::vector<std::int64_t> uniform_counts_, uniform_displs_;
   bool initialized_ = false;
-  std::uint32_t* error_ = nullptr;
   std::int64_t* static_displs_ = nullptr;
   const slot_type* last_forward_ = nullptr;
+  device_counts_with_status<Space> status_; // the count exchanges, carrying each rank's status
 };
 
 WEAVE_NAMESPACE_END

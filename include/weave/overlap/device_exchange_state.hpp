@@ -4,6 +4,7 @@
 //! filter, statistics counters and backward scratch. Internal.
 #pragma once
 
+#include "weave/comm/device_status_exchange.hpp"
 #include "weave/core/config.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
@@ -44,6 +45,8 @@ struct device_chunk {
   float *send_dw = nullptr, *returned_dw = nullptr; // backward: gate gradients per entry
   // Dynamic shapes: the counts the all-to-alls read on the host.
   std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
+  std::uint32_t* error = nullptr; // the exchange's own flags (a static slot overflowing)
+  device_status_block status;     // its count exchange with every rank's status
 };
 
 // Everything one call needs, reused by the calls of its slot.
@@ -56,6 +59,10 @@ struct device_call_state {
   std::int64_t* counters = nullptr; // moe_stats of the forward (device_exchange_counter)
   std::byte *grad_dy = nullptr, *grad_scaled = nullptr;
   float* grad_dot = nullptr;
+  // A call rejected on the host: its record, sent by the call's count exchanges (`rejected`).
+  std::int64_t* reported = nullptr;
+  std::vector<std::int64_t> reported_h = std::vector<std::int64_t>(failure_words, 0);
+  bool rejected = false;
 
   void construct(const placement& where, const moe_options& o, int rank, std::size_t chunk_tokens,
                  std::size_t recv_rows) {

@@ -20,14 +20,19 @@
 //! the caller's expert backward runs on the gate-scaled gradients, each row's local input
 //! gradients are summed and sent back with the gate gradients.
 //!
-//! Every step runs as a task on the call's streams; a step that fails aborts the communicator so
-//! that peers fail with `peer_failure` instead of waiting. The expert rows of a chunk
+//! Every step runs as a task on the call's streams. A step that fails before a chunk's dispatch
+//! (planning with a bad id or weight) fails the stream, and the chunk's count exchange carries
+//! the failure to every rank (all fail there; docs/faults.md); a step that fails later aborts
+//! the communicator so that peers fail with `peer_failure` instead of waiting. The expert rows of a
+//! chunk
 //! (`moe_chunk::experts()`) are readable in a task enqueued on the compute stream after the
 //! chunk was opened, or after synchronizing it. EPD buffers grow to the largest chunk seen and
 //! are then reused; every other buffer is allocated at construction, for `max_in_flight` calls.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
+#include "weave/comm/status_exchange.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -81,13 +86,18 @@ class moe_exchange
 
   //! An exchange for rank `comm.rank()` of a world of `comm.size()` devices placed by `where`.
   //! Allocates every communication buffer for `options.max_tokens` tokens and
-  //! `options.max_in_flight` calls now. Throws `errc::invalid_argument` for a placement of
-  //! another device count or bad options, `errc::not_supported` for `static_shape`.
+  //! `options.max_in_flight` calls now. Collective: checks that every rank builds the layer
+  //! alike (`agree_on_layer`: `errc::config_mismatch` on every rank otherwise). Throws
+  //! `errc::invalid_argument` for a placement of another device count or bad options,
+  //! `errc::not_supported` for `static_shape` (and its peers a `peer_error` naming this rank).
   moe_exchange(Comm& comm, placement where, moe_options options)
-      : base(comm, std::move(where), options) {
-    WEAVE_EXPECT(!options.static_shape, errc::not_supported,
-                 "moe_options.static_shape is a mode of the device exchange "
-                 "(basic_device_exchange, cuda_moe_exchange)");
+      : base(comm, std::move(where), options, "moe_exchange",
+             [&] {
+               WEAVE_EXPECT(!options.static_shape, errc::not_supported,
+                            "moe_options.static_shape is a mode of the device exchange "
+                            "(basic_device_exchange, cuda_moe_exchange)");
+             })
+      , status_(comm.size(), comm.rank(), 1, "moe_exchange") {
     const auto D = static_cast<std::size_t>(comm.size());
     const auto k = static_cast<std::size_t>(options.k);
     const auto chunks = static_cast<std::size_t>(options.chunks);
@@ -97,8 +107,11 @@ class moe_exchange
     const int spd = this->placement_.slots_per_device();
     for (int l = 0; l < spd; ++l)
       local_experts_.push_back(this->placement_.expert_of_slot(this->rank_ * spd + l));
-    for (const auto& s : this->slots())
+    for (const auto& s : this->slots()) {
       s->state.allocate(this->placement_, options, this->rank_, send_bound_, recv_bound_);
+      for (chunk_state& ch : s->state.chunks)
+        ch.status = status_.make_block();
+    }
   }
 
   //! What the last completed forward moved (read after synchronizing its streams).
@@ -185,7 +198,19 @@ class moe_exchange
 
   template <class F>
   void task(stream_type& s, F f) {
-    s.submit([this, f] { detail::abort_peers_on_failure(*this->comm_, f); });
+    s.submit([this, f] { abort_peers_on_failure(*this->comm_, f); });
+  }
+
+  // A rejected call's turn (see `moe_exchange_base::reject`): both streams carry `failure`
+  // while `issue` enqueues it, so its count exchanges tell the peers.
+  template <class Issue>
+  void enqueue_rejected(slot_type&, const std::exception_ptr& failure, stream_type& compute,
+                        stream_type& comm, Issue&& issue) {
+    enqueue_failed_call(*this->comm_, compute, comm, failure, std::forward<Issue>(issue));
+  }
+
+  void synchronize_layer(stream_type& compute, stream_type& comm) {
+    synchronize_streams(*this->comm_, compute, comm);
   }
 
   void on_start(slot_type&, stream_type&) {}
@@ -205,7 +230,7 @@ class moe_exchange
                         ch.send.view(static_cast<std::size_t>(ch.plan.rows())));
       });
     else
-      task(s, [this, &slot, c] { prepare(slot, c); });
+      s.submit([this, &slot, c] { prepare(slot, c); }); // travels with the count exchange
   }
 
   void enqueue_dispatch(slot_type& slot, int c, stream_type& s) {
@@ -222,7 +247,7 @@ class moe_exchange
 
   // The count exchange of a chunk (every path's one place), then the receive layout from it.
   void exchange_chunk_counts(chunk_state& ch, stream_type& s) {
-    this->comm_->exchange_counts(s, ch.send_counts, ch.recv_counts);
+    status_.exchange(*this->comm_, s, ch.status, ch.send_counts, ch.recv_counts);
     task(s, [this, &ch] { plan_receive(ch); });
   }
 
@@ -444,6 +469,7 @@ class moe_exchange
   std::vector<std::int32_t> local_experts_;
   mutable std::mutex stats_mutex_;
   moe_stats stats_;
+  counts_with_status<Comm> status_; // the count exchanges, carrying each rank's failure
 };
 
 WEAVE_NAMESPACE_END

@@ -23,14 +23,23 @@
 //! `combine`, under the last combine. Calls of different handles interleave freely:
 //! issuing handle B's dispatch before handle A's experts puts B's communication under A's
 //! computation (DeepSeek-V3's DualPipe overlap of two micro-batches).
+//!
+//! Fail-stop (docs/faults.md): the ranks agree on the layer's configuration at construction
+//! (`agree_on_layer`); a rank's failure before a chunk's dispatch (bad ids or weights, a call
+//! rejected for its arguments) travels in-band with that chunk's count exchange, so every rank
+//! fails at the same step and the layer stays usable; failures after a dispatch (an expert
+//! callback throwing, a half-issued handle released) abort the communicator. `synchronize` is
+//! the one wait that reports the root cause; `usable()` says whether the layer can go on.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/core/tensor_args.hpp"
 #include "weave/exec/stream.hpp"
+#include "weave/overlap/layer_agreement.hpp"
 #include "weave/overlap/moe_handle.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/overlap/pipeline.hpp"
@@ -97,6 +106,9 @@ struct moe_slot {
   int prepared = 0;          // chunks whose prepare and dispatch are issued
   int finished = 0;          // chunks whose finish is issued
   bool output_known = false; // the phase's output was given before its chunks were iterated
+  // Issuing the phase threw a failure every rank raises at the same step (a status-carrying
+  // count exchange read on the host): the phase ends there on every rank, nothing to abort.
+  bool failed_together = false;
   std::size_t tokens = 0;
 };
 
@@ -105,15 +117,8 @@ struct moe_slot {
 // collective and leave the peers waiting in it: wait in a task that tells the communicator.
 template <class Comm, class Stream, class Event>
 void wait_or_abort(Comm& comm, Stream& s, const Event& e) {
-  if constexpr (host_executor<Stream> && requires { comm.abort(std::string()); }) {
-    s.submit([&comm, e] {
-      try {
-        e.synchronize();
-      } catch (const std::exception& failure) {
-        comm.abort(failure.what());
-        throw;
-      }
-    });
+  if constexpr (host_executor<Stream> && has_abort<Comm>) {
+    s.submit([&comm, e] { abort_peers_on_failure(comm, [&] { e.synchronize(); }); });
   }
 }
 
@@ -168,11 +173,18 @@ class moe_exchange_base {
   //! `moe_chunk_hooks`). Throws `errc::size_mismatch` / `errc::invalid_argument` for shapes or
   //! memory that disagree with the options, `errc::invalid_state` when `max_in_flight`
   //! handles are alive. A slot whose last call is still queued on host streams is first waited
-  //! for (with several slots, a free one whose work is done is preferred).
+  //! for (with several slots, a free one whose work is done is preferred). A call rejected
+  //! here still takes its turn in the collective schedule, carrying the error to the peers
+  //! (they fail at its first count exchange with a `peer_error` naming this rank).
   handle dispatch(const_token_view x, std::span<const std::int32_t> ids,
                   std::span<const float> weights, stream_arg compute, stream_arg comm,
                   const hooks_type* hooks = nullptr) {
-    check_dispatch(x, ids, weights, hooks, compute, comm);
+    try {
+      check_dispatch(x, ids, weights, hooks, compute, comm);
+    } catch (...) {
+      reject(std::current_exception(), compute, comm);
+      throw;
+    }
     handle h = acquire(x.rows());
     const int i = slot_of(h);
     slot_type& s = slot(i);
@@ -227,9 +239,10 @@ class moe_exchange_base {
     const int i = slot_of(h);
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::dispatched, "combine");
-    check_rows(y, "output", s.tokens);
     check_comm(s, comm, "combine");
     check_same_output(s, s.args.y, y, "combine");
+    // A bad output is bad input: the peers, waiting in this call's collectives, learn it.
+    abort_peers_on_failure(*comm_, [&] { check_rows(y, "output", s.tokens); });
     s.args.y = y;
     finish_phase(i, compute, moe_phase::combined);
   }
@@ -237,14 +250,16 @@ class moe_exchange_base {
   //! Enqueues the backward's dispatch of `dy` (T rows, the gradient of `combine`'s output) to
   //! the expert devices (the backward of `combine`). Each chunk's `experts_grad()` then holds
   //! the saved expert inputs and the gate-scaled output gradients; the caller writes the input
-  //! gradients. Needs `save_for_backward` and a combined handle (`errc::invalid_state`).
+  //! gradients. Needs `save_for_backward` and a combined handle (`errc::invalid_state`). Bad
+  //! arguments abort the communicator (no count exchange carries them).
   void combine_backward(handle& h, const_token_view dy, stream_arg compute, stream_arg comm) {
     WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
                  "the backward needs moe_options.save_for_backward");
     const int i = slot_of(h);
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::combined, "combine_backward");
-    check_rows(dy, "output gradient", s.tokens);
+    // The backward has no count exchange to carry a bad argument: the peers learn it by abort.
+    abort_peers_on_failure(*comm_, [&] { check_rows(dy, "output gradient", s.tokens); });
     s.args.dy = dy;
     start(i, true, compute, comm);
   }
@@ -257,11 +272,11 @@ class moe_exchange_base {
     const int i = slot_of(h);
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
-    check_backward_outputs(s, dx, dw);
     check_comm(s, comm, "dispatch_backward");
     check_same_output(s, s.args.dx, dx, "dispatch_backward");
     WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
                  "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
+    abort_peers_on_failure(*comm_, [&] { check_backward_outputs(s, dx, dw); });
     s.args.dx = dx;
     s.args.dw = dw;
     finish_phase(i, compute, moe_phase::finished);
@@ -277,7 +292,12 @@ class moe_exchange_base {
   void forward(const_token_view x, std::span<const std::int32_t> ids,
                std::span<const float> weights, token_view y, experts_fn experts, stream_arg compute,
                stream_arg comm, const hooks_type* hooks = nullptr) {
-    check_rows(y, "output", x.rows());
+    try {
+      check_rows(y, "output", x.rows());
+    } catch (...) {
+      reject(std::current_exception(), compute, comm);
+      throw;
+    }
     last_.reset(); // its backward will not come; its slot may serve this call
     handle h = dispatch(x, ids, weights, compute, comm, hooks);
     slot_type& s = slot(slot_of(h));
@@ -293,12 +313,14 @@ class moe_exchange_base {
   //! computes each chunk's input gradients; writes `dx` and the gate gradients `dw`.
   void backward(const_token_view dy, token_view dx, std::span<float> dw,
                 experts_grad_fn experts_grad, stream_arg compute, stream_arg comm) {
-    WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                 "backward needs moe_options.save_for_backward");
-    WEAVE_EXPECT(last_.valid(), errc::invalid_state,
-                 "backward needs a forward first (each forward has one backward)");
+    abort_peers_on_failure(*comm_, [&] {
+      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                   "backward needs moe_options.save_for_backward");
+      WEAVE_EXPECT(last_.valid(), errc::invalid_state,
+                   "backward needs a forward first (each forward has one backward)");
+      check_rows(dx, "input gradient", slot(slot_of(last_)).tokens);
+    });
     slot_type& s = slot(slot_of(last_));
-    check_rows(dx, "input gradient", s.tokens);
     combine_backward(last_, dy, compute, comm);
     s.args.experts_grad = std::move(experts_grad);
     for (const chunk c : chunks(last_, dx, dw))
@@ -306,6 +328,20 @@ class moe_exchange_base {
     dispatch_backward(last_, dx, dw, compute, comm);
     last_.reset();
   }
+
+  // --- waiting and failures ---------------------------------------------------------------
+
+  //! The one wait: waits for both streams (through the communicator, see `wait_watched`) and
+  //! rethrows the root cause of a failure: this rank's own error, else a peer's failure naming
+  //! its rank, code and message. Observes the failures of both streams. The device exchange
+  //! also checks its device flags (`check_errors`).
+  void synchronize(stream_arg compute, stream_arg comm) { self().synchronize_layer(compute, comm); }
+
+  //! False once the communicator was aborted (a failure after a dispatch, a timeout, a
+  //! half-issued handle released): every later call fails; rebuild the communicator and the
+  //! layer. Failures that travelled in-band (bad input found before a dispatch, a rejected call)
+  //! leave it true: after `synchronize` reported them, the layer can be called again.
+  bool usable() const { return !communicator_aborted(*comm_); }
 
   // --- any tensor type --------------------------------------------------------------------
 
@@ -389,17 +425,15 @@ class moe_exchange_base {
   using slot_type = detail::moe_slot<Traits>;
   using comm_type = typename Traits::comm_type;
 
-  //! Checks the options and the placement against the communicator and creates the slots: the
-  //! one construction step both exchanges share.
-  moe_exchange_base(comm_type& comm, placement where, moe_options options)
-      : comm_(&comm)
+  //! Checks the options and the placement against the communicator (`validate`: the derived
+  //! exchange's own checks), agrees on them with every rank (`agree_on_layer`, collective) and
+  //! creates the slots: the one construction step both exchanges share.
+  template <class Validate>
+  moe_exchange_base(comm_type& comm, placement where, moe_options options, const std::string& kind,
+                    Validate&& validate)
+      : comm_(&agree_on_layer(comm, kind, where, options, std::forward<Validate>(validate)))
       , placement_(std::move(where))
       , options_(options) {
-    detail::check_moe_options(options_);
-    WEAVE_EXPECT(placement_.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
-                 placement_.num_devices(), " devices for a world of ", comm.size());
-    WEAVE_EXPECT(options_.k <= placement_.num_experts(), errc::invalid_argument, "k = ", options_.k,
-                 " exceeds the ", placement_.num_experts(), " experts");
     rank_ = comm.rank();
     for (int i = 0; i < options_.max_in_flight; ++i)
       slots_.push_back(std::make_unique<slot_type>(options_.chunks));
@@ -507,6 +541,7 @@ class moe_exchange_base {
           e->synchronize(); // a failure of the last call surfaced at its caller's synchronize
         } catch (...) {
         }
+        *e = {}; // a failed call's events must not fail the next call that waits for them
       }
     }
     s.held = true;
@@ -516,12 +551,70 @@ class moe_exchange_base {
     return detail::moe_access::make_handle(self(), pick);
   }
 
+  // A call rejected on the host (bad arguments) takes its turn in the collective schedule: a
+  // call of no tokens is issued on a free slot with `failure` carried by its count exchanges
+  // (`Derived::enqueue_rejected`), so the peers fail at the same step and the layer stays
+  // usable. With no free slot (or one stream given twice) the communicator is aborted instead.
+  void reject(const std::exception_ptr& failure, stream_arg compute, stream_arg comm) {
+    bool free = false;
+    for (int i = 0; i < max_in_flight(); ++i)
+      free = free || !slot(i).held;
+    bool same_stream = false;
+    if constexpr (std::is_reference_v<stream_arg>)
+      same_stream = &compute == &comm;
+    if (!free || same_stream) {
+      abort_peers(*comm_, failure);
+      return;
+    }
+    try {
+      handle h = acquire(0);
+      const int i = slot_of(h);
+      slot_type& s = slot(i);
+      self().enqueue_rejected(s, failure, compute, comm, [&] {
+        start(i, false, compute, comm);
+        while (s.current < options_.chunks)
+          advance_slot(i);
+        finish_phase(i, compute, moe_phase::combined); // into an empty output
+      });
+    } catch (...) {
+      if (!communicator_aborted(*comm_) && !failed_together_last_)
+        abort_peers(*comm_, failure);
+    }
+    failed_together_last_ = false;
+  }
+
+  // Issues `f` (a step of slot `s`'s phase that enqueues collectives); if it throws, the phase
+  // ends here: a failure every rank raises alike (`failed_together`) leaves the communicator
+  // as it is, any other one aborts it, since the peers would wait for this rank's collectives.
+  template <class F>
+  void issue_or_end(slot_type& s, F&& f) {
+    try {
+      std::forward<F>(f)();
+    } catch (...) {
+      failed_together_last_ = s.failed_together;
+      if (!s.failed_together)
+        abort_peers(*comm_, std::current_exception());
+      try {
+        load(s.compute).record(s.compute_done);
+        load(s.comm).record(s.comm_done);
+      } catch (...) {
+      }
+      s.phase = moe_phase::finished;
+      throw;
+    }
+  }
+
   void release_slot(int i) noexcept {
     slot_type& s = slot(i);
     if (s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched) {
-      if constexpr (requires { comm_->abort(std::string()); })
-        comm_->abort(detail::concat("a moe handle was released in phase ", to_string(s.phase),
-                                    ", with its collectives half enqueued"));
+      try {
+        abort_peers(*comm_,
+                    std::make_exception_ptr(error(
+                        errc::invalid_state,
+                        detail::concat("a moe handle was released in phase ", to_string(s.phase),
+                                       ", with its collectives half enqueued"))));
+      } catch (...) {
+      }
       try { // the next user of the slot waits for what was queued
         load(s.compute).record(s.compute_done);
         load(s.comm).record(s.comm_done);
@@ -542,6 +635,7 @@ class moe_exchange_base {
     s.prepared = 0;
     s.finished = 0;
     s.output_known = false;
+    s.failed_together = false;
     if constexpr (std::is_pointer_v<typename slot_type::stream_store>) {
       s.compute = &compute;
       s.comm = &comm;
@@ -556,9 +650,11 @@ class moe_exchange_base {
     last_pipeline_ = &s.pipeline();
     load(s.compute).wait(s.comm_done);
     load(s.comm).wait(s.compute_done);
-    prepare_next(s);
-    if (options_.chunks > 1)
+    issue_or_end(s, [&] {
       prepare_next(s);
+      if (options_.chunks > 1)
+        prepare_next(s);
+    });
   }
 
   void prepare_next(slot_type& s) {
@@ -584,8 +680,11 @@ class moe_exchange_base {
   void comm_stage(slot_type& s, pipeline_stage stage, int c) {
     auto& pipe = s.pipeline();
     stream_type& comm = load(s.comm);
-    detail::wait_or_abort(*comm_, comm,
-                          pipe.ended(chunk_pipeline<stream_type>::dependency(stage), c));
+    // A forward dispatch carries a failure before it in its count exchange; the other stages
+    // carry no status, so a failure of the work they wait for aborts the communicator.
+    if (stage != pipeline_stage::dispatch || s.backward)
+      detail::wait_or_abort(*comm_, comm,
+                            pipe.ended(chunk_pipeline<stream_type>::dependency(stage), c));
     pipe.stage(stage, c, comm, [&](stream_type& st) {
       if (stage == pipeline_stage::dispatch)
         self().enqueue_dispatch(s, c, st);
@@ -602,13 +701,15 @@ class moe_exchange_base {
                  errc::invalid_state, "no chunk to advance in phase ", to_string(s.phase));
     WEAVE_EXPECT(s.current < options_.chunks, errc::invalid_state, "all ", options_.chunks,
                  " chunks of the phase are already closed");
-    open_slot(i);
     const int c = s.current;
-    self().enqueue_close_experts(s, c, load(s.compute));
-    s.pipeline().end_stage(pipeline_stage::experts, c, load(s.compute));
-    comm_stage(s, pipeline_stage::combine, c);
-    if (s.prepared < options_.chunks)
-      prepare_next(s);
+    issue_or_end(s, [&] {
+      open_slot(i);
+      self().enqueue_close_experts(s, c, load(s.compute));
+      s.pipeline().end_stage(pipeline_stage::experts, c, load(s.compute));
+      comm_stage(s, pipeline_stage::combine, c);
+      if (s.prepared < options_.chunks)
+        prepare_next(s);
+    });
     if (s.output_known && c >= 1)
       finish_chunk(s, c - 1, load(s.compute));
     ++s.current;
@@ -643,6 +744,7 @@ class moe_exchange_base {
 
   std::vector<std::unique_ptr<slot_type>> slots_;
   const chunk_pipeline<stream_type>* last_pipeline_ = nullptr;
+  bool failed_together_last_ = false; // the last phase that ended early failed on every rank
   handle last_; // the callback form's last forward (declared after the slots it holds)
 };
 

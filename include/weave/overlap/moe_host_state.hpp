@@ -3,6 +3,7 @@
 //! counts and row buffers, the batch's capacity decision and statistics. Internal.
 #pragma once
 
+#include "weave/comm/status_exchange.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/overlap/moe_options.hpp"
@@ -32,6 +33,7 @@ struct host_chunk {
   std::vector<float> grad_dot;                 // backward: <dy, expert output> per EPD row
   std::vector<std::int64_t> expert_rows;       // (token, choice) -> EPD row here, or a mark
   std::atomic<bool> ready[2] = {false, false}; // forward / backward expert rows are valid
+  status_block status;                         // its count exchange with every rank's status
 
   std::size_t received() const noexcept {
     return static_cast<std::size_t>(recv_displs.back() + recv_counts.back());

@@ -119,19 +119,6 @@ void check_hooks(const Hooks* hooks, const moe_options& o) {
                "a chunk producer needs dropless capacity or drop_order::position");
 }
 
-// A step that fails on one rank would leave its peers waiting in the next collective: runs
-// `f`, and on failure tells the communicator (where it can be told) before rethrowing.
-template <class Comm, class F>
-void abort_peers_on_failure(Comm& comm, F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    if constexpr (requires { comm.abort(std::string()); })
-      comm.abort(e.what());
-    throw;
-  }
-}
-
 } // namespace detail
 
 WEAVE_NAMESPACE_END

@@ -158,6 +158,9 @@ inline plan::schedule layer_schedule(a2a_algorithm algorithm, std::int64_t degre
 struct routing_source {
   //! A trace replayed on every layer (non-empty ids), else the synthetic generator.
   routing_trace trace{};
+  //! Per-layer traces (a recorded model's layers, `read_trace_layers_file`): layer l replays
+  //! `layer_traces[l % size]`. Takes precedence over `trace` when non-empty.
+  std::vector<routing_trace> layer_traces{};
   //! Generator settings (experts and k are taken from the model); layer l uses seed + l.
   trace_options synthetic{};
   //! Synthetic tokens per layer; 0: ranks × sampled tokens per rank, at most 65536.
@@ -166,26 +169,34 @@ struct routing_source {
   int distinct_layers = 0;
 };
 
-//! Distinct routing pools of `src` for a model of `layers` layers: 1 for a replayed trace,
-//! else `distinct_layers` (at most `layers`; 0 = `layers`).
+//! Distinct routing pools of `src` for a model of `layers` layers: the per-layer traces (at
+//! most `layers`), 1 for a replayed trace, else `distinct_layers` (at most `layers`; 0 =
+//! `layers`).
 inline int routing_pool_count(const routing_source& src, int layers) noexcept {
+  if (!src.layer_traces.empty())
+    return std::min(static_cast<int>(src.layer_traces.size()), layers);
   if (!src.trace.ids.empty())
     return 1;
   return src.distinct_layers > 0 ? std::min(src.distinct_layers, layers) : layers;
 }
 
-//! The routing pool of layer `layer`: the replayed trace, or the synthetic trace of seed
-//! `synthetic.seed + layer % routing_pool_count` with the model's experts and k. `ranks` and
-//! `sampled_tokens` size the default pool. Throws `errc::size_mismatch` for a trace whose k or
-//! experts differ from the model's.
+//! The routing pool of layer `layer`: its per-layer trace (`layer_traces[layer % size]`), the
+//! replayed trace, or the synthetic trace of seed `synthetic.seed + layer %
+//! routing_pool_count` with the model's experts and k. `ranks` and `sampled_tokens` size the
+//! default pool. Throws `errc::size_mismatch` for a trace whose k or experts differ from the
+//! model's.
 inline routing_trace routing_pool(const routing_source& src, const moe_model& m, int ranks,
                                   std::int64_t sampled_tokens, int layer) {
   m.validated();
-  if (!src.trace.ids.empty()) {
-    WEAVE_EXPECT(src.trace.k == m.k && src.trace.num_experts == m.experts, errc::size_mismatch,
-                 "trace of k = ", src.trace.k, " over ", src.trace.num_experts,
+  const routing_trace* replayed =
+      !src.layer_traces.empty()
+          ? &src.layer_traces[static_cast<std::size_t>(layer) % src.layer_traces.size()]
+          : (src.trace.ids.empty() ? nullptr : &src.trace);
+  if (replayed != nullptr) {
+    WEAVE_EXPECT(replayed->k == m.k && replayed->num_experts == m.experts, errc::size_mismatch,
+                 "trace of k = ", replayed->k, " over ", replayed->num_experts,
                  " experts for a model of k = ", m.k, " over ", m.experts);
-    return src.trace;
+    return *replayed;
   }
   trace_options t = src.synthetic;
   t.num_experts = m.experts;

@@ -1,0 +1,237 @@
+//! \file
+//! `device_counts_with_status<Space>`: the status-carrying count exchange (see
+//! `status_exchange.hpp`) for algorithms whose counts live in memory of an execution space,
+//! as the device exchange's do.
+//!
+//! Beside its count for every peer, each rank sends its status, built where the data is:
+//! - a failure its stream holds (host space), or a call it rejected on the host (CUDA: a
+//!   record copied to memory of the space, see `report`), as a `failure_record`;
+//! - else the error flags its device steps set before the exchange (bad expert ids, non-finite
+//!   weights, an overflowing static slot), which the receiver turns into a record with the
+//!   owner's `describe`;
+//! - else nothing.
+//! With dynamic shapes (`raise_flags`) every rank fails at the exchange of the chunk where a
+//! rank failed: on host streams there, with CUDA where the host reads the counts (`failure`).
+//! With static shapes nothing waits on the host: flagged failures of peers are reported by
+//! `peer_failure` after `take` (the owner's `check_errors`), failures on host streams fail the
+//! streams.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/comm/status_exchange.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
+#include "weave/exec/space.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+// A status word with this bit carries device flags (in the next word), not a failure record.
+inline constexpr std::int64_t device_flags_status = std::int64_t{1} << 17;
+inline constexpr std::size_t status_stride = 1 + failure_words; // per peer: a count, the status
+
+// Per peer j: its count, then this rank's status (a reported record, else its flags).
+struct pack_status_step {
+  const std::int64_t* counts;
+  const std::uint32_t *flags_low, *flags_high; // either may be null
+  const std::int64_t* reported;                // failure_words, or null
+  std::int64_t flags_tag;                      // (rank + 1) << 32 | device_flags_status
+  std::int64_t* send;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
+    std::int64_t* block = send + j * static_cast<std::int64_t>(status_stride);
+    block[0] = counts[j];
+    const std::uint32_t flags =
+        (flags_low ? *flags_low : 0u) | (flags_high ? *flags_high << 16 : 0u);
+    for (std::size_t i = 0; i < failure_words; ++i)
+      block[1 + i] = reported ? reported[i] : 0;
+    if (!reported && flags != 0) {
+      block[1] = flags_tag;
+      block[2] = static_cast<std::int64_t>(flags);
+    }
+  }
+};
+
+// Per peer j: the count it sent.
+struct unpack_counts_step {
+  const std::int64_t* recv;
+  std::int64_t* counts;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
+    counts[j] = recv[j * static_cast<std::int64_t>(status_stride)];
+  }
+};
+
+} // namespace detail
+
+//! The buffers of one status-carrying count exchange of an execution space (one per exchange
+//! that may be in flight, e.g. per chunk of a call): per peer a count and a status, sent and
+//! received in memory of the space (carved from the owner's workspace), and the host's copy.
+struct device_status_block {
+  std::int64_t *send = nullptr, *recv = nullptr;
+  std::vector<std::int64_t> host; // what the host read of `recv`
+  std::exception_ptr stashed;     // host streams: this rank's failure while an exchange runs
+};
+
+//! The count exchange of an algorithm in `Space`, carrying each rank's status (see the file
+//! comment).
+template <execution_space Space>
+class device_counts_with_status {
+ public:
+  using stream_arg = typename Space::stream_arg;
+  //! Names what the flags `flags` of rank `rank` mean (e.g. by calling the thrower of the step
+  //! that set them inside `record_of_call`).
+  using describe_fn = std::function<failure_record(int rank, std::uint32_t flags)>;
+
+  //! For rank `rank` of `ranks`; `raise_flags`: fail every rank at the exchange when a rank's
+  //! flags are set (dynamic shapes); `what` names the owner in peers' errors.
+  device_counts_with_status(int ranks, int rank, bool raise_flags, std::string what,
+                            describe_fn describe)
+      : ranks_(ranks)
+      , rank_(rank)
+      , raise_flags_(raise_flags)
+      , what_(std::move(what))
+      , describe_(std::move(describe)) {}
+
+  //! 64-bit words of each buffer of a block (and of a reported record: `failure_words`).
+  std::size_t words() const noexcept {
+    return static_cast<std::size_t>(ranks_) * detail::status_stride;
+  }
+  //! Sizes `b`'s host copy (allocates: at construction of its owner); `carve` its buffers.
+  void size_block(device_status_block& b) const { b.host.assign(words(), 0); }
+  //! Carves `b`'s buffers: `set(pointer, count)` as in `carve_into`.
+  template <class Set>
+  void carve(const device_status_block& b, Set&& set) const {
+    set(b.send, words());
+    set(b.recv, words());
+  }
+
+  //! Enqueues on `s` the exchange of `counts` (one per peer, memory of the space) into
+  //! `recv_counts`, and of every rank's status, through `b`; this rank's flags are the words at
+  //! `flags_low` (bits 0-15) and `flags_high` (bits 16-31), either may be null. `reported`
+  //! (memory of the space, `failure_words`, or null): a rejected call's record (see `report`),
+  //! sent instead of the flags.
+  template <communicator Comm>
+  void exchange(Comm& comm, stream_arg s, device_status_block& b, const std::int64_t* counts,
+                std::int64_t* recv_counts, const std::uint32_t* flags_low,
+                const std::uint32_t* flags_high, const std::int64_t* reported) {
+    device_status_block* block = &b;
+    const auto D = static_cast<std::int64_t>(ranks_);
+    const std::span<const std::int64_t> send(b.send, words());
+    const std::span<std::int64_t> recv(b.recv, words());
+    if constexpr (Space::runs_later) { // host streams: the protocol of `counts_with_status`
+      const auto pack = [=, this](const std::exception_ptr& pending) {
+        const failure_record record = pending ? record_of(pending, rank_) : failure_record{};
+        std::int64_t words_of[failure_words];
+        encode_failure(pending ? &record : nullptr, words_of);
+        const detail::pack_status_step step{
+            counts, flags_low, flags_high, pending ? words_of : nullptr, flags_tag(), block->send};
+        for (std::int64_t j = 0; j < D; ++j)
+          step(j);
+      };
+      const auto decide = [=, this](std::exception_ptr own) {
+        for (std::int64_t j = 0; j < D; ++j)
+          detail::unpack_counts_step{block->recv, recv_counts}(j);
+        return own ? own : failure_in(std::span<const std::int64_t>(block->recv, words()), true);
+      };
+      if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
+        protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(send, recv), decide);
+      else
+        protocol_.enqueue(
+            s, &b.stashed, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
+    } else {
+      Space::for_each(
+          s, D,
+          detail::pack_status_step{counts, flags_low, flags_high, reported, flags_tag(), b.send});
+      comm.exchange_counts(s, send, recv);
+      Space::for_each(s, D, detail::unpack_counts_step{b.recv, recv_counts});
+      if (raise_flags_)
+        Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));
+    }
+  }
+
+  //! Dynamic shapes, on the host once the stream passed `b`'s exchange (CUDA: inside
+  //! `on_host`): this rank's flagged error, or a `peer_error` for a peer's failure, or null.
+  //! Host streams decide on the stream instead: always null there.
+  std::exception_ptr failure(const device_status_block& b) const {
+    if constexpr (!Space::runs_later) {
+      return failure_in(std::span<const std::int64_t>(b.host), true);
+    } else {
+      (void)b;
+      return nullptr;
+    }
+  }
+
+  //! Enqueues on `s` the copy of what `b` received since the last `take` to the host, and clears
+  //! it; `peer_failure(b)` reads the copy once `s` is waited for.
+  void take(stream_arg s, device_status_block& b) const {
+    Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));
+    Space::fill(s, b.recv, 0, words() * sizeof(std::int64_t));
+  }
+
+  //! A `peer_error` for a peer's failure (a record, or flags) in what `take` copied, or null.
+  std::exception_ptr peer_failure(const device_status_block& b) const {
+    return failure_in(std::span<const std::int64_t>(b.host), false);
+  }
+
+  //! Enqueues on `s` the copy of `failure`'s record (as this rank's) from `host_words` (kept
+  //! alive and unchanged until `s` ran the copy) to `device_words` (memory of the space), for
+  //! `exchange`'s `reported`: a call rejected on the host still takes its turn, carrying it.
+  void report(stream_arg s, const std::exception_ptr& failure, std::span<std::int64_t> host_words,
+              std::int64_t* device_words) const {
+    const failure_record record = record_of(failure, rank_);
+    encode_failure(&record, host_words);
+    Space::copy_from_host(s, device_words, host_words.data(), failure_words * sizeof(std::int64_t));
+  }
+
+ private:
+  std::int64_t flags_tag() const noexcept {
+    return (static_cast<std::int64_t>(rank_) + 1) << 32 | detail::device_flags_status;
+  }
+
+  // The failure a received block reports: this rank's own (when `own`), else the lowest failing
+  // peer's. Flags count only with raise_flags_ or outside an exchange (`!own`).
+  std::exception_ptr failure_in(std::span<const std::int64_t> received, bool own) const {
+    const auto status = [&](int r) {
+      return received.subspan(static_cast<std::size_t>(r) * detail::status_stride + 1,
+                              failure_words);
+    };
+    const auto flagged = [](std::span<const std::int64_t> w) {
+      return (w[0] & detail::device_flags_status) != 0;
+    };
+    const auto describe = [&](int r, std::span<const std::int64_t> w) {
+      return flagged(w) ? describe_(r, static_cast<std::uint32_t>(w[1]))
+                        : detail::decode_status(r, w);
+    };
+    // This rank's own status: its flags where they count, or a call it rejected (which must stop
+    // it at this exchange as it stops its peers).
+    const std::span<const std::int64_t> mine = status(rank_);
+    if (own && mine[0] != 0 && (raise_flags_ || !flagged(mine))) {
+      const failure_record r = describe(rank_, mine);
+      return std::make_exception_ptr(error(r.code, r.message));
+    }
+    // Peers: failure records always; flags where they count.
+    const bool flags_count = raise_flags_ || !own;
+    return detail::peer_failure_in(
+        received, 1, ranks_, rank_, what_ + " count exchange", describe,
+        [&](std::span<const std::int64_t> w) { return flags_count || !flagged(w); });
+  }
+
+  int ranks_ = 0, rank_ = 0;
+  bool raise_flags_ = false;
+  std::string what_;
+  describe_fn describe_;
+  detail::status_protocol protocol_;
+};
+
+WEAVE_NAMESPACE_END
