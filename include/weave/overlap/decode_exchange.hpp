@@ -1,0 +1,416 @@
+//! \file
+//! `decode_exchange`: the low-latency MoE exchange for decoding (1 to a few hundred tokens per
+//! rank), on host streams (local_world, MPI). The protocol of DeepEP's low-latency mode:
+//! - every (local expert slot, source rank) pair has a fixed receive slot of
+//!   `max_tokens_per_rank` rows, allocated at construction;
+//! - each slot's row count travels in the header of its message (`decode_header`), so a layer
+//!   is one all-to-all of fixed-size messages for the dispatch and one for the combine, with
+//!   no count exchange and no allocation per call;
+//! - rows are sent once per (token, expert) pair; the gate weights stay on the source rank,
+//!   which sums the returned expert outputs in token order (choice order within a token).
+//!
+//! Full slots cannot happen: a token sends at most one row to each expert slot (its k experts
+//! are distinct, and a slot holds one expert), so a slot receives at most as many rows as its
+//! source has tokens. A call of more than `max_tokens_per_rank` tokens is refused with
+//! `errc::invalid_argument` before anything is copied, never truncated.
+//!
+//! Fail-stop without a side channel: a rank whose inputs are bad (a shape, more tokens than
+//! the slots hold, an expert id outside [-1, E), an expert chosen twice, a non-finite weight)
+//! still sends every message, with the status word `failed` and the cause in the headers. Its
+//! own stream then fails with the original typed error, and every peer's with
+//! `errc::peer_failure` naming the rank and the cause; nobody waits for a message that never
+//! comes.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/exec/stream.hpp"
+#include "weave/overlap/decode_handle.hpp"
+#include "weave/overlap/decode_options.hpp"
+#include "weave/placement/placement.hpp"
+#include "weave/routing/dispatch_plan.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! The low-latency exchange of rank `comm.rank()` (see the file comment) for rows of `T`
+//! (`float`, `bfloat16` or `half`; sums are accumulated in f32). One handle is alive at a
+//! time: `dispatch` -> the caller's experts -> `combine`; the next call may be enqueued at
+//! once. Calls only enqueue, all on one host stream (the first call's; another is
+//! `errc::invalid_argument`); arguments are borrowed until the stream has run them.
+template <communicator Comm, class T>
+requires host_executor<typename Comm::stream_type>
+class decode_exchange {
+ public:
+  using stream_type = typename Comm::stream_type;
+  using element_type = T;
+  using handle = decode_handle<decode_exchange>;
+
+  //! Allocates every buffer for `options.max_tokens_per_rank` tokens now. Throws
+  //! `errc::invalid_argument` for bad options or a placement of another device count.
+  decode_exchange(Comm& comm, placement where, decode_options options)
+      : comm_(&comm)
+      , where_(std::move(where))
+      , options_(options)
+      , rank_(comm.rank())
+      , plan_(where_, options.k, comm.rank()) {
+    detail::check_decode_options(options_);
+    WEAVE_EXPECT(where_.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
+                 where_.num_devices(), " devices for a world of ", comm.size());
+    const auto D = static_cast<std::size_t>(comm.size());
+    const auto spd = static_cast<std::size_t>(where_.slots_per_device());
+    const auto k = static_cast<std::size_t>(options_.k);
+    message_bytes_ = detail::decode_message_bytes(options_, sizeof(T));
+    const std::size_t peer_bytes = checked_mul(spd, message_bytes_, "bytes per peer");
+    send_.assign(checked_mul(D, peer_bytes, "send bytes"), std::byte{0});
+    recv_.assign(send_.size(), std::byte{0});
+    counts_.assign(D, static_cast<std::int64_t>(peer_bytes));
+    displs_.resize(D);
+    for (std::size_t d = 0; d < D; ++d)
+      displs_[d] = static_cast<std::int64_t>(d * peer_bytes);
+    const std::size_t pairs = checked_mul(options_.max_tokens_per_rank, k, "pairs");
+    pair_slot_.assign(pairs, -1);
+    pair_pos_.assign(pairs, 0);
+    fill_.assign(checked_mul(D, spd, "slots"), 0);
+    received_.assign(spd * D, 0);
+    expert_rows_.assign(spd, 0);
+    slot_rows_ = checked_mul(D, options_.max_tokens_per_rank, "rows per expert");
+    const std::size_t expert_elems =
+        checked_mul(checked_mul(spd, slot_rows_, "expert rows"), options_.hidden, "elements");
+    expert_in_.assign(expert_elems, T{});
+    expert_out_.assign(expert_elems, T{});
+    sum_.assign(options_.hidden, 0.0f);
+    // Sizes the plan's buffers for the largest call (every token choosing k experts spread over
+    // as many devices as it can): later builds do not allocate.
+    std::vector<std::int32_t> spread;
+    for (std::size_t j = 0; spread.size() < k && j < D * spd; ++j) {
+      const int e = where_.expert_of_slot(static_cast<int>((j % D) * spd + j / D));
+      if (std::find(spread.begin(), spread.end(), e) == spread.end())
+        spread.push_back(e);
+    }
+    std::vector<std::int32_t> ids(pairs);
+    for (std::size_t p = 0; p < pairs; ++p)
+      ids[p] = spread[p % k];
+    plan_.build(ids, std::vector<float>(pairs, 0.0f));
+  }
+
+  decode_exchange(const decode_exchange&) = delete;
+  decode_exchange& operator=(const decode_exchange&) = delete;
+
+  const decode_options& options() const noexcept { return options_; }
+  const placement& where() const noexcept { return where_; }
+  //! Bytes of one (slot, source) message: header and a full slot.
+  std::size_t message_bytes() const noexcept { return message_bytes_; }
+  //! Bytes this rank sends to each peer per all-to-all (dispatch and combine alike).
+  std::size_t bytes_per_peer() const noexcept { return static_cast<std::size_t>(counts_[0]); }
+
+  //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights`
+  //! (k per token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they
+  //! fail the call on every rank as the file comment says. Throws `errc::invalid_state` when
+  //! a handle of this exchange is still alive.
+  handle dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
+                  std::span<const float> weights, stream_type& s) {
+    WEAVE_EXPECT(!held_, errc::invalid_state,
+                 "decode_exchange: a handle is alive; combine it (or release it) first");
+    bind_stream(s);
+    const std::uint64_t call = ++calls_; // tasks of several calls may be queued at once
+    held_ = true;
+    combined_ = false;
+    s.submit([this, x, ids, weights] { pack_dispatch(x, ids, weights); });
+    exchange(s);
+    s.submit([this, call] { unpack_dispatch(call); });
+    return handle(this, call);
+  }
+
+  //! Enqueues the combine of `h` on `s`: one all-to-all returns every expert output to its
+  //! source, which writes y[t] = sum over t's kept choices j (in order) of
+  //! weights[t, j] * output(ids[t, j], x[t]) into `y` (tokens x hidden). Releases `h`. A
+  //! `y` of the wrong size fails the call on every rank, as in the dispatch.
+  void combine(handle& h, std::span<T> y, stream_type& s) {
+    WEAVE_EXPECT(h.ex_ == this, errc::invalid_argument,
+                 "decode_exchange::combine: a handle of another exchange (or an empty one)");
+    bind_stream(s);
+    combined_ = true;
+    s.submit([this, y, call = h.call_] { pack_combine(y, call); });
+    exchange(s);
+    s.submit([this, y] { unpack_combine(y); });
+    h.reset();
+  }
+
+ private:
+  friend handle;
+  friend class decode_experts<decode_exchange>;
+
+  // Every call runs on the stream of the first: stream order alone keeps a call's queued
+  // work off the next call's buffers, and every rank's calls fail or run alike.
+  void bind_stream(stream_type& s) {
+    if (stream_ == nullptr)
+      stream_ = &s;
+    WEAVE_EXPECT(stream_ == &s, errc::invalid_argument,
+                 "decode_exchange: every call runs on the stream of the first call");
+  }
+
+  // The one all-to-all of a phase: fixed-size messages, so counts never change.
+  void exchange(stream_type& s) {
+    weave::all_to_all_v(*comm_, s, send_.data(), counts_, displs_, recv_.data(), counts_, displs_,
+                        1);
+  }
+
+  std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
+  std::size_t world() const noexcept { return counts_.size(); }
+  std::byte* message(std::vector<std::byte>& buf, std::size_t rank, std::size_t l) noexcept {
+    return buf.data() + (rank * spd() + l) * message_bytes_;
+  }
+  T* payload(std::vector<std::byte>& buf, std::size_t rank, std::size_t l) noexcept {
+    return reinterpret_cast<T*>(message(buf, rank, l) + sizeof(decode_header));
+  }
+  decode_header header(std::size_t rank, std::size_t l) noexcept {
+    decode_header h;
+    std::memcpy(&h, message(recv_, rank, l), sizeof h);
+    return h;
+  }
+  void put_header(std::size_t rank, std::size_t l, const decode_header& h) noexcept {
+    std::memcpy(message(send_, rank, l), &h, sizeof h);
+  }
+
+  // Runs `fill`, which writes the send messages; on failure every header says so instead,
+  // and the failure is kept for this rank's own stream.
+  template <class F>
+  void pack(F&& fill) noexcept {
+    local_failure_ = nullptr;
+    try {
+      fill();
+      return;
+    } catch (const error& e) {
+      local_failure_ = std::current_exception();
+      mark_failed(e.code(), e.message());
+    } catch (const std::exception& e) {
+      local_failure_ = std::current_exception();
+      mark_failed(errc::internal, e.what());
+    }
+  }
+  void mark_failed(errc code, const std::string& what) noexcept {
+    const decode_header h = detail::failed_header(rank_, code, what);
+    for (std::size_t d = 0; d < world(); ++d)
+      for (std::size_t l = 0; l < spd(); ++l)
+        put_header(d, l, h);
+  }
+
+  // Checks every received header: this rank's own failure first (the root cause), then the
+  // lowest failed peer's, then that each count fits its slot.
+  void check_headers() {
+    if (local_failure_)
+      std::rethrow_exception(local_failure_);
+    for (std::size_t d = 0; d < world(); ++d) {
+      const decode_header h = header(d, 0);
+      if (h.status != decode_status::ok) {
+        const std::string cause(h.cause, ::strnlen(h.cause, sizeof h.cause));
+        WEAVE_THROW(errc::peer_failure, "decode_exchange: rank ", d, " failed (",
+                    to_string(static_cast<errc>(h.code)), "): ", cause);
+      }
+    }
+    for (std::size_t d = 0; d < world(); ++d)
+      for (std::size_t l = 0; l < spd(); ++l) {
+        const decode_header h = header(d, l);
+        WEAVE_EXPECT(h.source == static_cast<std::int32_t>(d) && h.rows >= 0 &&
+                         static_cast<std::size_t>(h.rows) <= options_.max_tokens_per_rank,
+                     errc::size_mismatch, "decode_exchange: message (slot ", l, ") from rank ", d,
+                     " claims ", h.rows, " rows from rank ", h.source,
+                     " (slots hold max_tokens_per_rank = ", options_.max_tokens_per_rank, ")");
+      }
+  }
+
+  void pack_dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
+                     std::span<const float> weights) {
+    pack([&] {
+      const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
+      WEAVE_EXPECT(x.size() % H == 0, errc::size_mismatch, "decode_exchange: ", x.size(),
+                   " input elements are not whole rows of hidden = ", H);
+      const std::size_t tokens = x.size() / H;
+      WEAVE_EXPECT(tokens <= options_.max_tokens_per_rank, errc::invalid_argument,
+                   "decode_exchange: a call of ", tokens,
+                   " tokens exceeds max_tokens_per_rank = ", options_.max_tokens_per_rank);
+      WEAVE_EXPECT(ids.size() == tokens * k && weights.size() == tokens * k, errc::size_mismatch,
+                   "decode_exchange: ", ids.size(), " ids and ", weights.size(), " weights for ",
+                   tokens, " tokens with k = ", k);
+      plan_.build(ids, weights); // the exchanges' one validation of ids and weights
+      weights_ = weights;
+      const std::span<const std::int32_t> kept = plan_.kept_experts();
+      std::fill(fill_.begin(), fill_.end(), 0);
+      for (std::size_t p = 0; p < tokens * k; ++p) {
+        pair_slot_[p] = -1;
+        if (kept[p] < 0)
+          continue;
+        const int slot = where_.slot_for(kept[p], p / k, rank_);
+        const std::int64_t pos = fill_[static_cast<std::size_t>(slot)]++;
+        pair_slot_[p] = slot;
+        pair_pos_[p] = pos;
+        const auto d = static_cast<std::size_t>(slot) / spd(),
+                   l = static_cast<std::size_t>(slot) % spd();
+        std::memcpy(payload(send_, d, l) + static_cast<std::size_t>(pos) * H,
+                    x.data() + (p / k) * H, H * sizeof(T));
+      }
+      put_counts(fill_);
+      tokens_ = tokens;
+    });
+  }
+
+  // Headers of a successful pack: `rows[d * spd + l]` rows for slot l of rank d.
+  void put_counts(std::span<const std::int64_t> rows) noexcept {
+    for (std::size_t d = 0; d < world(); ++d)
+      for (std::size_t l = 0; l < spd(); ++l) {
+        decode_header h;
+        h.rows = rows[d * spd() + l];
+        h.source = rank_;
+        put_header(d, l, h);
+      }
+  }
+
+  void unpack_dispatch(std::uint64_t call) {
+    try {
+      check_headers();
+    } catch (...) {
+      failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
+      throw;
+    }
+    const std::size_t H = options_.hidden;
+    for (std::size_t l = 0; l < spd(); ++l) {
+      std::size_t at = 0;
+      T* in = expert_in_.data() + l * slot_rows_ * H;
+      for (std::size_t d = 0; d < world(); ++d) {
+        const auto n = static_cast<std::size_t>(header(d, l).rows);
+        received_[l * world() + d] = static_cast<std::int64_t>(n);
+        std::memcpy(in + at * H, payload(recv_, d, l), n * H * sizeof(T));
+        at += n;
+      }
+      expert_rows_[l] = static_cast<std::int64_t>(at);
+    }
+    arrived_.store(call, std::memory_order_release);
+  }
+
+  void pack_combine(std::span<T> y, std::uint64_t call) {
+    pack([&] {
+      WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
+                   "decode_exchange::combine after a dispatch that failed");
+      WEAVE_EXPECT(y.size() == tokens_ * options_.hidden, errc::size_mismatch,
+                   "decode_exchange::combine: an output of ", y.size(), " elements for ", tokens_,
+                   " tokens of hidden = ", options_.hidden);
+      const std::size_t H = options_.hidden;
+      for (std::size_t l = 0; l < spd(); ++l) {
+        std::size_t at = 0;
+        const T* out = expert_out_.data() + l * slot_rows_ * H;
+        for (std::size_t d = 0; d < world(); ++d) {
+          const auto n = static_cast<std::size_t>(received_[l * world() + d]);
+          std::memcpy(payload(send_, d, l), out + at * H, n * H * sizeof(T));
+          fill_[d * spd() + l] = static_cast<std::int64_t>(n);
+          at += n;
+        }
+      }
+      put_counts(fill_);
+    });
+  }
+
+  // The weighted sum of each token's returned rows, in choice order.
+  void unpack_combine(std::span<T> y) {
+    check_headers();
+    const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
+    for (std::size_t t = 0; t < tokens_; ++t) {
+      std::fill(sum_.begin(), sum_.end(), 0.0f);
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::int32_t slot = pair_slot_[t * k + j];
+        if (slot < 0)
+          continue;
+        const auto d = static_cast<std::size_t>(slot) / spd(),
+                   l = static_cast<std::size_t>(slot) % spd();
+        WEAVE_EXPECT(pair_pos_[t * k + j] < header(d, l).rows, errc::size_mismatch,
+                     "decode_exchange::combine: rank ", d, " returned ", header(d, l).rows,
+                     " rows of slot ", l, ", fewer than were sent");
+        const float w = weights_[t * k + j];
+        const T* row = payload(recv_, d, l) + static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
+        for (std::size_t i = 0; i < H; ++i)
+          sum_[i] += w * static_cast<float>(row[i]);
+      }
+      for (std::size_t i = 0; i < H; ++i)
+        y[t * H + i] = T(sum_[i]);
+    }
+  }
+
+  // --- what the handle reads -----------------------------------------------------------------
+  void expect_arrived(std::uint64_t call) const {
+    WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
+                 "decode_exchange: the dispatch has not run (read the expert rows in a task "
+                 "enqueued after it, or after synchronizing its stream), or it failed, or its "
+                 "combine has been issued");
+  }
+  void check_local(int l) const {
+    WEAVE_EXPECT(l >= 0 && static_cast<std::size_t>(l) < spd(), errc::out_of_range, "local slot ",
+                 l, " outside [0, ", spd(), ")");
+  }
+  int expert_of_local(int l) const {
+    check_local(l);
+    return where_.expert_of_slot(rank_ * where_.slots_per_device() + l);
+  }
+  std::int64_t received_rows(int l, int source) const {
+    check_local(l);
+    WEAVE_EXPECT(source >= 0 && static_cast<std::size_t>(source) < world(), errc::out_of_range,
+                 "source rank ", source, " outside [0, ", world(), ")");
+    return received_[static_cast<std::size_t>(l) * world() + static_cast<std::size_t>(source)];
+  }
+  std::int64_t received_rows(int l) const {
+    check_local(l);
+    return expert_rows_[static_cast<std::size_t>(l)];
+  }
+  std::span<const T> expert_input(int l) const {
+    const auto n = static_cast<std::size_t>(received_rows(l));
+    return {expert_in_.data() + static_cast<std::size_t>(l) * slot_rows_ * options_.hidden,
+            n * options_.hidden};
+  }
+  std::span<T> expert_output(int l) const {
+    const auto n = static_cast<std::size_t>(received_rows(l));
+    auto* out = const_cast<T*>(expert_out_.data()); // the handle's view of this exchange's rows
+    return {out + static_cast<std::size_t>(l) * slot_rows_ * options_.hidden, n * options_.hidden};
+  }
+
+  void release_handle(std::uint64_t call) noexcept {
+    if (held_ && !combined_ && failed_call_.load(std::memory_order_acquire) != call)
+      if constexpr (requires { comm_->abort(std::string()); })
+        comm_->abort("a decode_exchange handle was released without its combine");
+    held_ = false;
+  }
+
+  Comm* comm_;
+  placement where_;
+  decode_options options_;
+  int rank_ = 0;
+  dispatch_plan plan_;
+  std::size_t message_bytes_ = 0, slot_rows_ = 0, tokens_ = 0;
+  std::vector<std::byte> send_, recv_;        // [rank][local slot][message]
+  std::vector<std::int64_t> counts_, displs_; // bytes per peer: fixed
+  std::vector<std::int32_t> pair_slot_;       // (token, choice) -> physical slot, or -1
+  std::vector<std::int64_t> pair_pos_;        // (token, choice) -> row in its slot's message
+  std::vector<std::int64_t> fill_;            // rows per (rank, local slot) being sent
+  std::vector<std::int64_t> received_;        // rows per (local slot, source)
+  std::vector<std::int64_t> expert_rows_;     // rows per local slot
+  std::vector<T> expert_in_, expert_out_;     // [local slot][D * max_tokens_per_rank][hidden]
+  std::vector<float> sum_;                    // one token's f32 accumulator
+  std::span<const float> weights_;            // the call's gate weights
+  std::exception_ptr local_failure_;
+  std::uint64_t calls_ = 0;                                // dispatches issued
+  std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
+  bool held_ = false, combined_ = false;
+  stream_type* stream_ = nullptr; // the stream of every call
+};
+
+WEAVE_NAMESPACE_END

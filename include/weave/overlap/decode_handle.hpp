@@ -1,0 +1,112 @@
+//! \file
+//! `decode_handle` and `decode_experts`: a `decode_exchange` call between its dispatch and its
+//! combine, and the view of its expert rows.
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/exec/stream.hpp"
+
+#include <cstdint>
+#include <span>
+#include <utility>
+
+WEAVE_NAMESPACE_BEGIN
+
+template <communicator Comm, class T>
+requires host_executor<typename Comm::stream_type>
+class decode_exchange;
+
+//! The expert rows of a decode call, per local expert slot: what the caller's experts read and
+//! write between `dispatch` and `combine`. A copyable view: valid from when the stream has run
+//! the dispatch (in a task enqueued after it, or after synchronizing it) until the stream runs
+//! the call's combine; the row accessors throw `errc::invalid_state` before the dispatch has
+//! run, after it failed, and once a later dispatch has run.
+template <class Exchange>
+class decode_experts {
+ public:
+  using element_type = typename Exchange::element_type;
+
+  //! Local expert slots of this rank.
+  int local_experts() const noexcept { return ex_->where().slots_per_device(); }
+  //! The logical expert held by local slot `l`.
+  int expert(int l) const { return ex_->expert_of_local(l); }
+  //! Rows local slot `l` received from `source` (the count in that message's header).
+  std::int64_t rows(int l, int source) const {
+    ex_->expect_arrived(call_);
+    return ex_->received_rows(l, source);
+  }
+  //! Rows local slot `l` received from all sources.
+  std::int64_t rows(int l) const {
+    ex_->expect_arrived(call_);
+    return ex_->received_rows(l);
+  }
+  //! Local slot `l`'s input rows: source 0's, then source 1's, ... (`rows(l)` rows of
+  //! `hidden` elements; each source's in its token order).
+  std::span<const element_type> input(int l) const {
+    ex_->expect_arrived(call_);
+    return ex_->expert_input(l);
+  }
+  //! Where the caller writes local slot `l`'s outputs, one row per input row, before `combine`.
+  std::span<element_type> output(int l) const {
+    ex_->expect_arrived(call_);
+    return ex_->expert_output(l);
+  }
+
+ private:
+  template <class>
+  friend class decode_handle;
+  decode_experts(const Exchange* ex, std::uint64_t call) noexcept
+      : ex_(ex)
+      , call_(call) {}
+  const Exchange* ex_;
+  std::uint64_t call_;
+};
+
+//! A decode call between its dispatch and its combine (`combine` releases it). Move-only.
+//! Dropping a dispatched handle without its combine aborts the communicator where it can be
+//! aborted (the peers would wait in that combine otherwise); after a dispatch that failed
+//! (on every rank alike) it aborts nothing.
+template <class Exchange>
+class decode_handle {
+ public:
+  decode_handle() = default;
+  decode_handle(decode_handle&& o) noexcept
+      : ex_(std::exchange(o.ex_, nullptr))
+      , call_(o.call_) {}
+  decode_handle& operator=(decode_handle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      ex_ = std::exchange(o.ex_, nullptr);
+      call_ = o.call_;
+    }
+    return *this;
+  }
+  ~decode_handle() { reset(); }
+
+  //! True while the handle holds a dispatched call.
+  bool valid() const noexcept { return ex_ != nullptr; }
+  //! The call's expert rows (`errc::invalid_state` for an empty handle).
+  decode_experts<Exchange> experts() const {
+    WEAVE_EXPECT(ex_ != nullptr, errc::invalid_state, "an empty decode_handle");
+    return decode_experts<Exchange>(ex_, call_);
+  }
+  //! Releases the call (see the class comment).
+  void reset() noexcept {
+    if (ex_ != nullptr)
+      std::exchange(ex_, nullptr)->release_handle(call_);
+  }
+
+ private:
+  template <communicator C, class T>
+  requires host_executor<typename C::stream_type>
+  friend class decode_exchange;
+  decode_handle(Exchange* ex, std::uint64_t call) noexcept
+      : ex_(ex)
+      , call_(call) {}
+  Exchange* ex_ = nullptr;
+  std::uint64_t call_ = 0;
+};
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,78 @@
+//! \file
+//! Options and the wire format of `decode_exchange`, the low-latency exchange for decoding.
+//!
+//! Every (local expert slot, source rank) pair owns one fixed-size message: a 128-byte
+//! `decode_header` (row count, status word, the cause of a failure) followed by room for
+//! `max_tokens_per_rank` rows. The counts travel inside these messages, so a layer needs one
+//! all-to-all for its dispatch and one for its combine and no count exchange.
+#pragma once
+
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! How a `decode_exchange` is shaped. Every buffer is sized from these once, at construction.
+struct decode_options {
+  int k = 1;                           //!< experts chosen per token
+  std::size_t hidden = 0;              //!< elements per token row
+  std::size_t max_tokens_per_rank = 0; //!< the most tokens any rank passes to one call
+};
+
+//! Status word of a `decode_header`.
+enum class decode_status : std::int32_t {
+  ok = 0,     //!< the rows are valid
+  failed = 1, //!< the sender failed locally; `code` and `cause` say why, `rows` is 0
+};
+
+//! The front of every decode message (128 bytes, trivially copyable, sent as raw bytes).
+struct decode_header {
+  std::int64_t rows = 0;                    //!< rows that follow (at most max_tokens_per_rank)
+  decode_status status = decode_status::ok; //!< whether the sender failed
+  std::int32_t code = 0;                    //!< the sender's `errc` when it failed
+  std::int32_t source = -1;                 //!< the sending rank
+  std::int32_t reserved = 0;                //!< zero
+  char cause[104] = {};                     //!< the sender's error message, truncated
+};
+static_assert(sizeof(decode_header) == 128, "decode_header is sent as 128 raw bytes");
+
+namespace detail {
+
+inline void check_decode_options(const decode_options& o) {
+  WEAVE_EXPECT(o.k >= 1, errc::invalid_argument, "decode_options.k = ", o.k);
+  WEAVE_EXPECT(o.hidden >= 1, errc::invalid_argument, "decode_options.hidden = ", o.hidden);
+  WEAVE_EXPECT(o.max_tokens_per_rank >= 1, errc::invalid_argument,
+               "decode_options.max_tokens_per_rank = ", o.max_tokens_per_rank);
+}
+
+//! Bytes of one (slot, source) message with elements of `element_bytes` (header + a full
+//! slot, rounded up to 16 so every header stays aligned).
+inline std::size_t decode_message_bytes(const decode_options& o, std::size_t element_bytes) {
+  const std::size_t payload = checked_mul(
+      checked_mul(o.max_tokens_per_rank, o.hidden, "slot elements"), element_bytes, "slot bytes");
+  const std::size_t bytes = checked_add(sizeof(decode_header), payload, "message bytes");
+  return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
+}
+
+//! A header saying that `source` failed with `code` and `what`.
+inline decode_header failed_header(int source, errc code, std::string_view what) noexcept {
+  decode_header h;
+  h.status = decode_status::failed;
+  h.code = static_cast<std::int32_t>(code);
+  h.source = source;
+  const std::size_t n = std::min(what.size(), sizeof(h.cause) - 1);
+  std::memcpy(h.cause, what.data(), n);
+  h.cause[n] = '\0';
+  return h;
+}
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,31 @@
+// decode_exchange over real MPI processes (mpirun -np 2 / 4): the same cases as the
+// local_world test, one process per rank: bitwise equal to the naive reference for f32 and
+// bf16 rows with zero-token and full ranks, and fail-stop for every bad input.
+#include "decode_cases.hpp"
+
+#include <weave/comm/mpi_communicator.hpp>
+#include <weave/core/dtype.hpp>
+#include <weave/exec/host_stream.hpp>
+
+#include "mpi_session.hpp"
+
+namespace {
+const weave_test::mpi_session session; // MPI for the whole executable
+} // namespace
+
+TEST_CASE_TEMPLATE("decode_exchange over MPI equals the naive reference", T, float,
+                   weave::bfloat16) {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_against_reference<T>(
+      comm, weave::placement::contiguous(decode_test::experts, comm.size()));
+}
+
+TEST_CASE("decode_exchange over MPI: one rank's bad call fails every rank, none hangs") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_every_fault(comm);
+}
+
+TEST_CASE("decode_exchange over MPI: calls queued back to back without waiting") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_queued_calls(comm);
+}
