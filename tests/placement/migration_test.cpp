@@ -132,7 +132,7 @@ TEST_CASE("migration plans transform current into new exactly with the fewest mo
   }
 }
 
-TEST_CASE("migration between equal groups moves nothing; moves prefer a same-node source") {
+TEST_CASE("migration between equal groups moves nothing, and moves prefer a same-node source") {
   const auto topo = weave::topology::grid(2, 2);
   const auto cur = weave::placement::contiguous(8, 4);
   // Same groups, devices permuted inside and across nodes.

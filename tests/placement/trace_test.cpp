@@ -250,7 +250,7 @@ TEST_CASE("malformed trace files get typed errors") {
   CHECK_THROWS_AS(weave::write_trace(out, weave::routing_trace{4, 2, {0, 4}}), weave::error);
 }
 
-TEST_CASE("layered traces with scores round-trip exactly; version 1 files read as one layer") {
+TEST_CASE("layered traces with scores round-trip exactly, and version 1 files read as one layer") {
   std::mt19937 rng(3);
   weave::layered_trace trace;
   std::uniform_real_distribution<float> u(0.0f, 1.0f);

@@ -210,6 +210,12 @@ TEST_CASE("CUDA top_k_gate flags bad logits and bias, rejects bad arguments") {
     CHECK(e.code() == weave::errc::not_supported);
   }
   o.limit = nullptr;
+  // A bias left in host memory (a host gate_options reused as it is) is refused before launch.
+  const std::vector<float> host_bias(E, 0.0f);
+  o.bias = host_bias;
+  CHECK_THROWS_WITH_AS(weave::top_k_gate(stream.ref(), view, o, ids.span(), w.span()),
+                       doctest::Contains("bias in host memory"), weave::error);
+  o.bias = {};
   const weave::group_limit groups{4, 2, 0};
   o.groups = &groups;
   try {

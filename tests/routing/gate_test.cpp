@@ -121,7 +121,7 @@ TEST_CASE("top_k_gate equals brute-force top-k with ties to the lower id, softma
   }
 }
 
-TEST_CASE("top_k_gate's top_score is the largest unbiased score; other outputs are unchanged") {
+TEST_CASE("top_k_gate's top_score is the largest unbiased score, other outputs are unchanged") {
   std::mt19937 rng(13);
   for (int trial = 0; trial < 40; ++trial) {
     const std::size_t T = 1 + rng() % 30;

@@ -180,12 +180,14 @@ inline constexpr int cuda_gate_max_experts = 48 * 1024 / (2 * static_cast<int>(s
 
 //! CUDA `top_k_gate` on `stream`: writes k ids and weights per token of `logits` ([T, E], f32,
 //! f16, bf16 or f64, device memory) to `ids` / `weights` (T * k each) and, when `top_score` is
-//! not empty (T values, device memory), each token's top score as the host gate does. Input
-//! errors found on
-//! the device are OR-ed into `*error` (`cuda_gate_error` bits; device memory, may be null) and
-//! leave that token's outputs unspecified. Throws `errc::invalid_argument` for k outside
-//! 1..E, E above `cuda_gate_max_experts`, logits not in device memory or of a non-floating type,
-//! `errc::not_supported` for a device or group limit, `errc::size_mismatch` as the host gate does.
+//! not empty (T values, device memory), each token's top score as the host gate does.
+//! `options.bias`, when given, must be device (or managed) memory too: a host `gate_options`
+//! cannot be reused as it is. Input errors found on the device are OR-ed into `*error`
+//! (`cuda_gate_error` bits; device memory, may be null) and leave that token's outputs
+//! unspecified. Throws `errc::invalid_argument` for k outside 1..E, E above
+//! `cuda_gate_max_experts`, logits not in device memory or of a non-floating type, a bias in
+//! host memory, `errc::not_supported` for a device or group limit, `errc::size_mismatch` as the
+//! host gate does.
 inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const gate_options& options,
                        std::span<std::int32_t> ids, std::span<float> weights,
                        std::uint32_t* error = nullptr, std::span<float> top_score = {}) {
@@ -210,6 +212,15 @@ inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const ga
                ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);
   WEAVE_EXPECT(options.bias.empty() || options.bias.size() == E, errc::size_mismatch, "bias of ",
                options.bias.size(), " values for ", E, " experts");
+  if (!options.bias.empty()) {
+    // A host bias would fault inside the kernel with an illegal address; say so here instead.
+    cudaPointerAttributes attributes{};
+    WEAVE_CUDA_CHECK(cudaPointerGetAttributes(&attributes, options.bias.data()));
+    WEAVE_EXPECT(attributes.type == cudaMemoryTypeDevice ||
+                     attributes.type == cudaMemoryTypeManaged,
+                 errc::invalid_argument,
+                 "CUDA gate bias in host memory (it must be device or managed memory)");
+  }
   WEAVE_EXPECT(top_score.empty() || top_score.size() == T, errc::size_mismatch,
                "gate top_score of ", top_score.size(), " values for ", T, " tokens");
   if (T == 0)

@@ -93,7 +93,9 @@ inline void top_k_insert(std::int32_t* ids, float* keys, int& filled, int k, std
 //! Throws `errc::invalid_argument` for k outside 1..E, NaN or +inf logits, a row of -inf
 //! logits (softmax), non-finite bias or a non-floating logit type; `errc::size_mismatch` for
 //! output spans that are not T * k long, a `top_score` that is neither empty nor T long, or a
-//! bias that is not E long.
+//! bias that is not E long. Logits are computed in float: f64 logits are narrowed first, so a
+//! finite value above FLT_MAX counts as +inf (rejected) and one below -FLT_MAX as -inf, on the
+//! host and the CUDA gate alike.
 inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
                                std::span<std::int32_t> ids, std::span<float> weights,
                                gate_scratch& scratch, std::span<float> top_score = {}) {
