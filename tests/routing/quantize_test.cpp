@@ -10,6 +10,7 @@
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/quantize.hpp>
 
+#include "block_quant_reference.hpp"
 #include "error_code.hpp"
 #include "fp8_reference.hpp"
 
@@ -30,21 +31,6 @@ using weave::scale_rounding;
 template <class Fp8>
 fp8_ref::format format_of() {
   return std::is_same_v<Fp8, weave::fp8_e4m3> ? fp8_ref::e4m3 : fp8_ref::e5m2;
-}
-
-// The scale of a block and its multiplier, from the definition.
-std::pair<float, float> reference_scale(const float* x, std::size_t n, const block_quantization& q,
-                                        float max_finite) {
-  double amax = 0;
-  for (std::size_t j = 0; j < n; ++j)
-    amax = std::max(amax, std::fabs(static_cast<double>(x[j])));
-  const float a = std::max(static_cast<float>(amax), q.min_amax);
-  const float exact = a * (1.0f / max_finite);
-  if (q.rounding == scale_rounding::power_of_two) {
-    const int e = static_cast<int>(std::ceil(std::log2(static_cast<double>(exact))));
-    return {static_cast<float>(std::ldexp(1.0, e)), static_cast<float>(std::ldexp(1.0, -e))};
-  }
-  return {exact, max_finite / a};
 }
 
 template <class T>
@@ -86,7 +72,7 @@ void check_quantisation(const weave::host_matrix<T>& src, const block_quantizati
     for (std::size_t b = 0; b < blocks; ++b) {
       for (std::size_t j = 0; j < q.block; ++j)
         x[j] = static_cast<float>(src.row(r)[b * q.block + j]);
-      const auto [scale, multiplier] = reference_scale(x.data(), q.block, q, max_finite);
+      const auto [scale, multiplier] = fp8_ref::reference_scale(x.data(), q.block, q, max_finite);
       REQUIRE(scales.row(r)[b] == scale);
       for (std::size_t j = 0; j < q.block; ++j) {
         const std::size_t c = b * q.block + j;

@@ -573,9 +573,9 @@ class basic_device_exchange
     chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
     const std::size_t epd = ch.experts.max_epd_rows();
     const std::int64_t* count = ch.experts.epd_rows_count();
-    const auto received = rows_view(ch.recv, recv_cap_);
     if (s.backward) {
       call_state& cs = s.state;
+      const auto received = rows_view(ch.recv, recv_cap_);
       moves::gather(st, received, rows_view(cs.grad_dy, epd), ch.experts.epd_row_source().data(),
                     nullptr, count);
       moves::gather(st, received, rows_view(cs.grad_scaled, epd),
@@ -595,8 +595,8 @@ class basic_device_exchange
     if (this->options_.fp8_dispatch)
       scatter_quantized(ch, st, epd);
     else
-      moves::gather(st, received, rows_view(ch.epd_in, epd), ch.experts.epd_row_source().data(),
-                    nullptr, count);
+      moves::gather(st, rows_view(ch.recv, recv_cap_), rows_view(ch.epd_in, epd),
+                    ch.experts.epd_row_source().data(), nullptr, count);
     Space::for_each(st, static_cast<std::int64_t>(ch.count * k),
                     detail::pair_expert_rows_step{
                         s.args.ids.data() + ch.first * k, ch.plan.kept_experts().data(),
