@@ -401,3 +401,183 @@ TEST_CASE("fp8 dispatch: a non-finite token is a typed error and poisons only it
     }
   }
 }
+
+namespace {
+
+// The documentation's stand-in for an FP8 grouped GEMM: each expert is the identity on the
+// dequantised rows.
+void my_fp8_grouped_gemm(const weave::const_token_view& codes,
+                         const weave::const_token_view& scales,
+                         std::span<const std::int64_t> offsets, const weave::token_view& out) {
+  const auto rows = static_cast<std::size_t>(offsets.back());
+  weave::dequantize_rows(codes.subrows(0, rows), scales.subrows(0, rows), out.subrows(0, rows));
+}
+
+} // namespace
+
+TEST_CASE("fp8 dispatch: the documented example sends e4m3 rows and combines in bf16") {
+  constexpr std::size_t tokens = 40, hidden = 256;
+  const auto where = weave::placement::contiguous(8, 2);
+  std::mt19937 rng(11);
+  std::vector<moe_test::rank_input<weave::bfloat16>> in;
+  for (int r = 0; r < 2; ++r)
+    in.push_back(moe_test::random_input<weave::bfloat16>(tokens, hidden, 8, 2, rng));
+  std::vector<weave::host_matrix<weave::bfloat16>> out(2);
+  weave::local_world world(2, {std::chrono::seconds(20), {}});
+  world.run([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const auto& x = in[r].x;
+    const auto& ids = in[r].ids;
+    const auto& weights = in[r].weights;
+    auto& y = out[r] = weave::host_matrix<weave::bfloat16>(tokens, hidden);
+    weave::host_stream compute("compute"), comm_stream("comm");
+    //! [fp8_dispatch]
+    weave::moe_options o;
+    o.k = 2;
+    o.hidden = hidden; // a multiple of the block (128)
+    o.element = weave::dtype::bf16;
+    o.max_tokens = tokens;
+    // DeepSeek-V3 / DeepEP: e4m3 codes and one f32 scale per 1 x 128 block of each token.
+    o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3};
+    weave::moe_exchange<weave::local_communicator> layer(comm, where, o);
+
+    auto h = layer.dispatch(x, ids, weights, compute, comm_stream);
+    for (auto chunk : layer.chunks(h))
+      compute.submit([chunk] {
+        const weave::expert_batch b = chunk.experts();
+        // b.input_codes: e4m3 rows; b.input_scales: hidden / 128 f32 scales per row.
+        my_fp8_grouped_gemm(b.input_codes, b.input_scales, b.expert_offsets, b.output);
+      });
+    layer.combine(h, y, compute, comm_stream); // combine in bf16
+    //! [fp8_dispatch]
+    compute.synchronize();
+    comm_stream.synchronize();
+  });
+  // Identity experts: y = sum of the weights of the token's choices times its rows dequantised.
+  for (std::size_t r = 0; r < 2; ++r) {
+    weave::host_matrix<weave::fp8_e4m3> codes(tokens, hidden);
+    weave::host_matrix<float> scales(tokens, hidden / 128), back(tokens, hidden);
+    weave::quantize_rows(in[r].x.view(), codes.view(), scales.view());
+    weave::dequantize_rows(codes.view(), scales.view(), back.view());
+    for (std::size_t t = 0; t < tokens; ++t) {
+      float w = 0;
+      for (std::size_t j = 0; j < 2; ++j)
+        w += in[r].ids[t * 2 + j] >= 0 ? in[r].weights[t * 2 + j] : 0.0f;
+      for (std::size_t c = 0; c < hidden; ++c)
+        REQUIRE(static_cast<float>(out[r](t, c)) ==
+                doctest::Approx(
+                    static_cast<double>(static_cast<float>(weave::bfloat16(back(t, c)))) * w)
+                    .epsilon(0.02)
+                    .scale(1e-3));
+    }
+  }
+}
+
+namespace {
+
+template <class T>
+struct trained {
+  weave::host_matrix<T> y, dx;
+  weave::host_matrix<float> dw;
+};
+
+// Forward and backward of every rank (dL/dy = `dy`), the experts linear on `input`.
+template <class T, bool Device>
+std::vector<trained<T>> forward_backward(const fp8_case& c, const weave::placement& where,
+                                         int chunks, bool fp8,
+                                         const std::vector<moe_test::rank_input<T>>& in,
+                                         const std::vector<moe_test::rank_input<T>>& dy,
+                                         const moe_test::linear_experts& lin) {
+  weave::local_world world(c.ranks, {std::chrono::seconds(20), {}});
+  std::vector<trained<T>> out(static_cast<std::size_t>(c.ranks));
+  std::atomic<int> bad_saved{0};
+  world.run([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    weave::moe_options o = options_of(c, weave::dtype_of_v<T>, chunks);
+    o.save_for_backward = true;
+    if (!fp8)
+      o.fp8_dispatch.reset();
+    std::unique_ptr<aligned_buffer> ws;
+    weave::host_stream compute("compute"), comm_stream("comm");
+    weave::host_matrix<T> y(in[r].x.rows(), c.hidden), dx(in[r].x.rows(), c.hidden);
+    weave::host_matrix<float> dw(in[r].x.rows(), static_cast<std::size_t>(c.k));
+    using exchange = std::conditional_t<Device, device_exchange, host_exchange>;
+    exchange ex(comm, where, o);
+    if constexpr (Device) {
+      ws = std::make_unique<aligned_buffer>(ex.workspace_size());
+      ex.initialize(ws->ptr, ws->size, compute);
+    }
+    ex.forward(
+        in[r].x.view(), in[r].ids, in[r].weights, y.view(),
+        [&](const auto& b) { lin.operator()<T>(as_host(b)); }, compute, comm_stream);
+    ex.backward(
+        dy[r].x.view(), dx.view(), dw.elements(),
+        [&](const auto& b) {
+          // The saved codes and scales are the forward's: they dequantise to the saved input.
+          const auto rows = static_cast<std::size_t>(b.expert_offsets.back());
+          if (fp8) {
+            weave::host_matrix<T> again(rows, c.hidden);
+            weave::dequantize_rows(b.saved_codes.subrows(0, rows), b.saved_scales.subrows(0, rows),
+                                   again.view(), c.blocks);
+            if (rows > 0 &&
+                std::memcmp(again.data(), b.saved_input.row(0), rows * c.hidden * sizeof(T)) != 0)
+              ++bad_saved;
+          }
+          if constexpr (Device)
+            lin.backward<T>({b.chunk, b.device, b.expert_offsets, b.experts, b.saved_input,
+                             b.grad_output, b.grad_input});
+          else
+            lin.backward<T>(b);
+        },
+        compute, comm_stream);
+    compute.synchronize();
+    comm_stream.synchronize();
+    if constexpr (Device)
+      ex.check_errors(compute);
+    out[r] = {std::move(y), std::move(dx), std::move(dw)};
+  });
+  CHECK(bad_saved.load() == 0);
+  return out;
+}
+
+} // namespace
+
+// With dequantised inputs, the experts see T(code * scale): exactly what the plain exchange
+// delivers for rows quantised and dequantised beforehand. So forward and backward must equal
+// the plain exchange run on those rows, bit for bit (the backward sends gradients in T).
+TEST_CASE("fp8 dispatch: forward and backward equal the plain exchange on pre-dequantised rows") {
+  fp8_case c;
+  c.ranks = 3;
+  c.experts = 6;
+  c.k = 2;
+  c.tokens = {14, 9, 12};
+  const auto where = weave::placement::contiguous(6, 3);
+  const auto in = inputs_of<weave::bfloat16>(c);
+  auto dequantized = in;
+  for (auto& rank : dequantized) {
+    weave::host_matrix<weave::fp8_e4m3> codes(rank.x.rows(), c.hidden);
+    weave::host_matrix<float> scales(rank.x.rows(), c.hidden / 128);
+    weave::quantize_rows(rank.x.view(), codes.view(), scales.view());
+    weave::dequantize_rows(codes.view(), scales.view(), rank.x.view());
+  }
+  fp8_case grads = c;
+  grads.seed = 99;
+  const auto dy = inputs_of<weave::bfloat16>(grads);
+  const moe_test::linear_experts lin(c.experts, c.hidden, 5);
+  const auto want =
+      forward_backward<weave::bfloat16, false>(c, where, 1, false, dequantized, dy, lin);
+  for (const int chunks : {1, 3}) {
+    CAPTURE(chunks);
+    const auto host = forward_backward<weave::bfloat16, false>(c, where, chunks, true, in, dy, lin);
+    const auto device =
+        forward_backward<weave::bfloat16, true>(c, where, chunks, true, in, dy, lin);
+    for (std::size_t r = 0; r < 3; ++r) {
+      CAPTURE(r);
+      for (const auto* got : {&host[r], &device[r]}) {
+        CHECK(bitwise_equal(got->y, want[r].y));
+        CHECK(bitwise_equal(got->dx, want[r].dx));
+        CHECK(bitwise_equal(got->dw, want[r].dw));
+      }
+    }
+  }
+}
