@@ -47,6 +47,7 @@ struct fp8_case {
   weave::dtype format = weave::dtype::e4m3;
   weave::block_quantization blocks{};
   bool dequantized = true;
+  bool fixed = false; // static shapes (device exchange only)
   std::uint32_t seed = 1;
 };
 
@@ -151,6 +152,7 @@ weave::moe_options options_of(const fp8_case& c, weave::dtype element, int chunk
   o.max_tokens = *std::max_element(c.tokens.begin(), c.tokens.end());
   o.chunks = chunks;
   o.fp8_dispatch = weave::fp8_dispatch_options{c.format, c.blocks, c.dequantized};
+  o.static_shape = c.fixed;
   return o;
 }
 
@@ -240,12 +242,6 @@ run_result<T> run(const fp8_case& c, const weave::placement& where, int chunks,
   return out;
 }
 
-template <class T>
-bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
-  return a.rows() == b.rows() &&
-         (a.rows() == 0 || std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0);
-}
-
 // Every mode against the reference, and against each other bitwise.
 template <class T>
 void check_case(const fp8_case& c, const weave::placement& where) {
@@ -260,7 +256,7 @@ void check_case(const fp8_case& c, const weave::placement& where) {
     for (std::size_t d = 0; d < static_cast<std::size_t>(c.ranks); ++d) {
       CAPTURE(d);
       CHECK(got.seen[d] == ref.routed_to(where, static_cast<int>(d)));
-      REQUIRE(bitwise_equal(got.y[d], want.y[d]));
+      REQUIRE(moe_test::bitwise_equal(got.y[d], want.y[d]));
       CHECK(got.stats[d].dispatch_row_bytes == layout.stride);
       CHECK(got.stats[d].row_bytes == c.hidden * sizeof(T));
       CHECK(got.stats[d].sent_rows == want.stats[d].sent_rows);
@@ -272,6 +268,10 @@ void check_case(const fp8_case& c, const weave::placement& where) {
     check(run<T, true, false>(c, where, chunks, in, ref), "device", chunks);
     check(run<T, false, true>(c, where, chunks, in, ref), "host handles", chunks);
     check(run<T, true, true>(c, where, chunks, in, ref), "device handles", chunks);
+    fp8_case fixed = c;
+    fixed.fixed = true;
+    check(run<T, true, false>(fixed, where, chunks, in, ref), "device static", chunks);
+    check(run<T, true, true>(fixed, where, chunks, in, ref), "device static handles", chunks);
   }
 }
 
@@ -574,9 +574,9 @@ TEST_CASE("fp8 dispatch: forward and backward equal the plain exchange on pre-de
     for (std::size_t r = 0; r < 3; ++r) {
       CAPTURE(r);
       for (const auto* got : {&host[r], &device[r]}) {
-        CHECK(bitwise_equal(got->y, want[r].y));
-        CHECK(bitwise_equal(got->dx, want[r].dx));
-        CHECK(bitwise_equal(got->dw, want[r].dw));
+        CHECK(moe_test::bitwise_equal(got->y, want[r].y));
+        CHECK(moe_test::bitwise_equal(got->dx, want[r].dx));
+        CHECK(moe_test::bitwise_equal(got->dw, want[r].dw));
       }
     }
   }
