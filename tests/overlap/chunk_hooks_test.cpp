@@ -14,6 +14,7 @@
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include <cstring>

@@ -191,7 +191,8 @@ std::vector<rank_output> run_host(int ranks, const weave::placement& where, weav
 template <class T>
 void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
                        std::vector<std::size_t> tokens, weave::capacity_policy capacity, bool fixed,
-                       std::optional<weave::placement> placed = std::nullopt) {
+                       std::optional<weave::placement> placed = std::nullopt,
+                       std::optional<weave::fp8_dispatch_options> fp8 = std::nullopt) {
   std::mt19937 rng(17);
   std::vector<moe_test::rank_input<T>> in;
   for (int r = 0; r < ranks; ++r)
@@ -207,6 +208,7 @@ void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
   o.capacity = capacity;
   o.save_for_backward = true;
   o.static_shape = fixed;
+  o.fp8_dispatch = fp8;
   const auto want = run_host<T>(ranks, where, o, in, experts);
   std::vector<rank_output> base;
   for (const int chunks : {1, 2, 3}) {
@@ -250,6 +252,20 @@ TEST_CASE("cuda_moe_exchange over cuda_local_world equals the host moe_exchange"
     // Replicas of experts 0 and 2 on both ranks.
     check_local_world<float>(2, 4, 2, 8, {35, 36}, {}, fixed,
                              weave::placement(4, 2, {0, 1, 2, 3, 0, 2}));
+  }
+}
+
+TEST_CASE("cuda_moe_exchange's FP8 dispatch equals the host moe_exchange's") {
+  // The experts read the dequantised rows; the host exchange's FP8 dispatch is itself checked
+  // against a brute-force reference (fp8_dispatch_test.cpp).
+  for (const bool fixed : {false, true}) {
+    CAPTURE(fixed);
+    check_local_world<weave::bfloat16>(2, 8, 2, 256, {40, 23}, {}, fixed, std::nullopt,
+                                       weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true});
+    check_local_world<float>(
+        4, 16, 4, 128, {64, 0, 37, 50}, {}, fixed, std::nullopt,
+        weave::fp8_dispatch_options{
+            weave::dtype::e5m2, {64, weave::scale_rounding::power_of_two, 1e-4f}, true});
   }
 }
 

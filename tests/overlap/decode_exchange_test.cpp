@@ -45,6 +45,52 @@ TEST_CASE("decode_exchange fail-stop: one rank's bad call fails every rank, none
   }
 }
 
+TEST_CASE("decode_exchange: ranks built differently fail construction on every rank, typed") {
+  // Rank 1 disagrees on one field at a time: every rank gets config_mismatch naming it; a rank
+  // whose options are invalid on their own gets its error and its peer a peer_error naming it.
+  struct variant {
+    const char* field;
+    weave::decode_options options;
+    int experts;
+  };
+  const variant variants[] = {{"max_tokens_per_rank", {2, 4, 3}, 4},
+                              {"hidden", {2, 8, 2}, 4},
+                              {"k", {1, 4, 2}, 4},
+                              {"experts", {2, 4, 2}, 8}};
+  for (const variant& v : variants) {
+    CAPTURE(v.field);
+    weave::local_world world(2);
+    std::vector<std::string> messages(2);
+    std::vector<weave::errc> codes(2);
+    world.run([&](local& c) {
+      const bool odd = c.rank() == 1;
+      const auto r = static_cast<std::size_t>(c.rank());
+      try {
+        weave::decode_exchange<local, float> ex(
+            c, weave::placement::contiguous(odd ? v.experts : 4, 2),
+            odd ? v.options : weave::decode_options{2, 4, 2});
+      } catch (const weave::error& e) {
+        codes[r] = e.code();
+        messages[r] = e.message();
+      }
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      CHECK(codes[r] == weave::errc::config_mismatch);
+      CHECK(messages[r].find(std::string("disagree on ") + v.field) != std::string::npos);
+    }
+  }
+  weave::local_world world(2);
+  std::vector<weave::errc> codes(2);
+  world.run([&](local& c) {
+    codes[static_cast<std::size_t>(c.rank())] = moe_test::error_code_of([&] {
+      weave::decode_exchange<local, float> ex(c, weave::placement::contiguous(4, 2),
+                                              {2, 4, c.rank() == 1 ? 0u : 2u});
+    });
+  });
+  CHECK(codes[0] == weave::errc::peer_failure);
+  CHECK(codes[1] == weave::errc::invalid_argument);
+}
+
 TEST_CASE("decode_exchange refuses a second handle, a foreign one and another stream") {
   weave::local_world world(1);
   world.run([&](local& c) {

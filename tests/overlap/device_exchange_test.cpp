@@ -12,6 +12,7 @@
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include <cstring>
@@ -117,12 +118,6 @@ result<T> run(const setup& s, const weave::placement& where, int chunks,
 }
 
 template <class T>
-bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
-  return a.rows() == b.rows() &&
-         (a.rows() == 0 || std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0);
-}
-
-template <class T>
 std::vector<moe_test::rank_input<T>> inputs(const setup& s) {
   std::mt19937 rng(s.seed);
   std::vector<moe_test::rank_input<T>> in;
@@ -143,8 +138,8 @@ void check_against_host(const setup& s, const weave::placement& where) {
     const auto got = run<T, true>(s, where, chunks, in, experts);
     for (std::size_t r = 0; r < static_cast<std::size_t>(s.ranks); ++r) {
       CAPTURE(r);
-      REQUIRE(bitwise_equal(got.y[r], want.y[r]));
-      REQUIRE(bitwise_equal(got.dx[r], want.dx[r]));
+      REQUIRE(moe_test::bitwise_equal(got.y[r], want.y[r]));
+      REQUIRE(moe_test::bitwise_equal(got.dx[r], want.dx[r]));
       REQUIRE(got.dw[r] == want.dw[r]);
       const auto &a = got.stats[r], &b = want.stats[r];
       CHECK(a.tokens == b.tokens);

@@ -18,6 +18,7 @@
 #include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/placement/policies.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include <doctest/doctest.h>

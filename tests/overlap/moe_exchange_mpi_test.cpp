@@ -13,6 +13,7 @@
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include "aligned_buffer.hpp"
@@ -20,6 +21,7 @@
 #include "mpi_session.hpp"
 
 #include <cstring>
+#include <optional>
 #include <random>
 
 namespace {
@@ -36,7 +38,9 @@ struct run_output {
 
 run_output run(weave::mpi_communicator& comm, const weave::placement& where, int chunks, int k,
                std::size_t max_tokens, const weave::capacity_policy& capacity,
-               const moe_test::rank_input<float>& in, const moe_test::linear_experts& experts) {
+               const moe_test::rank_input<float>& in, const moe_test::linear_experts& experts,
+               const std::optional<weave::fp8_dispatch_options>& fp8 = {},
+               const weave::host_matrix<float>* dy = nullptr) { // dL/dy; null: x
   weave::moe_options o;
   o.k = k;
   o.hidden = in.x.cols();
@@ -44,6 +48,7 @@ run_output run(weave::mpi_communicator& comm, const weave::placement& where, int
   o.chunks = chunks;
   o.capacity = capacity;
   o.save_for_backward = true;
+  o.fp8_dispatch = fp8;
   exchange ex(comm, where, o);
   weave::host_stream compute("compute"), stream("comm");
   run_output out{weave::host_matrix<float>(in.x.rows(), in.x.cols()),
@@ -53,9 +58,9 @@ run_output run(weave::mpi_communicator& comm, const weave::placement& where, int
   ex.forward(
       in.x.view(), in.ids, in.weights, out.y.view(),
       [&](const weave::expert_batch& b) { experts.operator()<float>(b); }, compute, stream);
-  ex.backward(
-      in.x.view(), out.dx.view(), out.dw,
-      [&](const weave::expert_grad_batch& b) { experts.backward<float>(b); }, compute, stream);
+  ex.backward((dy != nullptr ? *dy : in.x).view(), out.dx.view(), out.dw,
+              [&](const weave::expert_grad_batch& b) { experts.backward<float>(b); }, compute,
+              stream);
   compute.synchronize();
   stream.synchronize();
   out.stats = ex.stats();
@@ -66,7 +71,9 @@ run_output run(weave::mpi_communicator& comm, const weave::placement& where, int
 run_output run_device(weave::mpi_communicator& comm, const weave::placement& where, int chunks,
                       int k, std::size_t max_tokens, const weave::capacity_policy& capacity,
                       bool fixed, const moe_test::rank_input<float>& in,
-                      const moe_test::linear_experts& experts) {
+                      const moe_test::linear_experts& experts,
+                      const std::optional<weave::fp8_dispatch_options>& fp8 = {},
+                      const weave::host_matrix<float>* dy = nullptr) { // dL/dy; null: x
   weave::moe_options o;
   o.k = k;
   o.hidden = in.x.cols();
@@ -75,6 +82,7 @@ run_output run_device(weave::mpi_communicator& comm, const weave::placement& whe
   o.capacity = capacity;
   o.save_for_backward = true;
   o.static_shape = fixed;
+  o.fp8_dispatch = fp8;
   weave::basic_device_exchange<weave::host_space, weave::mpi_communicator> ex(comm, where, o);
   weave::host_stream compute("compute"), stream("comm");
   weave_test::aligned_buffer ws(ex.workspace_size());
@@ -92,13 +100,12 @@ run_output run_device(weave::mpi_communicator& comm, const weave::placement& whe
             {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
       },
       compute, stream);
-  ex.backward(
-      in.x.view(), out.dx.view(), out.dw,
-      [&](const grad_batch& b) {
-        experts.backward<float>({b.chunk, b.device, b.expert_offsets, b.experts, b.saved_input,
-                                 b.grad_output, b.grad_input});
-      },
-      compute, stream);
+  ex.backward((dy != nullptr ? *dy : in.x).view(), out.dx.view(), out.dw,
+              [&](const grad_batch& b) {
+                experts.backward<float>({b.chunk, b.device, b.expert_offsets, b.experts,
+                                         b.saved_input, b.grad_output, b.grad_input});
+              },
+              compute, stream);
   compute.synchronize();
   stream.synchronize();
   ex.check_errors(compute);
@@ -185,5 +192,41 @@ TEST_CASE_TEMPLATE("handles over MPI: 1F1B micro-batches equal the callback form
       moe_test::check_rank_against_dense(comm.rank(), where, k, experts_count, {}, mine[i], lin,
                                          got[i].y, &got[i].dx, &got[i].dw, got[i].stats, 1e-4);
     }
+  }
+}
+
+TEST_CASE("fp8 dispatch over MPI equals the plain exchange on pre-dequantised rows") {
+  // With dequantised inputs the experts see T(code * scale), exactly the rows the plain exchange
+  // delivers when every token was quantised and dequantised beforehand: forward and backward
+  // must match it bit for bit, for both exchanges, chunked or not.
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  const int ranks = comm.size(), experts_count = 4 * ranks, k = 2;
+  const std::size_t hidden = 256, max_tokens = 24;
+  std::mt19937 rng(31);
+  std::vector<moe_test::rank_input<float>> all;
+  for (int r = 0; r < ranks; ++r)
+    all.push_back(moe_test::random_input<float>(max_tokens - 3 * static_cast<std::size_t>(r),
+                                                hidden, experts_count, k, rng));
+  const auto& mine = all[static_cast<std::size_t>(comm.rank())];
+  auto dequantized = mine;
+  weave::host_matrix<weave::fp8_e4m3> codes(mine.x.rows(), hidden);
+  weave::host_matrix<float> scales(mine.x.rows(), hidden / 128);
+  weave::quantize_rows(mine.x.view(), codes.view(), scales.view());
+  weave::dequantize_rows(codes.view(), scales.view(), dequantized.x.view());
+  const moe_test::linear_experts experts(experts_count, hidden, 5);
+  const auto where = weave::placement::contiguous(experts_count, ranks);
+  const auto want = run(comm, where, 1, k, max_tokens, {}, dequantized, experts, {}, &mine.x);
+  const weave::fp8_dispatch_options fp8{weave::dtype::e4m3, {}, /*dequantized_inputs=*/true};
+  const auto same = [&](const run_output& got) {
+    CHECK(std::memcmp(want.y.data(), got.y.data(), want.y.rows() * hidden * 4) == 0);
+    CHECK(std::memcmp(want.dx.data(), got.dx.data(), want.dx.rows() * hidden * 4) == 0);
+    CHECK(std::memcmp(want.dw.data(), got.dw.data(), want.dw.size() * 4) == 0);
+    CHECK(got.stats.dispatch_row_bytes == 272); // 256 codes, 2 scales, padded to 16
+    CHECK(got.stats.sent_rows == want.stats.sent_rows);
+  };
+  for (const int chunks : {1, 3}) {
+    CAPTURE(chunks);
+    same(run(comm, where, chunks, k, max_tokens, {}, mine, experts, fp8, &mine.x));
+    same(run_device(comm, where, chunks, k, max_tokens, {}, false, mine, experts, fp8, &mine.x));
   }
 }

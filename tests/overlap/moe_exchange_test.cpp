@@ -89,12 +89,6 @@ case_result<T> run_case(const case_setup& s, const weave::placement& where, int 
 }
 
 template <class T>
-bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
-  return a.rows() == b.rows() &&
-         (a.rows() == 0 || std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0);
-}
-
-template <class T>
 void check_all_chunkings(const case_setup& s, const weave::placement& where, double tolerance) {
   const auto in = make_inputs<T>(s);
   const moe_test::linear_experts experts(s.experts, s.hidden, s.seed + 100);
@@ -110,8 +104,8 @@ void check_all_chunkings(const case_setup& s, const weave::placement& where, dou
     const auto got = run_case<T>(s, where, chunks, in, experts, true);
     for (int r = 0; r < s.ranks; ++r) {
       const auto i = static_cast<std::size_t>(r);
-      REQUIRE(bitwise_equal(got.y[i], base.y[i]));
-      REQUIRE(bitwise_equal(got.dx[i], base.dx[i]));
+      REQUIRE(moe_test::bitwise_equal(got.y[i], base.y[i]));
+      REQUIRE(moe_test::bitwise_equal(got.dx[i], base.dx[i]));
       REQUIRE(got.dw[i] == base.dw[i]); // bitwise: no NaNs are produced
       CHECK(got.stats[i].dropped_pairs == base.stats[i].dropped_pairs);
     }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -95,6 +96,13 @@ rank_input<T> random_input(std::size_t tokens, std::size_t hidden, int experts, 
     }
   }
   return in;
+}
+
+// The two matrices hold the same bits.
+template <class T>
+bool bitwise_equal(const weave::host_matrix<T>& a, const weave::host_matrix<T>& b) {
+  return a.rows() == b.rows() &&
+         (a.rows() == 0 || std::memcmp(a.data(), b.data(), a.rows() * a.cols() * sizeof(T)) == 0);
 }
 
 // The code of the weave::error `f()` throws, or errc{} when it throws none.

@@ -12,6 +12,7 @@
 #include "weave/exec/cuda_space.cuh"
 #include "weave/overlap/device_exchange.hpp"
 #include "weave/routing/cuda_row_moves.cuh"
+#include "weave/routing/quantize.cuh"
 
 WEAVE_NAMESPACE_BEGIN
 

@@ -22,10 +22,13 @@
 //! comes.
 #pragma once
 
+#include "weave/comm/agreement.hpp"
 #include "weave/comm/communicator.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
@@ -58,17 +61,17 @@ class decode_exchange {
   using element_type = T;
   using handle = decode_handle<decode_exchange>;
 
-  //! Allocates every buffer for `options.max_tokens_per_rank` tokens now. Throws
-  //! `errc::invalid_argument` for bad options or a placement of another device count.
+  //! Allocates every buffer for `options.max_tokens_per_rank` tokens now. Collective: checks
+  //! with one small all-gather that every rank builds the layer alike (placement, k, hidden,
+  //! row type, `max_tokens_per_rank`): `errc::config_mismatch` on every rank naming the first
+  //! field that differs otherwise. Throws `errc::invalid_argument` for bad options or a
+  //! placement of another device count (and its peers a `peer_error` naming this rank).
   decode_exchange(Comm& comm, placement where, decode_options options)
-      : comm_(&comm)
+      : comm_(&agree(comm, where, options))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
       , plan_(where_, options.k, comm.rank()) {
-    detail::check_decode_options(options_);
-    WEAVE_EXPECT(where_.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
-                 where_.num_devices(), " devices for a world of ", comm.size());
     const auto D = static_cast<std::size_t>(comm.size());
     const auto spd = static_cast<std::size_t>(where_.slots_per_device());
     const auto k = static_cast<std::size_t>(options_.k);
@@ -208,6 +211,26 @@ class decode_exchange {
         put_header(d, l, h);
   }
 
+  // The construction's agreement: the options valid on this rank, then the same on every rank.
+  static Comm& agree(Comm& comm, const placement& where, const decode_options& o) {
+    config_fingerprint f("decode_exchange");
+    f.add("devices", where.num_devices())
+        .add("experts", where.num_experts())
+        .add("slots per device", where.slots_per_device())
+        .add_hash("placement (slot -> expert table)", where.slot_experts())
+        .add("k", o.k)
+        .add("hidden", static_cast<std::int64_t>(o.hidden))
+        .add_label("element type", static_cast<std::int64_t>(dtype_of_v<T>),
+                   [](std::int64_t v) { return to_string(static_cast<dtype>(v)); })
+        .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank));
+    agree_on_config(comm, f, [&] {
+      detail::check_decode_options(o);
+      WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
+                   where.num_devices(), " devices for a world of ", comm.size());
+    });
+    return comm;
+  }
+
   // Checks every received header: this rank's own failure first (the root cause), then the
   // lowest failed peer's, then that each count fits its slot.
   void check_headers() {
@@ -216,9 +239,9 @@ class decode_exchange {
     for (std::size_t d = 0; d < world(); ++d) {
       const decode_header h = header(d, 0);
       if (h.status != decode_status::ok) {
-        const std::string cause(h.cause, ::strnlen(h.cause, sizeof h.cause));
-        WEAVE_THROW(errc::peer_failure, "decode_exchange: rank ", d, " failed (",
-                    to_string(static_cast<errc>(h.code)), "): ", cause);
+        throw peer_error(failure_record{static_cast<int>(d), static_cast<errc>(h.code), true,
+                                        std::string(h.cause, ::strnlen(h.cause, sizeof h.cause))},
+                         "decode_exchange");
       }
     }
     for (std::size_t d = 0; d < world(); ++d)

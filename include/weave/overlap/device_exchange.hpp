@@ -41,6 +41,7 @@
 #include "weave/overlap/moe_exchange_base.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
+#include "weave/routing/quantize.hpp"
 #include "weave/routing/row_moves.hpp"
 
 #include <algorithm>
@@ -112,6 +113,8 @@ class basic_device_exchange
     uniform_displs_.resize(D);
     for (std::size_t d = 0; d < D; ++d)
       uniform_displs_[d] = static_cast<std::int64_t>(d * slot_rows_);
+    if (options.fp8_dispatch)
+      wire_ = quantized_row_layout::of(options.hidden, options.fp8_dispatch->blocks.block);
     for (const auto& s : this->slots()) {
       s->state.construct(this->placement_, options, this->rank_, chunk_tokens_, recv_cap_);
       for (chunk_state& ch : s->state.chunks)
@@ -144,6 +147,8 @@ class basic_device_exchange
         ch.experts.initialize(ch.experts_ws, ch.experts.workspace_size(), stream);
         Space::fill(stream, ch.error, 0, sizeof(std::uint32_t));
         Space::fill(stream, ch.status.recv, 0, status_.words() * sizeof(std::int64_t));
+        if (ch.quant_status != nullptr)
+          Space::fill(stream, ch.quant_status, 0xff, sizeof(std::int64_t)); // -1: none
       }
       if (st.filter)
         st.filter->initialize(st.filter_ws, st.filter->workspace_size(), stream);
@@ -164,20 +169,28 @@ class basic_device_exchange
 
   //! Waits for `stream`, then throws for what the device flagged since the last check: bad ids
   //! (`errc::out_of_range`), duplicate choices or non-finite weights (`errc::invalid_argument`),
-  //! an overflowing static slot (`errc::size_overflow`), else a peer's failure its count
-  //! exchanges reported (`peer_error`), else bad received rows. Clears the flags.
+  //! an overflowing static slot (`errc::size_overflow`), a token holding a NaN or an infinity
+  //! in an FP8 dispatch (`errc::invalid_argument`; its rows travelled as NaN, so its outputs are
+  //! NaN, and no other token's are affected), else a peer's failure its count exchanges
+  //! reported (`peer_error`), else bad received rows. Clears the flags.
   void check_errors(stream_arg stream) {
-    std::size_t n = 0;
+    const bool fp8 = this->options_.fp8_dispatch.has_value();
+    std::size_t chunks = 0;
     for (const auto& s : this->slots())
-      n += 3 * s->state.chunks.size();
-    std::vector<std::uint32_t> words(n, 0); // the copies land here when the stream runs them
-    std::size_t at = 0;
+      chunks += s->state.chunks.size();
+    std::vector<std::uint32_t> words(3 * chunks, 0); // the copies land here when the stream runs
+    std::vector<std::int64_t> bad_tokens(fp8 ? chunks : 0, -1);
+    std::size_t at = 0, c = 0;
     for (const auto& s : this->slots())
       for (chunk_state& ch : s->state.chunks) {
         take_error_word<Space>(stream, &words[at++], ch.error);
         take_error_word<Space>(stream, &words[at++], ch.plan.error_word());
         take_error_word<Space>(stream, &words[at++], ch.experts.error_word());
         status_.take(stream, ch.status);
+        if (fp8) {
+          Space::copy_to_host(stream, &bad_tokens[c++], ch.quant_status, sizeof(std::int64_t));
+          Space::fill(stream, ch.quant_status, 0xff, sizeof(std::int64_t)); // -1: none
+        }
       }
     wait_watched(*this->comm_, stream);
     std::uint32_t own = 0, plan = 0, experts = 0;
@@ -187,6 +200,15 @@ class basic_device_exchange
       experts |= words[i + 2];
     }
     throw_sender_errors(plan, own);
+    c = 0;
+    for (const auto& s : this->slots())
+      for (const chunk_state& ch : s->state.chunks) {
+        const std::int64_t bad = fp8 ? bad_tokens[c++] : -1;
+        WEAVE_EXPECT(bad < 0, errc::invalid_argument, "token ",
+                     static_cast<std::int64_t>(ch.first) + bad,
+                     " of a forward holds a NaN or an infinity: the FP8 dispatch "
+                     "(moe_options::fp8_dispatch) sent its rows as NaN");
+      }
     for (const auto& s : this->slots()) // a peer's failure explains what this rank received
       for (const chunk_state& ch : s->state.chunks)
         if (std::exception_ptr peer = status_.peer_failure(ch.status))
@@ -198,6 +220,7 @@ class basic_device_exchange
   friend base;
   friend struct detail::moe_access;
   using moves = row_moves<Space>;
+  using quant = quant_moves<Space>;
   using slot_type = typename base::slot_type;
   using chunk_state = detail::device_chunk<Space>;
   using call_state = detail::device_call_state<Space>;
@@ -294,6 +317,9 @@ class basic_device_exchange
     };
     const auto D = static_cast<std::size_t>(self.D_), k = static_cast<std::size_t>(self.k_);
     const bool fixed = self.options_.static_shape, grads = self.options_.save_for_backward;
+    const bool fp8 = self.options_.fp8_dispatch.has_value();
+    const std::size_t blocks =
+        fp8 ? self.options_.hidden / self.options_.fp8_dispatch->blocks.block : 0;
     set(self.static_displs_, D);
     for (const auto& s : self.slots()) {
       call_state& st = s->state;
@@ -308,12 +334,22 @@ class basic_device_exchange
         epd = ch.experts.max_epd_rows();
         set(ch.plan_ws, ch.plan.workspace_size());
         set(ch.experts_ws, ch.experts.workspace_size());
-        rows(ch.send, self.send_cap_);
+        if (!fp8 || grads) { // rows in the element type cross the dispatch
+          rows(ch.send, self.send_cap_);
+          rows(ch.recv, self.recv_cap_);
+        }
         rows(ch.returned, self.send_cap_);
-        rows(ch.recv, self.recv_cap_);
         rows(ch.back, self.recv_cap_);
-        rows(ch.epd_in, epd);
+        if (self.has_inputs())
+          rows(ch.epd_in, epd);
         rows(ch.epd_out, epd);
+        if (fp8) {
+          set(ch.send_fp8, checked_mul(self.send_cap_, self.wire_.stride, "FP8 send bytes"));
+          set(ch.recv_fp8, checked_mul(self.recv_cap_, self.wire_.stride, "FP8 receive bytes"));
+          set(ch.epd_codes, checked_mul(epd, self.options_.hidden, "FP8 expert rows"));
+          set(ch.epd_scales, checked_mul(epd, blocks, "FP8 expert scales"));
+          set(ch.quant_status, 1);
+        }
         set(ch.recv_routes, self.recv_cap_ * k);
         set(ch.recv_counts, D);
         set(ch.recv_displs, D);
@@ -345,6 +381,35 @@ class basic_device_exchange
     return token_view(p, n, this->options_.hidden, this->options_.element, Space::memory);
   }
 
+  // FP8 dispatch: packed wire rows as codes and scales, and the expert layout's codes and
+  // scales; the expert inputs in the element type exist unless only codes are asked for.
+  std::pair<token_view, token_view> wire_views(std::byte* p, std::size_t n) const {
+    return wire_.views(p, n, this->options_.fp8_dispatch->format, Space::memory);
+  }
+  token_view codes_view(std::byte* p, std::size_t n) const {
+    return token_view(p, n, this->options_.hidden, this->options_.fp8_dispatch->format,
+                      Space::memory);
+  }
+  token_view scales_view(float* p, std::size_t n) const {
+    return token_view(reinterpret_cast<std::byte*>(p), n,
+                      this->options_.hidden / this->options_.fp8_dispatch->blocks.block, dtype::f32,
+                      Space::memory);
+  }
+  bool has_inputs() const noexcept {
+    return !this->options_.fp8_dispatch || this->options_.fp8_dispatch->dequantized_inputs;
+  }
+  const_token_view inputs_of(const chunk_state& ch, std::size_t epd) const {
+    return has_inputs() ? const_token_view(rows_view(ch.epd_in, epd)) : const_token_view{};
+  }
+  const_token_view codes_of(const chunk_state& ch, std::size_t epd) const {
+    return this->options_.fp8_dispatch ? const_token_view(codes_view(ch.epd_codes, epd))
+                                       : const_token_view{};
+  }
+  const_token_view scales_of(const chunk_state& ch, std::size_t epd) const {
+    return this->options_.fp8_dispatch ? const_token_view(scales_view(ch.epd_scales, epd))
+                                       : const_token_view{};
+  }
+
   moe_stats read_counters(const slot_type& s, stream_arg stream) const {
     std::int64_t c[counter_count] = {};
     Space::copy_to_host(stream, c, s.state.counters, sizeof(c));
@@ -356,7 +421,8 @@ class basic_device_exchange
             c[counter_received],
             c[counter_local],
             c[counter_expert_rows],
-            this->options_.hidden * size_of(this->options_.element)};
+            this->options_.hidden * size_of(this->options_.element),
+            detail::dispatch_row_bytes(this->options_)};
   }
 
   // --- checks and accessors (called by the base and by moe_chunk) ---------------------------
@@ -380,9 +446,11 @@ class basic_device_exchange
             this->rank_,
             ch.experts.expert_offsets(),
             local_experts_,
-            rows_view(ch.epd_in, epd),
+            inputs_of(ch, epd),
             rows_view(ch.epd_out, epd),
-            base::arg_of(s.phase_compute[0])};
+            base::arg_of(s.phase_compute[0]),
+            codes_of(ch, epd),
+            scales_of(ch, epd)};
   }
 
   device_expert_grad_batch<Space> experts_grad_of(const slot_type& s, int c) const {
@@ -392,10 +460,12 @@ class basic_device_exchange
             this->rank_,
             ch.experts.expert_offsets(),
             local_experts_,
-            rows_view(ch.epd_in, epd),
+            inputs_of(ch, epd),
             rows_view(s.state.grad_scaled, epd),
             rows_view(ch.epd_out, epd),
-            base::arg_of(s.phase_compute[1])};
+            base::arg_of(s.phase_compute[1]),
+            codes_of(ch, epd),
+            scales_of(ch, epd)};
   }
 
   device_expert_batch<Space> chunk_experts(int slot, int c) const {
@@ -483,7 +553,22 @@ class basic_device_exchange
                                                      ch.plan.send_offsets().data(), D_, S,
                                                      ch.layout_rows});
     }
-    gather_send(ch, st, args.x.subrows(ch.first, ch.count));
+    if (this->options_.fp8_dispatch)
+      quantize_send(ch, st, args.x.subrows(ch.first, ch.count));
+    else
+      gather_send(ch, st, args.x.subrows(ch.first, ch.count));
+  }
+
+  // FP8 dispatch, ORI -> the send layout quantised (one quantisation per SFD row); a token
+  // holding a NaN or an infinity is sent as NaN and lowers the chunk's status word.
+  void quantize_send(chunk_state& ch, stream_type& s, const const_token_view& ori) {
+    const auto [codes, scales] = wire_views(ch.send_fp8, send_cap_);
+    const fp8_dispatch_options& f = *this->options_.fp8_dispatch;
+    if (this->options_.static_shape)
+      quant::quantize(s, ori, codes, scales, ch.slot_row_token, nullptr, f.blocks, ch.quant_status);
+    else
+      quant::quantize(s, ori, codes, scales, ch.plan.row_token().data(),
+                      ch.plan.send_offsets().data() + D_, f.blocks, ch.quant_status);
   }
 
   // ORI -> the send layout (packed SFD rows, or fixed slots).
@@ -497,7 +582,11 @@ class basic_device_exchange
 
   void enqueue_dispatch(slot_type& s, int c, stream_type& st) {
     chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
-    const std::size_t row = this->options_.hidden * size_of(this->options_.element);
+    const bool fp8 = !s.backward && this->options_.fp8_dispatch; // the backward keeps T
+    const std::size_t row =
+        fp8 ? wire_.stride : this->options_.hidden * size_of(this->options_.element);
+    std::byte* send = fp8 ? ch.send_fp8 : ch.send;
+    std::byte* recv = fp8 ? ch.recv_fp8 : ch.recv;
     const bool fixed = this->options_.static_shape;
     if (!s.backward) {
       exchange_chunk_counts(s, ch, st);
@@ -511,10 +600,10 @@ class basic_device_exchange
                      static_cast<std::size_t>(k_) * 8);
     }
     if (fixed)
-      all_to_all_v(*this->comm_, st, ch.send, uniform_counts_, uniform_displs_, ch.recv,
-                   uniform_counts_, uniform_displs_, row);
+      all_to_all_v(*this->comm_, st, send, uniform_counts_, uniform_displs_, recv, uniform_counts_,
+                   uniform_displs_, row);
     else
-      all_to_all_v(*this->comm_, st, ch.send, ch.send_counts_h, ch.send_displs_h, ch.recv,
+      all_to_all_v(*this->comm_, st, send, ch.send_counts_h, ch.send_displs_h, recv,
                    ch.recv_counts_h, ch.recv_displs_h, row);
   }
 
@@ -576,9 +665,9 @@ class basic_device_exchange
     chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
     const std::size_t epd = ch.experts.max_epd_rows();
     const std::int64_t* count = ch.experts.epd_rows_count();
-    const auto received = rows_view(ch.recv, recv_cap_);
     if (s.backward) {
       call_state& cs = s.state;
+      const auto received = rows_view(ch.recv, recv_cap_);
       moves::gather(st, received, rows_view(cs.grad_dy, epd), ch.experts.epd_row_source().data(),
                     nullptr, count);
       moves::gather(st, received, rows_view(cs.grad_scaled, epd),
@@ -595,8 +684,11 @@ class basic_device_exchange
     Space::for_each(st, 1,
                     detail::received_rows_step{ch.recv_counts, D_, ch.experts.epd_rows_count(),
                                                ch.recv_total, s.state.counters});
-    moves::gather(st, received, rows_view(ch.epd_in, epd), ch.experts.epd_row_source().data(),
-                  nullptr, count);
+    if (this->options_.fp8_dispatch)
+      scatter_quantized(ch, st, epd);
+    else
+      moves::gather(st, rows_view(ch.recv, recv_cap_), rows_view(ch.epd_in, epd),
+                    ch.experts.epd_row_source().data(), nullptr, count);
     Space::for_each(st, static_cast<std::int64_t>(ch.count * k),
                     detail::pair_expert_rows_step{
                         s.args.ids.data() + ch.first * k, ch.plan.kept_experts().data(),
@@ -604,6 +696,20 @@ class basic_device_exchange
                         ch.plan.send_offsets().data(), receive_displs(ch),
                         ch.experts.row_epd().data(), k_, this->rank_,
                         static_cast<std::int64_t>(slot_rows_), ch.expert_rows});
+  }
+
+  // FP8 dispatch: the received codes and scales into the expert layout, and their dequantised
+  // values when asked for.
+  void scatter_quantized(chunk_state& ch, stream_type& st, std::size_t epd) {
+    const auto [codes, scales] = wire_views(ch.recv_fp8, recv_cap_);
+    const std::int64_t* source = ch.experts.epd_row_source().data();
+    const std::int64_t* count = ch.experts.epd_rows_count();
+    moves::gather(st, codes, codes_view(ch.epd_codes, epd), source, nullptr, count);
+    moves::gather(st, scales, scales_view(ch.epd_scales, epd), source, nullptr, count);
+    const fp8_dispatch_options& f = *this->options_.fp8_dispatch;
+    if (f.dequantized_inputs)
+      quant::dequantize(st, codes_view(ch.epd_codes, epd), scales_view(ch.epd_scales, epd),
+                        rows_view(ch.epd_in, epd), nullptr, count, f.blocks);
   }
 
   void enqueue_experts_callback(slot_type& s, int c, stream_type& st) {
@@ -660,6 +766,7 @@ class basic_device_exchange
 
   int D_ = 0, k_ = 0;
   std::size_t chunk_tokens_ = 0, slot_rows_ = 0, send_cap_ = 0, recv_cap_ = 0;
+  quantized_row_layout wire_; // FP8 dispatch: one packed row of codes and scales
   std::vector<std::int32_t> local_experts_;
   std::vector<std::int64_t> uniform_counts_, uniform_displs_;
   bool initialized_ = false;

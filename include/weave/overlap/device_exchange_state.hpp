@@ -43,6 +43,11 @@ struct device_chunk {
   std::int64_t *recv_counts = nullptr, *recv_displs = nullptr, *recv_total = nullptr;
   std::int64_t* expert_rows = nullptr;              // (token, choice) -> EPD row here, or a mark
   float *send_dw = nullptr, *returned_dw = nullptr; // backward: gate gradients per entry
+  // FP8 dispatch: packed wire rows (codes, then scales), the expert layout's codes and scales,
+  // and the first chunk token found non-finite (-1 none) since the last check.
+  std::byte *send_fp8 = nullptr, *recv_fp8 = nullptr, *epd_codes = nullptr;
+  float* epd_scales = nullptr;
+  std::int64_t* quant_status = nullptr;
   // Dynamic shapes: the counts the all-to-alls read on the host.
   std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
   std::uint32_t* error = nullptr; // the exchange's own flags (a static slot overflowing)

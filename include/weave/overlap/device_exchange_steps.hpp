@@ -33,6 +33,10 @@ struct device_expert_batch {
   const_token_view input;                       //!< expert inputs (capacity rows)
   token_view output;                            //!< expert outputs, to be written
   typename Space::stream_arg stream;            //!< where the work goes
+  //! With `moe_options::fp8_dispatch`: the inputs' FP8 codes and f32 scales (capacity rows, as
+  //! `expert_batch::input_codes`); `input` is then empty unless `dequantized_inputs` is set.
+  const_token_view input_codes{};
+  const_token_view input_scales{}; //!< see `input_codes`
 };
 
 //! The backward of one chunk's experts in the device exchange: from `grad_output` (dL/d(expert
@@ -48,6 +52,8 @@ struct device_expert_grad_batch {
   const_token_view grad_output;
   token_view grad_input;
   typename Space::stream_arg stream;
+  const_token_view saved_codes{};  //!< FP8 dispatch: the forward inputs' codes
+  const_token_view saved_scales{}; //!< FP8 dispatch: their scales
 };
 
 //! Per-chunk hooks of a device-exchange forward (see `moe_chunk_hooks`): they receive the

@@ -2,10 +2,10 @@
 //! What the ranks of one MoE layer must agree on, and the check the exchanges run once at
 //! construction (`agree_on_layer`): the placement (experts, slots per device, the slot -> expert
 //! table, which fixes the replica table), k, the row shape and type, the token bound, the
-//! pipeline degree, the calls in flight, capacity (factor, drop order, rounding), and the shape
-//! mode. Different values on different ranks would
-//! otherwise give wrong numbers silently (a placement or expert count) or a transfer failure
-//! mid-flight (a row size).
+//! pipeline degree, the calls in flight, capacity (factor, drop order, rounding), the shape
+//! mode and the FP8 dispatch (format, block, scale rounding, amax floor). Different values on
+//! different ranks would otherwise give wrong numbers silently (a placement or expert count) or a
+//! transfer failure mid-flight (a row size).
 #pragma once
 
 #include "weave/comm/agreement.hpp"
@@ -72,6 +72,17 @@ inline config_fingerprint layer_fingerprint(const std::string& kind, const place
       .add_flag("save_for_backward", o.save_for_backward)
       .add_flag("static_shape", o.static_shape)
       .add("static_rows_per_peer", static_cast<std::int64_t>(o.static_rows_per_peer));
+  // FP8 dispatch: what the senders quantise with must be what the receivers read. Whether
+  // a rank also dequantises on arrival is its own business.
+  const fp8_dispatch_options none{};
+  const fp8_dispatch_options& q = o.fp8_dispatch ? *o.fp8_dispatch : none;
+  f.add_flag("fp8_dispatch", o.fp8_dispatch.has_value())
+      .add_label("fp8_dispatch format", o.fp8_dispatch ? static_cast<std::int64_t>(q.format) : 0,
+                 detail::dtype_label)
+      .add("fp8_dispatch block", o.fp8_dispatch ? static_cast<std::int64_t>(q.blocks.block) : 0)
+      .add("fp8_dispatch scale rounding",
+           o.fp8_dispatch ? static_cast<std::int64_t>(q.blocks.rounding) : 0)
+      .add_real("fp8_dispatch min_amax", o.fp8_dispatch ? q.blocks.min_amax : 0.0);
   return f;
 }
 

@@ -46,6 +46,7 @@
 #include "weave/routing/dispatch_plan.hpp"
 #include "weave/routing/expert_plan.hpp"
 #include "weave/routing/kernels_host.hpp"
+#include "weave/routing/quantize.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -88,8 +89,9 @@ class moe_exchange
   //! Allocates every communication buffer for `options.max_tokens` tokens and
   //! `options.max_in_flight` calls now. Collective: checks that every rank builds the layer
   //! alike (`agree_on_layer`: `errc::config_mismatch` on every rank otherwise). Throws
-  //! `errc::invalid_argument` for a placement of another device count or bad options,
-  //! `errc::not_supported` for `static_shape` (and its peers a `peer_error` naming this rank).
+  //! `errc::invalid_argument` for a placement of another device count or bad options (among
+  //! them an `fp8_dispatch` block that does not divide `hidden`), `errc::not_supported` for
+  //! `static_shape` (and its peers a `peer_error` naming this rank).
   moe_exchange(Comm& comm, placement where, moe_options options)
       : base(comm, std::move(where), options, "moe_exchange",
              [&] {
@@ -107,6 +109,8 @@ class moe_exchange
     const int spd = this->placement_.slots_per_device();
     for (int l = 0; l < spd; ++l)
       local_experts_.push_back(this->placement_.expert_of_slot(this->rank_ * spd + l));
+    if (options.fp8_dispatch)
+      wire_ = quantized_row_layout::of(options.hidden, options.fp8_dispatch->blocks.block);
     for (const auto& s : this->slots()) {
       s->state.allocate(this->placement_, options, this->rank_, send_bound_, recv_bound_);
       for (chunk_state& ch : s->state.chunks)
@@ -177,8 +181,27 @@ class moe_exchange
             this->rank_,
             ch.experts.expert_offsets(),
             local_experts_,
-            mut.epd_in.view(epd),
-            mut.epd_out.view(epd)};
+            inputs_of(mut, epd),
+            mut.epd_out.view(epd),
+            codes_of(mut, epd),
+            scales_of(mut, epd)};
+  }
+
+  // The expert inputs in the element type (empty for an FP8 dispatch that keeps only codes),
+  // and an FP8 dispatch's codes and scales.
+  bool has_inputs() const noexcept {
+    return !this->options_.fp8_dispatch || this->options_.fp8_dispatch->dequantized_inputs;
+  }
+  const_token_view inputs_of(chunk_state& ch, std::size_t epd) const {
+    return has_inputs() ? const_token_view(ch.epd_in.view(epd)) : const_token_view{};
+  }
+  const_token_view codes_of(chunk_state& ch, std::size_t epd) const {
+    return this->options_.fp8_dispatch ? const_token_view(ch.epd_codes.view(epd))
+                                       : const_token_view{};
+  }
+  const_token_view scales_of(chunk_state& ch, std::size_t epd) const {
+    return this->options_.fp8_dispatch ? const_token_view(ch.epd_scales.view(epd))
+                                       : const_token_view{};
   }
 
   expert_grad_batch experts_grad_of(const slot_type& slot, int c) const {
@@ -189,9 +212,11 @@ class moe_exchange
             this->rank_,
             ch.experts.expert_offsets(),
             local_experts_,
-            mut.epd_in.view(epd),
+            inputs_of(mut, epd),
             mut.grad_scaled.view(epd),
-            mut.epd_out.view(epd)};
+            mut.epd_out.view(epd),
+            codes_of(mut, epd),
+            scales_of(mut, epd)};
   }
 
   // --- stages (issued by the base; each runs as tasks on `s`) -------------------------------
@@ -241,8 +266,11 @@ class moe_exchange
                    ch.recv_routes.data(), ch.recv_counts, ch.recv_displs,
                    static_cast<std::size_t>(this->options_.k) * sizeof(route_entry));
     }
-    all_to_all_v(*this->comm_, s, ch.send.data(), ch.send_counts, ch.send_displs, ch.recv.data(),
-                 ch.recv_counts, ch.recv_displs, ch.send.row_bytes());
+    const bool fp8 = !slot.backward && this->options_.fp8_dispatch; // the backward keeps T
+    row_buffer& send = fp8 ? ch.send_fp8 : ch.send;
+    row_buffer& recv = fp8 ? ch.recv_fp8 : ch.recv;
+    all_to_all_v(*this->comm_, s, send.data(), ch.send_counts, ch.send_displs, recv.data(),
+                 ch.recv_counts, ch.recv_displs, send.row_bytes());
   }
 
   // The count exchange of a chunk (every path's one place), then the receive layout from it.
@@ -318,7 +346,22 @@ class moe_exchange
     WEAVE_EXPECT(rows <= send_bound_, errc::internal, "chunk ", c, " sends ", rows,
                  " rows, planned for ", send_bound_);
     std::copy(ch.plan.row_routes().begin(), ch.plan.row_routes().end(), ch.send_routes.begin());
-    dispatch_gather(ch.plan, args.x.subrows(ch.first, ch.count), ch.send.view(rows));
+    if (this->options_.fp8_dispatch)
+      quantize_send(ch, args.x.subrows(ch.first, ch.count), rows);
+    else
+      dispatch_gather(ch.plan, args.x.subrows(ch.first, ch.count), ch.send.view(rows));
+  }
+
+  // FP8 dispatch: each token quantised once into its packed send rows. A token that cannot be
+  // quantised fails the call (this task aborts the communicator, so the peers fail too).
+  void quantize_send(chunk_state& ch, const const_token_view& ori, std::size_t rows) {
+    const fp8_dispatch_options& f = *this->options_.fp8_dispatch;
+    const auto [codes, scales] = wire_.views(ch.send_fp8.data(), rows, f.format);
+    const std::int64_t bad = dispatch_quantize(ch.plan, ori, codes, scales, f.blocks);
+    WEAVE_EXPECT(bad < 0, errc::invalid_argument, "token ",
+                 ch.first + static_cast<std::size_t>(bad),
+                 " holds a NaN or an infinity: the FP8 dispatch (moe_options::fp8_dispatch) "
+                 "cannot quantise it");
   }
 
   void decide_capacity(slot_type& slot) {
@@ -362,12 +405,30 @@ class moe_exchange
     const auto k = static_cast<std::size_t>(this->options_.k);
     ch.experts.build(std::span<const route_entry>(ch.recv_routes).first(R * k), ch.recv_counts);
     const auto epd = static_cast<std::size_t>(ch.experts.epd_rows());
-    ch.epd_in.reserve(epd);
+    if (has_inputs())
+      ch.epd_in.reserve(epd);
     ch.epd_out.reserve(epd);
-    expert_scatter(ch.experts, ch.recv.view(R), ch.epd_in.view(epd));
+    if (this->options_.fp8_dispatch)
+      scatter_quantized(ch, R, epd);
+    else
+      expert_scatter(ch.experts, ch.recv.view(R), ch.epd_in.view(epd));
     map_expert_rows(slot, ch);
     ch.ready[1].store(false, std::memory_order_relaxed);
     ch.ready[0].store(true, std::memory_order_release);
+  }
+
+  // FP8 dispatch: the received codes and scales into the expert layout, and their dequantised
+  // values when asked for.
+  void scatter_quantized(chunk_state& ch, std::size_t R, std::size_t epd) {
+    const fp8_dispatch_options& f = *this->options_.fp8_dispatch;
+    const auto [codes, scales] = wire_.views(ch.recv_fp8.data(), R, f.format);
+    ch.epd_codes.reserve(epd);
+    ch.epd_scales.reserve(epd);
+    expert_scatter(ch.experts, codes, ch.epd_codes.view(epd));
+    expert_scatter(ch.experts, scales, ch.epd_scales.view(epd));
+    if (f.dequantized_inputs)
+      dequantize_rows(ch.epd_codes.view(epd), ch.epd_scales.view(epd), ch.epd_in.view(epd),
+                      f.blocks);
   }
 
   // (token, choice) -> this device's EPD row: a pair served here arrived in the rows this rank
@@ -433,7 +494,15 @@ class moe_exchange
     combine_merge(ch.plan, ch.returned.view(static_cast<std::size_t>(ch.plan.rows())),
                   slot.args.y.subrows(ch.first, ch.count));
     if (c == 0)
-      st.pending = moe_stats{slot.tokens, 0, 0, 0, 0, 0, 0, slot.args.x.row_bytes()};
+      st.pending = moe_stats{slot.tokens,
+                             0,
+                             0,
+                             0,
+                             0,
+                             0,
+                             0,
+                             slot.args.x.row_bytes(),
+                             detail::dispatch_row_bytes(this->options_)};
     st.pending.dropped_pairs += static_cast<std::int64_t>(ch.plan.dropped().size());
     st.pending.sent_rows += ch.plan.rows();
     st.pending.local_rows += ch.send_counts[static_cast<std::size_t>(this->rank_)];
@@ -466,6 +535,7 @@ class moe_exchange
   }
 
   std::size_t send_bound_ = 0, recv_bound_ = 0;
+  quantized_row_layout wire_; // FP8 dispatch: one packed row of codes and scales
   std::vector<std::int32_t> local_experts_;
   mutable std::mutex stats_mutex_;
   moe_stats stats_;

@@ -28,6 +28,9 @@ struct host_chunk {
   expert_plan experts;              // receiver half (SFD <-> EPD)
   std::vector<std::int64_t> send_counts, send_displs, recv_counts, recv_displs;
   row_buffer send, recv, back, returned, epd_in, epd_out, grad_dy, grad_scaled;
+  // FP8 dispatch: the forward's packed wire rows (codes, then scales) and the expert layout's
+  // codes and scales (kept for the backward).
+  row_buffer send_fp8, recv_fp8, epd_codes, epd_scales;
   std::vector<route_entry> send_routes, recv_routes;
   std::vector<float> send_dw, returned_dw;     // backward: gate gradients per route entry
   std::vector<float> grad_dot;                 // backward: <dy, expert output> per EPD row
@@ -67,9 +70,21 @@ struct host_call_state {
       for (row_buffer* b : {&c.send, &c.recv, &c.back, &c.returned, &c.epd_in, &c.epd_out,
                             &c.grad_dy, &c.grad_scaled})
         *b = row_buffer(o.hidden, o.element);
-      c.send.reserve(send_rows);
+      // Rows in the element type cross the dispatch unless it is quantised and has no backward.
+      if (!o.fp8_dispatch || o.save_for_backward) {
+        c.send.reserve(send_rows);
+        c.recv.reserve(recv_rows);
+      }
+      if (o.fp8_dispatch) {
+        const auto& f = *o.fp8_dispatch;
+        c.send_fp8 = row_buffer(dispatch_row_bytes(o), dtype::u8);
+        c.recv_fp8 = row_buffer(dispatch_row_bytes(o), dtype::u8);
+        c.epd_codes = row_buffer(o.hidden, f.format);
+        c.epd_scales = row_buffer(o.hidden / f.blocks.block, dtype::f32);
+        c.send_fp8.reserve(send_rows);
+        c.recv_fp8.reserve(recv_rows);
+      }
       c.returned.reserve(send_rows);
-      c.recv.reserve(recv_rows);
       c.back.reserve(recv_rows);
       c.send_routes.resize(send_rows * k);
       c.recv_routes.resize(recv_rows * k);
@@ -83,6 +98,8 @@ struct host_call_state {
     for (const host_chunk& c : chunks)
       total += c.send.bytes() + c.recv.bytes() + c.back.bytes() + c.returned.bytes() +
                c.epd_in.bytes() + c.epd_out.bytes() + c.grad_dy.bytes() + c.grad_scaled.bytes() +
+               c.send_fp8.bytes() + c.recv_fp8.bytes() + c.epd_codes.bytes() +
+               c.epd_scales.bytes() +
                (c.send_routes.size() + c.recv_routes.size()) * sizeof(route_entry) +
                (c.send_dw.size() + c.returned_dw.size()) * sizeof(float);
     return total;

@@ -7,15 +7,31 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/capacity.hpp"
+#include "weave/routing/quantize.hpp"
 
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 
 WEAVE_NAMESPACE_BEGIN
+
+//! The quantised forward dispatch (`moe_options::fp8_dispatch`), DeepEP's FP8 dispatch: each
+//! row leaves its sender as FP8 codes with one f32 scale per block of `blocks.block` elements
+//! (per token, per block amax scaling: `weave/routing/quantize.hpp`), and the expert device
+//! hands both to the experts (`expert_batch::input_codes`, `input_scales`). Combine and the
+//! backward keep the layer's element type.
+struct fp8_dispatch_options {
+  dtype format = dtype::e4m3;  //!< the codes: e4m3 (DeepSeek-V3, DeepEP) or e5m2
+  block_quantization blocks{}; //!< elements per scale (128), scale rounding, amax floor
+  //! Also dequantise the received rows into `expert_batch::input` (and the backward's
+  //! `saved_input`) in the layer's element type; otherwise those views are empty and only the
+  //! codes and scales are given (an FP8 grouped GEMM reads them directly).
+  bool dequantized_inputs = false;
+};
 
 //! How a `moe_exchange` is shaped. Buffers are sized from these once, at construction.
 struct moe_options {
@@ -37,6 +53,9 @@ struct moe_options {
   //! chunk, or fewer when a capacity factor bounds the experts of a device). Smaller slots send
   //! fewer bytes; a chunk that overflows one fails `check_errors` with `errc::size_overflow`.
   std::size_t static_rows_per_peer = 0;
+  //! Send the forward dispatch quantised to FP8 (see `fp8_dispatch_options`); empty (the
+  //! default): rows travel in `element`. Every rank must pass the same format and block.
+  std::optional<fp8_dispatch_options> fp8_dispatch{};
 };
 
 //! One chunk's rows on one expert device, grouped by local expert (the EPD layout): rows
@@ -51,6 +70,11 @@ struct expert_batch {
   std::span<const std::int32_t> experts;        //!< logical expert of each local slot, or -1
   const_token_view input;                       //!< expert inputs (one row per token and expert)
   token_view output;                            //!< expert outputs, to be written
+  //! With `moe_options::fp8_dispatch`: the inputs as they arrived, FP8 codes (e4m3 / e5m2), and
+  //! their f32 scales (hidden / block per row), in the same rows as `input`; empty otherwise.
+  //! `input` then holds their dequantised values only with `dequantized_inputs` (else empty).
+  const_token_view input_codes{};
+  const_token_view input_scales{}; //!< see `input_codes`
 };
 
 //! The backward of one chunk's experts: given the gradient of the loss with respect to the
@@ -64,6 +88,11 @@ struct expert_grad_batch {
   const_token_view saved_input; //!< forward inputs of these rows
   const_token_view grad_output; //!< dL/d(expert output) per row
   token_view grad_input;        //!< dL/d(expert input) per row, to be written
+  //! With `moe_options::fp8_dispatch`: the forward inputs' FP8 codes and scales (as
+  //! `expert_batch::input_codes`); `saved_input` is their dequantised values only with
+  //! `dequantized_inputs` (else empty).
+  const_token_view saved_codes{};
+  const_token_view saved_scales{}; //!< see `saved_codes`
 };
 
 //! Per-chunk hooks of a forward: Lancet's partitioning of the operators around the layer.
@@ -90,6 +119,9 @@ struct moe_stats {
   std::int64_t local_rows = 0;    //!< sent rows whose destination is this rank
   std::int64_t expert_rows = 0;   //!< rows the local experts computed (EPD rows)
   std::size_t row_bytes = 0;      //!< bytes of one token row
+  //! Bytes of one row of the forward dispatch on the wire: `row_bytes`, or with an FP8 dispatch
+  //! the packed codes and scales (`quantized_row_layout::stride`).
+  std::size_t dispatch_row_bytes = 0;
   //! Copies per token (CT): sent rows per token.
   double copies_per_token() const noexcept {
     return tokens == 0 ? 0.0 : static_cast<double>(sent_rows) / static_cast<double>(tokens);
@@ -109,6 +141,15 @@ inline void check_moe_options(const moe_options& o) {
   WEAVE_EXPECT(o.element == dtype::f32 || o.element == dtype::f16 || o.element == dtype::bf16,
                errc::not_supported, "moe_exchange rows of ", o.element,
                " (f32, f16 and bf16 are supported)");
+  if (o.fp8_dispatch)
+    check_quantization(o.hidden, o.fp8_dispatch->format, o.fp8_dispatch->blocks,
+                       "moe_options.fp8_dispatch");
+}
+
+// Bytes of one forward dispatch row on the wire.
+inline std::size_t dispatch_row_bytes(const moe_options& o) {
+  return o.fp8_dispatch ? quantized_row_layout::of(o.hidden, o.fp8_dispatch->blocks.block).stride
+                        : o.hidden * size_of(o.element);
 }
 
 // Producers write a chunk's choices only when its prepare stage runs: the batch-wide drop orders

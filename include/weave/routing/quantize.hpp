@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 
@@ -189,17 +190,30 @@ void visit_fp8(dtype t, const char* what, F&& f) {
   return f(static_cast<fp8_e5m2*>(nullptr));
 }
 
+//! Checks settings for rows of `cols` elements quantised to `format`: a block that divides the
+//! rows, an FP8 format and a usable floor (`errc::invalid_argument` otherwise).
+inline void check_quantization(std::size_t cols, dtype format, const block_quantization& q,
+                               const char* what) {
+  WEAVE_EXPECT(q.block > 0 && cols % q.block == 0, errc::invalid_argument, what, ": rows of ", cols,
+               " elements are not a multiple of the block of ", q.block);
+  WEAVE_EXPECT(is_fp8(format), errc::invalid_argument, what, ": FP8 rows of ", format,
+               " (need e4m3 or e5m2)");
+  visit_fp8(format, what, [&]<class Fp8>(Fp8*) {
+    WEAVE_EXPECT(std::isfinite(q.min_amax) &&
+                     q.min_amax * fp8_traits<Fp8>::inverse_max >= std::numeric_limits<float>::min(),
+                 errc::invalid_argument, what, ": min_amax = ", q.min_amax,
+                 " (need a finite value with min_amax / ", Fp8::max_finite, " a normal float)");
+  });
+}
+
 //! Checks the shapes and types shared by quantisation and dequantisation: `wide` rows of f32,
 //! f16 or bf16, `codes` of an FP8 type with the same columns, `scales` f32 with cols / block
 //! columns and as many rows as `codes`, and a usable block and floor.
 inline void check_quantized(const const_token_view& wide, const const_token_view& codes,
                             const const_token_view& scales, const block_quantization& q,
                             const char* what) {
-  WEAVE_EXPECT(q.block > 0 && wide.cols() % q.block == 0, errc::invalid_argument, what,
-               ": rows of ", wide.cols(), " elements are not a multiple of the block of ", q.block);
+  check_quantization(wide.cols(), codes.element_type(), q, what);
   visit_float(wide.element_type(), what, [](auto*) {});
-  WEAVE_EXPECT(is_fp8(codes.element_type()), errc::invalid_argument, what, ": FP8 rows of ",
-               codes.element_type(), " (need e4m3 or e5m2)");
   WEAVE_EXPECT(scales.element_type() == dtype::f32, errc::invalid_argument, what, ": scales of ",
                scales.element_type(), " (need f32)");
   WEAVE_EXPECT(codes.cols() == wide.cols(), errc::size_mismatch, what, ": FP8 rows of ",
@@ -207,12 +221,6 @@ inline void check_quantized(const const_token_view& wide, const const_token_view
   WEAVE_EXPECT(scales.cols() == wide.cols() / q.block && scales.rows() == codes.rows(),
                errc::size_mismatch, what, ": scales of ", scales.rows(), " x ", scales.cols(),
                " for ", codes.rows(), " rows of ", wide.cols() / q.block, " blocks");
-  visit_fp8(codes.element_type(), what, [&]<class Fp8>(Fp8*) {
-    WEAVE_EXPECT(std::isfinite(q.min_amax) &&
-                     q.min_amax * fp8_traits<Fp8>::inverse_max >= std::numeric_limits<float>::min(),
-                 errc::invalid_argument, what, ": min_amax = ", q.min_amax,
-                 " (need a finite value with min_amax / ", Fp8::max_finite, " a normal float)");
-  });
 }
 
 inline void check_host_memory(const const_token_view& a, const const_token_view& b,
@@ -279,6 +287,50 @@ inline void quantize_rows(const_token_view src, token_view dst, token_view scale
   WEAVE_EXPECT(bad_row < 0, errc::invalid_argument, "quantize_rows: row ", bad_row, " block ",
                bad_block, " (columns ", bad_block * q.block, "..", (bad_block + 1) * q.block - 1,
                ") holds a NaN or an infinity; its scale and codes are NaN");
+}
+
+//! ORI -> SFD, quantised: the plan's tokens into its send rows as FP8 codes (`codes`) and f32
+//! scales (`scales`, cols / q.block per row), as `quantize_rows` of `gather_rows(ori, sfd,
+//! plan.row_token())` would give, but each token is quantised once, into its first SFD row, and
+//! copied to its other rows. `codes` and `scales` may be two views of one packed buffer
+//! (`quantized_row_layout::views`). Returns the first token (ORI row) holding a NaN or an
+//! infinity, whose blocks are NaN as the file comment says, or -1 when every token is finite.
+//! Throws as `quantize_rows` for bad shapes and settings, `errc::size_mismatch` for row counts
+//! other than the plan's.
+inline std::int64_t dispatch_quantize(const dispatch_plan& plan, const_token_view ori,
+                                      token_view codes, token_view scales,
+                                      const block_quantization& q = {}) {
+  detail::check_quantized(ori, codes, scales, q, "dispatch_quantize");
+  detail::check_host_memory(ori, codes, scales, "dispatch_quantize");
+  WEAVE_EXPECT(ori.rows() == plan.tokens() && codes.rows() == static_cast<std::size_t>(plan.rows()),
+               errc::size_mismatch, "dispatch_quantize: ", ori.rows(), " ORI rows and ",
+               codes.rows(), " SFD rows for a plan of ", plan.tokens(), " tokens and ", plan.rows(),
+               " rows");
+  const auto k = static_cast<std::size_t>(plan.k());
+  const auto token_rows = plan.token_rows();
+  std::int64_t bad = -1;
+  detail::visit_fp8(codes.element_type(), "dispatch_quantize", [&]<class Fp8>(Fp8*) {
+    detail::visit_float(ori.element_type(), "dispatch_quantize", [&]<class T>(T*) {
+      for (std::size_t t = 0; t < ori.rows(); ++t) {
+        const std::int64_t first = token_rows[t * k]; // ascending, -1 padded
+        if (first < 0)
+          continue;
+        const auto r0 = static_cast<std::size_t>(first);
+        std::size_t block = 0;
+        if (!detail::quantize_row(reinterpret_cast<const T*>(ori.row(t)),
+                                  reinterpret_cast<Fp8*>(codes.row(r0)),
+                                  reinterpret_cast<float*>(scales.row(r0)), ori.cols(), q, block) &&
+            bad < 0)
+          bad = static_cast<std::int64_t>(t);
+        for (std::size_t j = 1; j < k && token_rows[t * k + j] >= 0; ++j) {
+          const auto r = static_cast<std::size_t>(token_rows[t * k + j]);
+          std::memcpy(codes.row(r), codes.row(r0), codes.row_bytes());
+          std::memcpy(scales.row(r), scales.row(r0), scales.row_bytes());
+        }
+      }
+    });
+  });
+  return bad;
 }
 
 //! dst[i] = T(float(src[i][c]) * scales[i][c / q.block]) for every row: `src` e4m3 or e5m2,
