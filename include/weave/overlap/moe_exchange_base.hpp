@@ -212,7 +212,9 @@ class moe_exchange_base {
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::dispatched, "chunks with an output");
     check_rows(y, "output", s.tokens);
-    s.args.y = y;
+    check_same_output(s, s.args.y, y, "chunks");
+    if (!s.output_known) // once given, finishes on the stream may be reading it
+      s.args.y = y;
     s.output_known = true;
     return detail::moe_access::make_range(self(), i);
   }
@@ -224,8 +226,11 @@ class moe_exchange_base {
     slot_type& s = slot(i);
     expect_phase(s, moe_phase::gradients_dispatched, "chunks with outputs");
     check_backward_outputs(s, dx, dw);
-    s.args.dx = dx;
-    s.args.dw = dw;
+    check_same_output(s, s.args.dx, dx, "chunks");
+    if (!s.output_known) { // once given, finishes on the stream may be reading them
+      s.args.dx = dx;
+      s.args.dw = dw;
+    }
     s.output_known = true;
     return detail::moe_access::make_range(self(), i);
   }
@@ -243,7 +248,8 @@ class moe_exchange_base {
     check_same_output(s, s.args.y, y, "combine");
     // A bad output is bad input: the peers, waiting in this call's collectives, learn it.
     abort_peers_on_failure(*comm_, [&] { check_rows(y, "output", s.tokens); });
-    s.args.y = y;
+    if (!s.output_known) // one given to `chunks` is already read by finishes on the stream
+      s.args.y = y;
     finish_phase(i, compute, moe_phase::combined);
   }
 
@@ -277,8 +283,10 @@ class moe_exchange_base {
     WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
                  "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
     abort_peers_on_failure(*comm_, [&] { check_backward_outputs(s, dx, dw); });
-    s.args.dx = dx;
-    s.args.dw = dw;
+    if (!s.output_known) { // ones given to `chunks` are already read by finishes on the stream
+      s.args.dx = dx;
+      s.args.dw = dw;
+    }
     finish_phase(i, compute, moe_phase::finished);
   }
 
