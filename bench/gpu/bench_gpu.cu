@@ -9,7 +9,9 @@
 //   all-to-alls and merges, forward) dynamic and static, eager and replayed from a CUDA graph,
 //   against a naive per-(token, expert) dispatch + combine of the same tokens;
 // - the same exchange over four ranks of cuda_local_world on the one GPU (per-layer time with
-//   the host wait a trainer pays, dynamic against static shapes, 1 and 4 chunks).
+//   the host wait a trainer pays, dynamic against static shapes, 1 and 4 chunks);
+// - decode-sized layers (1, 8, 64, 256 tokens, one-rank NCCL): cuda_decode_exchange eager and
+//   replayed from a CUDA graph against the dynamic cuda_moe_exchange sized for the same batch.
 #include <benchmark/benchmark.h>
 
 #include <weave/core/cuda_error.hpp>
@@ -20,6 +22,7 @@
 #ifdef WEAVE_BENCH_NCCL
 #include <weave/comm/cuda_local_world.hpp>
 #include <weave/comm/nccl_communicator.hpp>
+#include <weave/overlap/cuda_decode_exchange.cuh>
 #include <weave/overlap/cuda_exchange.cuh>
 
 #include <nccl.h>
@@ -514,6 +517,90 @@ void BM_exchange(benchmark::State& state) {
       static_cast<double>(exchange_tokens * state.iterations()), benchmark::Counter::kIsRate);
 }
 
+// Identity experts of a decode call: a copy of the valid rows of each local slot (read on the
+// device from the view's counts).
+__global__ void copy_valid_rows(const ::uint4* in, ::uint4* out, const std::int64_t* rows,
+                                std::int64_t per, std::int64_t words_per_row, std::int64_t n) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t row = i / words_per_row;
+    if (row % per < rows[row / per])
+      out[i] = in[i];
+  }
+}
+
+// Decode-sized layers on one GPU (one-rank NCCL, E = 64, k = 8, bf16 4096). Args: mode (0 the
+// dynamic cuda_moe_exchange, 1 cuda_decode_exchange eager, 2 the decode layer replayed from a
+// CUDA graph), tokens. Per-layer time on the stream, with the dynamic layer's host waits.
+void BM_decode(benchmark::State& state) {
+  const int mode = static_cast<int>(state.range(0));
+  const auto T = static_cast<std::size_t>(state.range(1));
+  ncclComm_t raw = nullptr;
+  int device = 0;
+  WEAVE_CUDA_CHECK(cudaGetDevice(&device));
+  WEAVE_NCCL_CHECK(ncclCommInitAll(&raw, 1, &device));
+  {
+    weave::nccl_communicator comm(raw);
+    const exchange_inputs in(T);
+    stream_pair s;
+    in.gate(s.compute);
+    const auto where = weave::placement::contiguous(exchange_experts, 1);
+    if (mode == 0) {
+      weave::cuda_moe_exchange<weave::nccl_communicator> ex(comm, where,
+                                                            exchange_options(T, 1, false));
+      dev_buffer ws(dev_buffer::scratch_t{}, ex.workspace_size());
+      ex.initialize(ws.ptr, ws.bytes, weave::cuda_stream_ref(s.compute));
+      time_on_stream(state, s.compute, [&](cudaStream_t st) {
+        ex.forward(in.x.rows(), in.ids.span<std::int32_t>(), in.weights.span<float>(), in.y.rows(),
+                   identity_experts, weave::cuda_stream_ref(st), weave::cuda_stream_ref(s.copy));
+      });
+      ex.check_errors(weave::cuda_stream_ref(s.compute));
+    } else {
+      using layer_type = weave::cuda_decode_exchange<weave::nccl_communicator, weave::bfloat16>;
+      layer_type ex(comm, where, {exchange_k, hidden, T});
+      dev_buffer ws(dev_buffer::scratch_t{}, ex.workspace_size());
+      ex.initialize(ws.ptr, ws.bytes, weave::cuda_stream_ref(s.compute));
+      const std::span<const weave::bfloat16> x(in.x.as<weave::bfloat16>(), T * hidden);
+      const std::span<weave::bfloat16> y(in.y.as<weave::bfloat16>(), T * hidden);
+      const auto layer = [&](cudaStream_t st) {
+        auto h = ex.dispatch(x, in.ids.span<std::int32_t>(), in.weights.span<float>(),
+                             weave::cuda_stream_ref(st));
+        const auto xs = h.experts();
+        const auto words = static_cast<std::int64_t>(row_bytes / 16);
+        const auto per = static_cast<std::int64_t>(xs.rows_per_expert);
+        const std::int64_t n = xs.local_experts * per * words;
+        copy_valid_rows<<<1024, 256, 0, st>>>(reinterpret_cast<const ::uint4*>(xs.input),
+                                              reinterpret_cast<::uint4*>(xs.output), xs.rows, per,
+                                              words, n);
+        WEAVE_CUDA_CHECK(cudaGetLastError());
+        ex.combine(h, y, weave::cuda_stream_ref(st));
+      };
+      cudaGraphExec_t exec = nullptr;
+      if (mode == 2) {
+        layer(s.compute); // loads the kernels: module loading cannot happen in a capture
+        ex.check_errors(weave::cuda_stream_ref(s.compute));
+        cudaGraph_t g = nullptr;
+        WEAVE_CUDA_CHECK(cudaStreamBeginCapture(s.compute, cudaStreamCaptureModeThreadLocal));
+        layer(s.compute);
+        WEAVE_CUDA_CHECK(cudaStreamEndCapture(s.compute, &g));
+        WEAVE_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+        WEAVE_CUDA_CHECK(cudaGraphDestroy(g));
+      }
+      time_on_stream(state, s.compute, [&](cudaStream_t st) {
+        if (exec)
+          WEAVE_CUDA_CHECK(cudaGraphLaunch(exec, st));
+        else
+          layer(st);
+      });
+      ex.check_errors(weave::cuda_stream_ref(s.compute));
+      if (exec)
+        WEAVE_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    }
+  }
+  WEAVE_NCCL_CHECK(ncclCommDestroy(raw));
+  state.SetLabel(mode == 0 ? "dynamic" : mode == 1 ? "decode" : "decode, graph");
+}
+
 // Four ranks of cuda_local_world on the one GPU, 16 experts each, `world_tokens` tokens per
 // rank: per-layer time of a forward plus the host wait a trainer pays before reading the
 // output, measured on the host between barriers of the rank threads (the ranks move in
@@ -673,6 +760,15 @@ BENCHMARK(BM_exchange_world)
     ->Args({1, 4})
     ->UseManualTime()
     ->Iterations(3)
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_decode)
+    ->ArgNames({"mode", "tokens"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (int tokens : {1, 8, 64, 256}) // each size's modes next to each other
+        for (int mode : {0, 1, 2})
+          b->Args({mode, tokens});
+    })
+    ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 #endif
 

@@ -3,7 +3,8 @@
 # configures the `cuda` preset in a fresh build folder, builds the CUDA tests and the GPU
 # benchmarks, runs every CUDA test (ctest -L cuda: routing kernels and device plans against the
 # host path, stream/event tests, the 1-rank NCCL communicator, cuda_moe_exchange over
-# cuda_local_world and NCCL against the host moe_exchange, CUDA-graph capture), every CUDA test
+# cuda_local_world and NCCL against the host moe_exchange, cuda_decode_exchange against the host
+# decode_exchange, CUDA-graph capture of both), every CUDA test
 # binary again under compute-sanitizer (memcheck for all; racecheck and synccheck for the kernel
 # tests, whose gate and reductions use warp and block synchronisation), then the GPU benchmarks
 # with JSON output, and prints a short table last. Results go under $OUT (./gpu-results when
@@ -135,6 +136,15 @@ for fixed, chunks in ((0, 1), (0, 4), (1, 1), (1, 4)):
     label = ("static" if fixed else "dynamic") + f", C={chunks}"
     sp = None if not t or base is None else base / t
     print(f"{label:<40}{fmt(t, '10.1f')}{fmt(sp, '16.2f')}")
+print(f"\n{'decode layer, 1 GPU (one-rank NCCL)':<36}{'tokens':>7}{'us':>10}{'vs dynamic':>12}"
+      "   (E=64, k=8, bf16 4096)")
+for tokens in (1, 8, 64, 256):
+    base = get(f"BM_decode/mode:0/tokens:{tokens}", "real_time")
+    for mode, label in ((0, "dynamic cuda_moe_exchange"), (1, "cuda_decode_exchange"),
+                        (2, "cuda_decode_exchange, graph")):
+        t = get(f"BM_decode/mode:{mode}/tokens:{tokens}", "real_time")
+        sp = None if not t or base is None else base / t
+        print(f"{label:<36}{tokens:>7}{fmt(t, '10.1f')}{fmt(sp, '12.2f')}")
 print(f"\n{'pipeline emulation (1 GiB)':<30}{'chunks':>7}{'ms':>9}{'hidden %':>10}")
 for c in (1, 2, 4, 8, 16):
     name = f"BM_pipeline/{c}"

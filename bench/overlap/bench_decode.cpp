@@ -1,7 +1,10 @@
 // Decode-sized MoE layers: the low-latency decode_exchange (fixed slots, counts in the message
 // headers, two all-to-alls per layer) against the dynamic moe_exchange (count exchange, then
 // routes and rows, then the combine: four collectives per layer), at 1, 8, 64 and 256 tokens
-// per rank, registered side by side so one run measures both.
+// per rank, registered side by side so one run measures them all. A third mode is the device
+// decode exchange (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run
+// on host streams: the same protocol with every step written for a GPU (no host wait inside
+// the layer; the host waits once, in `check_errors`).
 //
 // 4 in-process ranks, E = 32, k = 4, hidden 256 bf16 (moe_bench_setup.hpp), on an emulated link of
 // 20 us per message and 25 GB/s per rank pair. The experts copy their input (no compute): the layer
@@ -17,15 +20,20 @@
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/decode_exchange.hpp>
+#include <weave/overlap/device_decode_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_row_moves.hpp>
 
 #include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -75,7 +83,7 @@ class counting_comm {
   weave::local_communicator* c_;
 };
 
-enum class mode { dynamic = 0, decode = 1 };
+enum class mode { dynamic = 0, decode = 1, device_decode = 2 };
 
 // Persistent ranks, each with its exchange and streams; `step()` runs one layer on all.
 class layer_ranks {
@@ -113,7 +121,26 @@ class layer_ranks {
     const auto where = weave::placement::contiguous(experts, ranks);
     auto& d = data_[static_cast<std::size_t>(r)];
     weave::host_stream compute("compute"), stream("comm");
-    if (m == mode::decode) {
+    if (m == mode::device_decode) {
+      weave::basic_device_decode_exchange<weave::host_space, counting_comm, row_t> ex(
+          comm, where, {k, hidden, tokens});
+      const std::size_t bytes = ex.workspace_size();
+      std::unique_ptr<std::byte, void (*)(std::byte*)> ws(
+          static_cast<std::byte*>(::operator new (bytes, std::align_val_t{256})),
+          [](std::byte* p) { ::operator delete (p, std::align_val_t{256}); });
+      ex.initialize(ws.get(), bytes, stream);
+      loop(r, comm, [&] {
+        auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
+        stream.submit([xs = h.experts()] { // the experts, queued: no host wait mid-layer
+          const std::size_t row = xs.hidden * sizeof(row_t);
+          for (int l = 0; l < xs.local_experts; ++l)
+            std::memcpy(xs.output_of(l), xs.input_of(l),
+                        static_cast<std::size_t>(xs.rows[l]) * row);
+        });
+        ex.combine(h, d.y.elements(), stream);
+        ex.check_errors(stream); // the one wait
+      });
+    } else if (m == mode::decode) {
       weave::decode_exchange<counting_comm, row_t> ex(comm, where, {k, hidden, tokens});
       loop(r, comm, [&] {
         auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
@@ -179,7 +206,9 @@ void moe_decode_layer(benchmark::State& state) {
   state.counters["collectives_per_layer"] = layer.collectives_per_layer();
   state.counters["messages_per_layer"] = layer.collectives_per_layer() * (ranks - 1);
   state.counters["peer_bytes_per_layer"] = layer.bytes_per_layer();
-  state.SetLabel(m == mode::decode ? "decode" : "dynamic");
+  state.SetLabel(m == mode::decode          ? "decode"
+                 : m == mode::device_decode ? "device decode (host streams)"
+                                            : "dynamic");
 }
 
 } // namespace
@@ -187,8 +216,8 @@ void moe_decode_layer(benchmark::State& state) {
 BENCHMARK(moe_decode_layer)
     ->ArgNames({"decode", "tokens"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      for (int tokens : {1, 8, 64, 256}) // each size's two modes next to each other
-        for (int decode : {0, 1})
+      for (int tokens : {1, 8, 64, 256}) // each size's modes next to each other
+        for (int decode : {0, 1, 2})
           b->Args({decode, tokens});
     })
     ->UseManualTime()

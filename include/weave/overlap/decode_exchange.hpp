@@ -22,7 +22,6 @@
 //! comes.
 #pragma once
 
-#include "weave/comm/agreement.hpp"
 #include "weave/comm/communicator.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
@@ -67,7 +66,7 @@ class decode_exchange {
   //! field that differs otherwise. Throws `errc::invalid_argument` for bad options or a
   //! placement of another device count (and its peers a `peer_error` naming this rank).
   decode_exchange(Comm& comm, placement where, decode_options options)
-      : comm_(&agree(comm, where, options))
+      : comm_(&detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange"))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
@@ -156,6 +155,8 @@ class decode_exchange {
   friend handle;
   friend class decode_experts<decode_exchange>;
 
+  decode_experts<decode_exchange> experts_of(std::uint64_t call) const { return {this, call}; }
+
   // Every call runs on the stream of the first: stream order alone keeps a call's queued
   // work off the next call's buffers, and every rank's calls fail or run alike.
   void bind_stream(stream_type& s) {
@@ -209,26 +210,6 @@ class decode_exchange {
     for (std::size_t d = 0; d < world(); ++d)
       for (std::size_t l = 0; l < spd(); ++l)
         put_header(d, l, h);
-  }
-
-  // The construction's agreement: the options valid on this rank, then the same on every rank.
-  static Comm& agree(Comm& comm, const placement& where, const decode_options& o) {
-    config_fingerprint f("decode_exchange");
-    f.add("devices", where.num_devices())
-        .add("experts", where.num_experts())
-        .add("slots per device", where.slots_per_device())
-        .add_hash("placement (slot -> expert table)", where.slot_experts())
-        .add("k", o.k)
-        .add("hidden", static_cast<std::int64_t>(o.hidden))
-        .add_label("element type", static_cast<std::int64_t>(dtype_of_v<T>),
-                   [](std::int64_t v) { return to_string(static_cast<dtype>(v)); })
-        .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank));
-    agree_on_config(comm, f, [&] {
-      detail::check_decode_options(o);
-      WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
-                   where.num_devices(), " devices for a world of ", comm.size());
-    });
-    return comm;
   }
 
   // Checks every received header: this rank's own failure first (the root cause), then the

@@ -1,6 +1,6 @@
 //! \file
-//! `decode_handle` and `decode_experts`: a `decode_exchange` call between its dispatch and its
-//! combine, and the view of its expert rows.
+//! `decode_handle` and `decode_experts`: a decode exchange's call between its dispatch and its
+//! combine, and (for the host `decode_exchange`) the view of its expert rows.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -13,10 +13,6 @@
 #include <utility>
 
 WEAVE_NAMESPACE_BEGIN
-
-template <communicator Comm, class T>
-requires host_executor<typename Comm::stream_type>
-class decode_exchange;
 
 //! The expert rows of a decode call, per local expert slot: what the caller's experts read and
 //! write between `dispatch` and `combine`. A copyable view: valid from when the stream has run
@@ -55,8 +51,7 @@ class decode_experts {
   }
 
  private:
-  template <class>
-  friend class decode_handle;
+  friend Exchange;
   decode_experts(const Exchange* ex, std::uint64_t call) noexcept
       : ex_(ex)
       , call_(call) {}
@@ -66,8 +61,8 @@ class decode_experts {
 
 //! A decode call between its dispatch and its combine (`combine` releases it). Move-only.
 //! Dropping a dispatched handle without its combine aborts the communicator where it can be
-//! aborted (the peers would wait in that combine otherwise); after a dispatch that failed
-//! (on every rank alike) it aborts nothing.
+//! aborted (the peers would wait in that combine otherwise); `decode_exchange` aborts nothing
+//! after a dispatch that failed (on every rank alike).
 template <class Exchange>
 class decode_handle {
  public:
@@ -87,10 +82,11 @@ class decode_handle {
 
   //! True while the handle holds a dispatched call.
   bool valid() const noexcept { return ex_ != nullptr; }
-  //! The call's expert rows (`errc::invalid_state` for an empty handle).
-  decode_experts<Exchange> experts() const {
+  //! The call's expert rows (`errc::invalid_state` for an empty handle): a `decode_experts`
+  //! view for `decode_exchange`, a `device_decode_experts` for the device exchange.
+  auto experts() const {
     WEAVE_EXPECT(ex_ != nullptr, errc::invalid_state, "an empty decode_handle");
-    return decode_experts<Exchange>(ex_, call_);
+    return ex_->experts_of(call_);
   }
   //! Releases the call (see the class comment).
   void reset() noexcept {
@@ -99,9 +95,7 @@ class decode_handle {
   }
 
  private:
-  template <communicator C, class T>
-  requires host_executor<typename C::stream_type>
-  friend class decode_exchange;
+  friend Exchange;
   decode_handle(Exchange* ex, std::uint64_t call) noexcept
       : ex_(ex)
       , call_(call) {}

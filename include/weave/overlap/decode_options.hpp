@@ -7,9 +7,12 @@
 //! all-to-all for its dispatch and one for its combine and no count exchange.
 #pragma once
 
+#include "weave/comm/agreement.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/placement/placement.hpp"
 
 #include <algorithm>
 #include <cstddef>
@@ -38,7 +41,7 @@ struct decode_header {
   decode_status status = decode_status::ok; //!< whether the sender failed
   std::int32_t code = 0;                    //!< the sender's `errc` when it failed
   std::int32_t source = -1;                 //!< the sending rank
-  std::int32_t reserved = 0;                //!< zero
+  std::int32_t flags = 0;                   //!< a device sender's error flags, else zero
   char cause[104] = {};                     //!< the sender's error message, truncated
 };
 static_assert(sizeof(decode_header) == 128, "decode_header is sent as 128 raw bytes");
@@ -71,6 +74,31 @@ inline decode_header failed_header(int source, errc code, std::string_view what)
   std::memcpy(h.cause, what.data(), n);
   h.cause[n] = '\0';
   return h;
+}
+
+//! The construction's agreement of a decode layer named `name` (both decode exchanges): the
+//! options valid on this rank, then the same on every rank (`agree_on_config`). Returns `comm`.
+template <class Comm>
+Comm& agree_on_decode(Comm& comm, const placement& where, const decode_options& o, dtype element,
+                      const char* name) {
+  config_fingerprint f(name);
+  f.add("devices", where.num_devices())
+      .add("experts", where.num_experts())
+      .add("slots per device", where.slots_per_device())
+      .add_hash("placement (slot -> expert table)", where.slot_experts())
+      .add("k", o.k)
+      .add("hidden", static_cast<std::int64_t>(o.hidden))
+      .add_label("element type", static_cast<std::int64_t>(element),
+                 [](std::int64_t v) { return to_string(static_cast<dtype>(v)); })
+      .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank));
+  agree_on_config(comm, f, [&] {
+    check_decode_options(o);
+    WEAVE_EXPECT(o.k <= where.num_experts(), errc::invalid_argument, "decode_options.k = ", o.k,
+                 " exceeds the ", where.num_experts(), " experts");
+    WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
+                 where.num_devices(), " devices for a world of ", comm.size());
+  });
+  return comm;
 }
 
 } // namespace detail

@@ -44,6 +44,63 @@ enum device_plan_error : std::uint32_t {
 
 namespace detail {
 
+// Whether choice i of the token whose choices start at ids[base] is routed: false for -1, for an
+// id outside [-1, E) and for a repeat of an earlier choice (each flagged as the host plan
+// rejects it); a non-finite weight is flagged and the choice still routed.
+WEAVE_HOST_DEVICE inline bool routed_choice(const std::int32_t* ids, const float* weights,
+                                            std::int64_t base, int i, int E, std::uint32_t& flags) {
+  const std::int32_t e = ids[base + i];
+  if (e == -1)
+    return false;
+  if (e < 0 || e >= E) {
+    flags |= device_plan_bad_expert;
+    return false;
+  }
+  bool twice = false;
+  for (int j = 0; j < i; ++j)
+    twice = twice || ids[base + j] == e;
+  if (twice) {
+    flags |= device_plan_duplicate;
+    return false;
+  }
+  if (!is_finite(weights[base + i]))
+    flags |= device_plan_bad_weight;
+  return true;
+}
+
+// The replica of expert e a token of global index `token` goes to, as `placement::slot_for`
+// chooses it from the table `replica_table` builds.
+WEAVE_HOST_DEVICE inline std::int32_t replica_slot(const std::int32_t* fixed_slot,
+                                                   const std::int32_t* replica_offsets,
+                                                   const std::int32_t* replicas, std::int32_t e,
+                                                   std::int64_t token) {
+  std::int32_t slot = fixed_slot[e];
+  if (slot < 0) {
+    const std::int32_t first = replica_offsets[e], n = replica_offsets[e + 1] - first;
+    slot = replicas[first + static_cast<std::int32_t>(token % n)];
+  }
+  return slot;
+}
+
+// The replica table of `source_device`, as one array for upload: the slot on the source device
+// or the only one, else -1 (E entries); replica offsets (E + 1); the replicas of every expert.
+inline std::vector<std::int32_t> replica_table(const placement& where, int source_device) {
+  const int E = where.num_experts();
+  std::vector<std::int32_t> table(static_cast<std::size_t>(2 * E + 1), 0);
+  for (int e = 0; e < E; ++e) {
+    const auto replicas = where.slots_of(e);
+    std::int32_t fixed = replicas.size() == 1 ? replicas[0] : -1;
+    for (const std::int32_t r : replicas)
+      if (fixed < 0 && where.device_of_slot(r) == source_device)
+        fixed = r;
+    table[static_cast<std::size_t>(e)] = fixed;
+    table[static_cast<std::size_t>(E + e + 1)] =
+        table[static_cast<std::size_t>(E + e)] + static_cast<std::int32_t>(replicas.size());
+    table.insert(table.end(), replicas.begin(), replicas.end());
+  }
+  return table;
+}
+
 // Per token: resolves its pairs to (device, local slot), keeps its distinct devices ascending
 // (as the host plan does) and emits one sort key per (token, device) row.
 struct plan_pairs_step {
@@ -71,29 +128,13 @@ struct plan_pairs_step {
       pair_device[p] = -1;
       pair_local[p] = -1;
       kept[p] = -1;
+      if (!routed_choice(ids, weights, base, i, E, flags))
+        continue;
       const std::int32_t e = ids[p];
-      if (e == -1)
-        continue;
-      if (e < 0 || e >= E) {
-        flags |= device_plan_bad_expert;
-        continue;
-      }
-      bool twice = false;
-      for (int j = 0; j < i; ++j)
-        twice = twice || ids[base + j] == e;
-      if (twice) {
-        flags |= device_plan_duplicate;
-        continue;
-      }
-      if (!is_finite(weights[p]))
-        flags |= device_plan_bad_weight;
       if (keep != nullptr && keep[p] == 0)
         continue;
-      std::int32_t slot = fixed_slot[e];
-      if (slot < 0) {
-        const std::int32_t first = replica_offsets[e], n = replica_offsets[e + 1] - first;
-        slot = replicas[first + static_cast<std::int32_t>((token_offset + t) % n)];
-      }
+      const std::int32_t slot =
+          replica_slot(fixed_slot, replica_offsets, replicas, e, token_offset + t);
       const std::int32_t d = slot / spd;
       pair_device[p] = d;
       pair_local[p] = slot - d * spd;
@@ -195,21 +236,7 @@ class device_dispatch_plan {
     WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
                  errc::out_of_range, max_tokens, " tokens with k = ", k,
                  " exceed 2^31 - 1 pairs in a device dispatch plan");
-    // The replica table, in one host array uploaded by `initialize`: fixed slots (E), replica
-    // offsets (E + 1), replicas (slots).
-    table_host_.assign(static_cast<std::size_t>(2 * E_ + 1), 0);
-    for (int e = 0; e < E_; ++e) {
-      const auto replicas = where.slots_of(e);
-      std::int32_t fixed = replicas.size() == 1 ? replicas[0] : -1;
-      for (const std::int32_t r : replicas)
-        if (fixed < 0 && where.device_of_slot(r) == source_device)
-          fixed = r;
-      table_host_[static_cast<std::size_t>(e)] = fixed;
-      table_host_[static_cast<std::size_t>(E_ + e + 1)] =
-          table_host_[static_cast<std::size_t>(E_ + e)] +
-          static_cast<std::int32_t>(replicas.size());
-      table_host_.insert(table_host_.end(), replicas.begin(), replicas.end());
-    }
+    table_host_ = detail::replica_table(where, source_device); // uploaded by `initialize`
     temp_bytes_ = std::max(Space::scan_temp_bytes(D_ + 1),
                            Space::sort_temp_bytes(static_cast<std::int64_t>(n)));
   }

@@ -1,0 +1,440 @@
+//! \file
+//! `basic_device_decode_exchange<Space, Comm, T>`: the low-latency decode exchange
+//! (docs/decode.md) with every step where the data lives and no host synchronisation, so a
+//! call can be captured in a CUDA graph. `cuda_decode_exchange` (`cuda_decode_exchange.cuh`) is
+//! this class in `cuda_space`; in `host_space` the same steps run as host-stream tasks, which is
+//! how CI checks it against the host `decode_exchange` and a naive reference.
+//!
+//! The protocol is `decode_exchange`'s: fixed per-(expert slot, source) receive slots of
+//! `max_tokens_per_rank` rows, each slot's row count and status in a header inside its message,
+//! one all-to-all of fixed-size messages for the dispatch and one for the combine. What changes
+//! on a device: the routes, slot positions, headers and received layout are computed by steps
+//! (kernels) of the space, so the host never waits for the stream inside a call; the caller's
+//! experts read the received rows and their counts from memory of the space, in stream order.
+//!
+//! Fail-stop, without waiting for the device: a rank whose call is bad (shapes or more tokens
+//! than the slots hold, found on the host; ids or weights, found by a step) sends every message
+//! with the status `failed`; every rank that receives one marks the call failed, so its expert
+//! rows are empty and its output is all-ones bytes (NaN), and `check_errors` then throws on each
+//! rank: the rank's own typed error, else a `peer_error` naming the first failed peer and its
+//! cause. The next call works. Calls never throw for bad data; they throw only for misuse that
+//! is local and stops before any collective (a second live handle, another stream).
+#pragma once
+
+#include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/core/dtype.hpp"
+#include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
+#include "weave/core/tensor.hpp"
+#include "weave/core/workspace.hpp"
+#include "weave/exec/space.hpp"
+#include "weave/overlap/decode_handle.hpp"
+#include "weave/overlap/decode_options.hpp"
+#include "weave/overlap/device_decode_steps.hpp"
+#include "weave/placement/placement.hpp"
+#include "weave/routing/device_dispatch_plan.hpp"
+#include "weave/routing/row_moves.hpp"
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! The expert rows of a device decode call: pointers into memory of the space, whose contents
+//! are valid in stream order, after the dispatch and before the combine. Local slot l's inputs
+//! are `rows_per_expert` rows of `hidden` elements at `input + l * rows_per_expert * hidden`,
+//! of which the first `rows[l]` are valid (source 0's, then source 1's, ...); its outputs go to
+//! the same rows of `output`. A failed call has no valid rows.
+template <class T>
+struct device_decode_experts {
+  int local_experts = 0;              //!< local expert slots of this rank
+  int sources = 0;                    //!< ranks (each sends at most `max_tokens_per_rank` rows)
+  std::size_t hidden = 0;             //!< elements per row
+  std::size_t rows_per_expert = 0;    //!< room per slot: sources * max_tokens_per_rank rows
+  const T* input = nullptr;           //!< [local_experts][rows_per_expert][hidden]
+  T* output = nullptr;                //!< [local_experts][rows_per_expert][hidden]
+  const std::int64_t* rows = nullptr; //!< valid rows per slot [local_experts]
+  const std::int64_t* source_rows = nullptr; //!< rows per (slot, source) [local_experts][sources]
+  const std::int64_t* source_offsets = nullptr; //!< first row of each (slot, source), same shape
+  std::span<const std::int32_t> experts;        //!< (host memory) logical expert of each slot
+
+  //! Local slot `l`'s input and output rows.
+  const T* input_of(int l) const noexcept { return input + offset(l); }
+  T* output_of(int l) const noexcept { return output + offset(l); }
+
+ private:
+  std::size_t offset(int l) const noexcept {
+    return static_cast<std::size_t>(l) * rows_per_expert * hidden;
+  }
+};
+
+//! The decode exchange of rank `comm.rank()` in `Space` for rows of `T` (`float`, `bfloat16`,
+//! `half`; sums in f32): see the file comment. Construct, allocate `workspace_size()` bytes of
+//! memory of the space (256-byte aligned), `initialize` once; calls then allocate nothing. One
+//! handle is alive at a time (`dispatch` -> the caller's experts -> `combine`); every call runs
+//! on one stream (the first call's); `x`, `ids`, `weights` and `y` are memory of the space,
+//! borrowed until the stream has run the call's combine.
+template <execution_space Space, communicator Comm, class T>
+requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
+    has_all_to_all_v<Comm>
+class basic_device_decode_exchange {
+ public:
+  using space = Space;
+  using stream_arg = typename Space::stream_arg;
+  using element_type = T;
+  using handle = decode_handle<basic_device_decode_exchange>;
+
+  //! Collective: every rank must build the layer alike (`errc::config_mismatch` on every rank
+  //! naming the first field that differs); bad options throw `errc::invalid_argument` here and
+  //! a `peer_error` on the peers.
+  basic_device_decode_exchange(Comm& comm, placement where, decode_options options)
+      : comm_(
+            &detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "device_decode_exchange"))
+      , where_(std::move(where))
+      , options_(options)
+      , rank_(comm.rank())
+      , table_host_(detail::replica_table(where_, comm.rank())) {
+    const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
+    at_.D = comm.size();
+    at_.spd = where_.slots_per_device();
+    at_.M = static_cast<std::int64_t>(options_.max_tokens_per_rank);
+    at_.stride = checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16;
+    const std::size_t headers =
+        checked_mul(static_cast<std::size_t>(at_.spd), sizeof(decode_header), "header bytes");
+    at_.header_rows = static_cast<std::int64_t>((headers + at_.stride - 1) / at_.stride);
+    at_.block_rows = static_cast<std::int64_t>(checked_add(
+        static_cast<std::size_t>(at_.header_rows),
+        checked_mul(static_cast<std::size_t>(at_.spd), options_.max_tokens_per_rank, "rows"),
+        "rows per peer"));
+    (void)checked_mul(buffer_rows(), at_.stride, "message buffer bytes");
+    counts_.assign(static_cast<std::size_t>(at_.D), at_.block_rows);
+    displs_.resize(counts_.size());
+    for (std::size_t d = 0; d < counts_.size(); ++d)
+      displs_[d] = static_cast<std::int64_t>(d) * at_.block_rows;
+    for (int l = 0; l < at_.spd; ++l)
+      local_experts_.push_back(where_.expert_of_slot(rank_ * static_cast<int>(at_.spd) + l));
+  }
+
+  basic_device_decode_exchange(const basic_device_decode_exchange&) = delete;
+  basic_device_decode_exchange& operator=(const basic_device_decode_exchange&) = delete;
+
+  const decode_options& options() const noexcept { return options_; }
+  const placement& where() const noexcept { return where_; }
+  //! Bytes this rank sends to each peer per all-to-all (dispatch and combine alike).
+  std::size_t bytes_per_peer() const noexcept {
+    return static_cast<std::size_t>(at_.block_rows) * at_.stride;
+  }
+
+  //! Bytes of memory of the space `initialize` needs.
+  std::size_t workspace_size() const {
+    workspace_carver measure;
+    return carve(*this, measure).used();
+  }
+
+  //! Carves every buffer out of `workspace`, uploads the replica table and clears the status
+  //! words on `stream`, and waits for it. Throws `errc::size_mismatch` for a workspace too small.
+  void initialize(void* workspace, std::size_t bytes, stream_arg stream) {
+    WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
+    workspace_carver carver(workspace, bytes);
+    carve(*this, carver);
+    Space::copy_from_host(stream, table_, table_host_.data(),
+                          table_host_.size() * sizeof(std::int32_t));
+    Space::fill(stream, words_, 0, word_count * sizeof(std::uint32_t));
+    Space::fill(stream, peer_, 0, sizeof(decode_header));
+    Space::fill(stream, send_, 0, buffer_rows() * at_.stride);
+    Space::fill(stream, recv_, 0, buffer_rows() * at_.stride);
+    wait_watched(*comm_, stream);
+    initialized_ = true;
+  }
+
+  //! Enqueues the dispatch of `x` (tokens x hidden) routed by `ids` / `weights` (k per token,
+  //! id -1 = none) on `s`: a few steps and one all-to-all. Bad inputs do not throw: they fail
+  //! the call on every rank (file comment). Throws `errc::invalid_state` before `initialize`
+  //! or while a handle is alive, `errc::invalid_argument` for another stream.
+  handle dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
+                  std::span<const float> weights, stream_arg s) {
+    begin_call(s);
+    decode_header rejected;
+    std::size_t tokens = 0;
+    try {
+      tokens = checked_tokens(x, ids, weights);
+    } catch (...) {
+      rejected = reject(std::current_exception());
+    }
+    const auto k = static_cast<std::int64_t>(options_.k);
+    tokens_ = tokens;
+    rejected_ = rejected.status != decode_status::ok;
+    weights_ = weights.data();
+    static_assert(call_failed == call_flags + 1); // the two per-call words, cleared together
+    Space::fill(s, words_ + call_flags, 0, 2 * sizeof(std::uint32_t));
+    Space::fill(s, send_index_, 0xFF, buffer_rows() * sizeof(std::int64_t));
+    const auto n = static_cast<std::int64_t>(tokens);
+    if (n > 0)
+      Space::for_each(s, n,
+                      detail::decode_route_step{
+                          ids.data(), weights.data(), options_.k, where_.num_experts(), table_,
+                          table_ + where_.num_experts(), table_ + 2 * where_.num_experts() + 1,
+                          pair_slot_, words_ + call_flags});
+    Space::for_each(s, slots(),
+                    detail::decode_position_step{at_, n * k, options_.k, pair_slot_, pair_pos_,
+                                                 slot_rows_, send_index_});
+    if (n > 0)
+      moves::gather(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens), buffer(send_),
+                    send_index_, nullptr, nullptr);
+    send_headers(s, rejected, slot_rows_, at_.spd, 1);
+    Space::for_each(s, 1,
+                    detail::decode_receive_step{at_, recv_, rank_, nullptr, source_rows_,
+                                                source_offsets_, expert_rows_, words_ + call_failed,
+                                                words_ + sticky_error, peer_});
+    Space::for_each(s, expert_capacity(),
+                    detail::decode_expert_index_step{at_, source_rows_, source_offsets_,
+                                                     expert_rows_, expert_index_});
+    moves::gather(s, buffer(recv_), experts_rows(expert_in_), expert_index_, nullptr, nullptr);
+    return handle(this, calls_);
+  }
+
+  //! Enqueues the combine of `h` on `s`: one all-to-all returns every expert output to its
+  //! source, which writes y[t] = sum over t's kept choices j (in order) of
+  //! weights[t, j] * output(ids[t, j], x[t]) (f32 sums, one rounding) into `y`. Releases `h`.
+  //! A `y` of the wrong size fails the call on every rank, as in the dispatch.
+  void combine(handle& h, std::span<T> y, stream_arg s) {
+    WEAVE_EXPECT(h.ex_ == this, errc::invalid_argument,
+                 "device_decode_exchange::combine: a handle of another exchange (or an empty one)");
+    bind_stream(s);
+    combined_ = true;
+    decode_header rejected;
+    const std::size_t H = options_.hidden;
+    try {
+      WEAVE_EXPECT(rejected_ || y.size() == tokens_ * H, errc::size_mismatch,
+                   "device_decode_exchange::combine: an output of ", y.size(), " elements for ",
+                   tokens_, " tokens of hidden = ", H);
+    } catch (...) {
+      rejected = reject(std::current_exception());
+    }
+    Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
+    Space::for_each(
+        s, static_cast<std::int64_t>(buffer_rows()),
+        detail::decode_return_index_step{at_, source_rows_, source_offsets_, send_index_});
+    moves::gather(s, experts_rows(expert_out_), buffer(send_), send_index_, nullptr, nullptr);
+    send_headers(s, rejected, source_rows_, 1, at_.D);
+    Space::for_each(s, 1,
+                    detail::decode_receive_step{at_, recv_, rank_, slot_rows_, nullptr, nullptr,
+                                                nullptr, words_ + call_failed,
+                                                words_ + sticky_error, peer_});
+    const bool sums = !rejected_ && rejected.status == decode_status::ok && tokens_ > 0;
+    if (sums) {
+      const auto pairs = static_cast<std::int64_t>(tokens_) * options_.k;
+      Space::for_each(s, pairs,
+                      detail::decode_pair_row_step{at_, pair_slot_, pair_pos_, words_ + call_failed,
+                                                   pair_row_});
+      moves::merge(s, buffer(recv_), rows(reinterpret_cast<std::byte*>(y.data()), tokens_),
+                   pair_row_, options_.k, weights_, nullptr, false);
+    }
+    Space::for_each(s, 1,
+                    detail::decode_poison_step{words_ + call_failed,
+                                               reinterpret_cast<std::byte*>(y.data()),
+                                               static_cast<std::int64_t>(y.size_bytes())});
+    h.reset();
+  }
+
+  //! Waits for `stream`, then throws for what failed since the last check: this rank's own
+  //! failure first (a call refused on the host with its typed error; flagged ids or weights:
+  //! `errc::out_of_range` / `errc::invalid_argument`), else the first failed peer's
+  //! (`peer_error` naming it), else a message that contradicted the layer
+  //! (`errc::size_mismatch`). Clears what it reported.
+  void check_errors(stream_arg stream) {
+    WEAVE_EXPECT(initialized_, errc::invalid_state, "device_decode_exchange is not initialised");
+    std::uint32_t flags = 0;
+    decode_header peer;
+    take_error_word<Space>(stream, &flags, words_ + sticky_error);
+    Space::copy_to_host(stream, &peer, peer_, sizeof peer);
+    Space::fill(stream, peer_, 0, sizeof(decode_header));
+    wait_watched(*comm_, stream);
+    if (pending_)
+      std::rethrow_exception(std::exchange(pending_, nullptr));
+    device_dispatch_plan<Space>::throw_plan_errors(flags & 0xFFu, where_.num_experts());
+    if (peer.status != decode_status::ok)
+      throw peer_error(peer_record(peer), "device_decode_exchange");
+    WEAVE_EXPECT((flags & device_decode_bad_message) == 0, errc::size_mismatch,
+                 "device_decode_exchange: a received message claims more rows than its slot "
+                 "holds, comes from another rank, or returns other rows than were sent");
+  }
+
+ private:
+  friend handle;
+  using moves = row_moves<Space>;
+  enum word : std::size_t { call_flags, call_failed, sticky_error, word_count };
+
+  device_decode_experts<T> experts_of(std::uint64_t) const {
+    device_decode_experts<T> v;
+    v.local_experts = static_cast<int>(at_.spd);
+    v.sources = static_cast<int>(at_.D);
+    v.hidden = options_.hidden;
+    v.rows_per_expert = static_cast<std::size_t>(at_.D * at_.M);
+    v.input = reinterpret_cast<const T*>(expert_in_);
+    v.output = reinterpret_cast<T*>(expert_out_);
+    v.rows = expert_rows_;
+    v.source_rows = source_rows_;
+    v.source_offsets = source_offsets_;
+    v.experts = local_experts_;
+    return v;
+  }
+
+  void begin_call(stream_arg s) {
+    WEAVE_EXPECT(initialized_, errc::invalid_state, "device_decode_exchange is not initialised");
+    WEAVE_EXPECT(!held_, errc::invalid_state,
+                 "device_decode_exchange: a handle is alive; combine it first");
+    bind_stream(s);
+    ++calls_;
+    held_ = true;
+    combined_ = false;
+  }
+
+  // Every call runs on one stream: stream order keeps a call's queued steps off the next
+  // call's buffers.
+  void bind_stream(stream_arg s) {
+    const void* id = stream_identity(s);
+    if (stream_ == nullptr)
+      stream_ = id;
+    WEAVE_EXPECT(stream_ == id, errc::invalid_argument,
+                 "device_decode_exchange: every call runs on the stream of the first call");
+  }
+  static const void* stream_identity(stream_arg s) {
+    if constexpr (requires { s.get(); })
+      return static_cast<const void*>(s.get());
+    else
+      return static_cast<const void*>(&s);
+  }
+
+  std::size_t checked_tokens(std::span<const T> x, std::span<const std::int32_t> ids,
+                             std::span<const float> weights) const {
+    const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
+    WEAVE_EXPECT(x.size() % H == 0, errc::size_mismatch, "device_decode_exchange: ", x.size(),
+                 " input elements are not whole rows of hidden = ", H);
+    const std::size_t tokens = x.size() / H;
+    WEAVE_EXPECT(tokens <= options_.max_tokens_per_rank, errc::invalid_argument,
+                 "device_decode_exchange: a call of ", tokens,
+                 " tokens exceeds max_tokens_per_rank = ", options_.max_tokens_per_rank);
+    WEAVE_EXPECT(ids.size() == tokens * k && weights.size() == tokens * k, errc::size_mismatch,
+                 "device_decode_exchange: ", ids.size(), " ids and ", weights.size(),
+                 " weights for ", tokens, " tokens with k = ", k);
+    return tokens;
+  }
+
+  // A call refused on the host: kept for this rank's `check_errors` (the first one), sent to
+  // the peers in the call's headers.
+  decode_header reject(std::exception_ptr failure) {
+    const failure_record r = record_of(failure, rank_);
+    if (!pending_)
+      pending_ = std::move(failure);
+    return detail::failed_header(rank_, r.code, r.message);
+  }
+
+  // A failed peer's header as its failure: the cause it sent, or the one its flags name.
+  failure_record peer_record(const decode_header& h) const {
+    const std::size_t n = ::strnlen(h.cause, sizeof h.cause);
+    if (n > 0)
+      return {h.source, static_cast<errc>(h.code), true, std::string(h.cause, n)};
+    return record_of_call(h.source, [&] {
+      device_dispatch_plan<Space>::throw_plan_errors(static_cast<std::uint32_t>(h.flags),
+                                                     where_.num_experts());
+    });
+  }
+
+  // The headers of a phase's messages, then its one all-to-all of fixed-size messages.
+  void send_headers(stream_arg s, const decode_header& rejected, const std::int64_t* counts,
+                    std::int64_t per_rank, std::int64_t per_slot) {
+    Space::for_each(s, slots(),
+                    detail::decode_header_step{at_, send_, rejected, counts, per_rank, per_slot,
+                                               words_ + call_flags, words_ + sticky_error, rank_});
+    all_to_all_v(*comm_, s, send_, counts_, displs_, recv_, counts_, displs_, at_.stride);
+  }
+
+  void release_handle(std::uint64_t) noexcept {
+    if (held_ && !combined_) // the peers wait in this call's combine: nobody can know it failed
+      if constexpr (requires { comm_->abort(std::string()); })
+        comm_->abort("a device_decode_exchange handle was released without its combine");
+    held_ = false;
+  }
+
+  std::int64_t slots() const noexcept { return at_.D * at_.spd; }
+  std::size_t buffer_rows() const noexcept {
+    return static_cast<std::size_t>(at_.D * at_.block_rows);
+  }
+  std::int64_t expert_capacity() const noexcept { return at_.spd * at_.D * at_.M; }
+  template <class Byte>
+  basic_token_view<Byte> rows(Byte* p, std::size_t n) const {
+    return basic_token_view<Byte>(p, n, options_.hidden, dtype_of_v<T>, Space::memory);
+  }
+  token_view buffer(std::byte* p) const {
+    return token_view(p, buffer_rows(), options_.hidden, dtype_of_v<T>, Space::memory, -1,
+                      at_.stride);
+  }
+  token_view experts_rows(std::byte* p) const {
+    return rows(p, static_cast<std::size_t>(expert_capacity()));
+  }
+
+  // Measures (const self) or carves and records every buffer; the same code for both.
+  template <class Self>
+  static workspace_carver& carve(Self& self, workspace_carver& c) {
+    const auto set = carve_into<Self>(c);
+    const auto pairs =
+        self.options_.max_tokens_per_rank * static_cast<std::size_t>(self.options_.k);
+    const auto slots = static_cast<std::size_t>(self.slots());
+    const std::size_t expert_bytes = checked_mul(static_cast<std::size_t>(self.expert_capacity()),
+                                                 self.options_.hidden * sizeof(T), "expert rows");
+    set(self.table_, self.table_host_.size());
+    set(self.words_, std::size_t{word_count});
+    set(self.peer_, 1);
+    set(self.send_, self.buffer_rows() * self.at_.stride);
+    set(self.recv_, self.buffer_rows() * self.at_.stride);
+    set(self.expert_in_, expert_bytes);
+    set(self.expert_out_, expert_bytes);
+    set(self.pair_slot_, pairs);
+    set(self.pair_pos_, pairs);
+    set(self.pair_row_, pairs);
+    set(self.slot_rows_, slots);
+    set(self.source_rows_, slots);
+    set(self.source_offsets_, slots);
+    set(self.expert_rows_, static_cast<std::size_t>(self.at_.spd));
+    set(self.send_index_, self.buffer_rows());
+    set(self.expert_index_, static_cast<std::size_t>(self.expert_capacity()));
+    return c;
+  }
+
+  Comm* comm_;
+  placement where_;
+  decode_options options_;
+  int rank_ = 0;
+  detail::decode_layout at_;
+  std::vector<std::int32_t> table_host_, local_experts_;
+  std::vector<std::int64_t> counts_, displs_; // rows per peer: fixed
+  // Memory of the space, carved by `initialize`.
+  std::int32_t* table_ = nullptr;
+  std::uint32_t* words_ = nullptr; // call flags, call failed, sticky error
+  decode_header* peer_ = nullptr;  // the first failed peer's header since the last check
+  std::byte *send_ = nullptr, *recv_ = nullptr, *expert_in_ = nullptr, *expert_out_ = nullptr;
+  std::int32_t* pair_slot_ = nullptr;
+  std::int64_t *pair_pos_ = nullptr, *pair_row_ = nullptr, *slot_rows_ = nullptr;
+  std::int64_t *source_rows_ = nullptr, *source_offsets_ = nullptr, *expert_rows_ = nullptr;
+  std::int64_t *send_index_ = nullptr, *expert_index_ = nullptr;
+  // The call in flight, as the host issued it.
+  std::size_t tokens_ = 0;
+  bool rejected_ = false, held_ = false, combined_ = false, initialized_ = false;
+  const float* weights_ = nullptr;
+  std::exception_ptr pending_; // this rank's first refused call since the last check
+  std::uint64_t calls_ = 0;
+  const void* stream_ = nullptr;
+};
+
+WEAVE_NAMESPACE_END

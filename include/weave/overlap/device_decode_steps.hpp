@@ -1,0 +1,242 @@
+//! \file
+//! The steps of `basic_device_decode_exchange` (functors over raw pointers, run by any execution
+//! space) and its wire layout.
+//!
+//! Every rank's block of a decode message buffer is `block_rows` rows of `stride` bytes: first
+//! `header_rows` rows holding one 128-byte `decode_header` per local expert slot (padded), then
+//! each slot's `max_tokens_per_rank` payload rows. All rows share one stride, so a single row
+//! view covers the whole buffer and the row moves address any payload row by its index.
+#pragma once
+
+#include "weave/core/config.hpp"
+#include "weave/exec/space.hpp"
+#include "weave/overlap/decode_options.hpp"
+#include "weave/routing/device_dispatch_plan.hpp"
+
+#include <cstddef>
+#include <cstdint>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! Bit of a device decode exchange's error word: a message whose header contradicts the layer
+//! (a row count outside the slot, another source, or fewer rows returned than were sent).
+inline constexpr std::uint32_t device_decode_bad_message = 1u << 8;
+
+namespace detail {
+
+// The wire layout shared by every step (see the file comment).
+struct decode_layout {
+  std::int64_t D = 0, spd = 0, M = 0; // ranks, local slots, max_tokens_per_rank
+  std::int64_t header_rows = 0, block_rows = 0;
+  std::size_t stride = 0; // bytes per row
+
+  // Row index, in a message buffer, of row r of local slot l's payload in rank d's block.
+  WEAVE_HOST_DEVICE std::int64_t payload_row(std::int64_t d, std::int64_t l, std::int64_t r) const {
+    return d * block_rows + header_rows + l * M + r;
+  }
+  WEAVE_HOST_DEVICE decode_header* header(std::byte* buffer, std::int64_t d, std::int64_t l) const {
+    return reinterpret_cast<decode_header*>(buffer +
+                                            static_cast<std::size_t>(d * block_rows) * stride +
+                                            static_cast<std::size_t>(l) * sizeof(decode_header));
+  }
+};
+
+// Per token: the physical slot of each of its choices (-1: not routed), as the dispatch plans
+// choose them; bad choices are flagged in the call's word.
+struct decode_route_step {
+  const std::int32_t* ids;
+  const float* weights;
+  int k, E;
+  const std::int32_t *fixed_slot, *replica_offsets, *replicas;
+  std::int32_t* pair_slot;
+  std::uint32_t* call_flags;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    const std::int64_t base = t * k;
+    std::uint32_t flags = 0;
+    for (int j = 0; j < k; ++j)
+      pair_slot[base + j] =
+          routed_choice(ids, weights, base, j, E, flags)
+              ? replica_slot(fixed_slot, replica_offsets, replicas, ids[base + j], t)
+              : -1;
+    if (flags != 0)
+      atomic_or(call_flags, flags);
+  }
+};
+
+// Per physical slot: its pairs in token order get rows 0, 1, ... of the slot's message (so the
+// rows come out in the same order in every space), recorded for the combine and as the send
+// gather's index.
+struct decode_position_step {
+  decode_layout at;
+  std::int64_t pairs;
+  int k;
+  const std::int32_t* pair_slot;
+  std::int64_t *pair_pos, *slot_rows, *send_index;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t s) const {
+    const std::int64_t d = s / at.spd, l = s % at.spd;
+    std::int64_t n = 0;
+    for (std::int64_t p = 0; p < pairs; ++p)
+      if (pair_slot[p] == s) {
+        pair_pos[p] = n;
+        send_index[at.payload_row(d, l, n)] = p / k;
+        ++n;
+      }
+    slot_rows[s] = n;
+  }
+};
+
+// Per (rank d, local slot l) message: its header. `rejected` is the host's failure of this call
+// (status `ok` when none); the call's flagged choices fail it too; else the header carries
+// rows[d * rows_d + l * rows_l]. Index 0 also adds the call's flags to the sticky error word.
+struct decode_header_step {
+  decode_layout at;
+  std::byte* send;
+  decode_header rejected;
+  const std::int64_t* rows;
+  std::int64_t rows_d, rows_l;
+  const std::uint32_t* call_flags;
+  std::uint32_t* error;
+  int rank;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t s) const {
+    const std::int64_t d = s / at.spd, l = s % at.spd;
+    decode_header h;
+    const std::uint32_t flags = *call_flags;
+    if (rejected.status != decode_status::ok) {
+      h = rejected;
+    } else if (flags != 0) {
+      h.status = decode_status::failed;
+      h.code = static_cast<std::int32_t>(
+          (flags & device_plan_bad_expert) != 0 ? errc::out_of_range : errc::invalid_argument);
+      h.flags = static_cast<std::int32_t>(flags); // the peers rebuild the message from them
+    } else {
+      h.rows = rows[d * rows_d + l * rows_l];
+    }
+    h.source = rank;
+    *at.header(send, d, l) = h;
+    if (s == 0 && flags != 0)
+      atomic_or(error, flags);
+  }
+};
+
+// One index, after a phase's all-to-all: every received header is checked. A failed one fails
+// the call (`call_failed`), and the first failed peer's header is kept in `peer` unless one is
+// kept already; a header that contradicts the layer fails it too and is flagged. With `counts`
+// (the dispatch) it lays out the received rows: per (slot l, source d) the count and offset in
+// slot l's expert rows, and each slot's total (all 0 when the call failed). With `expected`
+// (the combine) each message must return the rows sent to it.
+struct decode_receive_step {
+  decode_layout at;
+  std::byte* recv;
+  int rank;
+  const std::int64_t* expected; // combine: rows sent per (d, l), or null
+  std::int64_t *source_rows, *source_offsets, *expert_rows; // dispatch: the layout, or null
+  std::uint32_t *call_failed, *error;
+  decode_header* peer;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
+    bool failed = *call_failed != 0;
+    const bool checks_returns = expected != nullptr && !failed;
+    for (std::int64_t d = 0; d < at.D; ++d)
+      for (std::int64_t l = 0; l < at.spd; ++l) {
+        const decode_header* h = at.header(recv, d, l);
+        if (h->status != decode_status::ok) {
+          failed = true;
+          if (d != rank && peer->status == decode_status::ok)
+            *peer = *h;
+          continue;
+        }
+        const bool fits = h->source == d && h->rows >= 0 && h->rows <= at.M;
+        if (!fits || (checks_returns && h->rows != expected[d * at.spd + l])) {
+          failed = true;
+          atomic_or(error, device_decode_bad_message);
+        }
+      }
+    *call_failed = failed ? 1u : 0u;
+    if (source_rows == nullptr)
+      return;
+    for (std::int64_t l = 0; l < at.spd; ++l) {
+      std::int64_t total = 0;
+      for (std::int64_t d = 0; d < at.D; ++d) {
+        const std::int64_t n = failed ? 0 : at.header(recv, d, l)->rows;
+        source_rows[l * at.D + d] = n;
+        source_offsets[l * at.D + d] = total;
+        total += n;
+      }
+      expert_rows[l] = total;
+    }
+  }
+};
+
+// Per expert row (slot l, row q of its D * M): the received row it is copied from, or -1.
+struct decode_expert_index_step {
+  decode_layout at;
+  const std::int64_t *source_rows, *source_offsets, *expert_rows;
+  std::int64_t* index;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
+    const std::int64_t per = at.D * at.M, l = i / per, q = i % per;
+    index[i] = -1;
+    if (q >= expert_rows[l])
+      return;
+    for (std::int64_t d = 0; d < at.D; ++d) {
+      const std::int64_t first = source_offsets[l * at.D + d];
+      if (q >= first && q < first + source_rows[l * at.D + d]) {
+        index[i] = at.payload_row(d, l, q - first);
+        return;
+      }
+    }
+  }
+};
+
+// Per row of a message buffer (the combine's send): the expert output row it returns, or -1.
+struct decode_return_index_step {
+  decode_layout at;
+  const std::int64_t *source_rows, *source_offsets;
+  std::int64_t* index;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
+    const std::int64_t d = i / at.block_rows, r = i % at.block_rows - at.header_rows;
+    index[i] = -1;
+    if (r < 0)
+      return;
+    const std::int64_t l = r / at.M, q = r % at.M;
+    if (q < source_rows[l * at.D + d])
+      index[i] = l * at.D * at.M + source_offsets[l * at.D + d] + q;
+  }
+};
+
+// Per (token, choice): the returned row it sums, or -1 (not routed, or the call failed).
+struct decode_pair_row_step {
+  decode_layout at;
+  const std::int32_t* pair_slot;
+  const std::int64_t* pair_pos;
+  const std::uint32_t* call_failed;
+  std::int64_t* index;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t p) const {
+    const std::int32_t s = pair_slot[p];
+    index[p] =
+        s < 0 || *call_failed != 0 ? -1 : at.payload_row(s / at.spd, s % at.spd, pair_pos[p]);
+  }
+};
+
+// One index: a failed call's output becomes all-ones bytes (NaN in f32, bf16 and f16), so no
+// rank can read numbers from it.
+struct decode_poison_step {
+  const std::uint32_t* call_failed;
+  std::byte* y;
+  std::int64_t bytes;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
+    if (*call_failed != 0)
+      for (std::int64_t i = 0; i < bytes; ++i)
+        y[i] = std::byte{0xFF};
+  }
+};
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END

@@ -1,0 +1,213 @@
+// The device decode exchange's test cases in host_space, written once for any host-stream
+// communicator (the local_world test runs them on threads, the MPI test on processes). Every
+// call is checked bitwise against the naive per-token reference and against the host
+// decode_exchange on the same inputs (outputs and per-(slot, source) counts); each function is
+// one rank's side.
+#pragma once
+
+#include "aligned_buffer.hpp"
+#include "decode_cases.hpp"
+
+#include <weave/exec/host_space.hpp>
+#include <weave/overlap/device_decode_exchange.hpp>
+#include <weave/routing/host_row_moves.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+namespace decode_test {
+
+template <class Comm, class T>
+using device_decode = weave::basic_device_decode_exchange<weave::host_space, Comm, T>;
+
+// A device decode exchange with its workspace (which must outlive the calls' queued steps).
+template <class Comm, class T>
+struct device_layer {
+  device_layer(Comm& comm, const weave::placement& where, weave::host_stream& s,
+               weave::decode_options o = options())
+      : ex(comm, where, o)
+      , ws(ex.workspace_size()) {
+    ex.initialize(ws.ptr, ws.size, s);
+  }
+  device_decode<Comm, T> ex;
+  weave_test::aligned_buffer ws;
+};
+
+// One call: dispatch, the linear experts as a task reading the view (no host wait between the
+// phases), combine, then check_errors (the one wait). `rows[l * D + s]` gets the counts.
+template <class T, class Exchange>
+std::vector<T> device_decode_call(Exchange& ex, const moe_test::rank_input<T>& in,
+                                  const moe_test::linear_experts& f, weave::host_stream& s,
+                                  std::vector<std::int64_t>* rows = nullptr,
+                                  std::size_t extra_outputs = 0) {
+  const std::size_t H = f.hidden;
+  std::vector<T> y(in.x.rows() * H + extra_outputs, T(-7.0f));
+  auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+  s.submit([&f, xs = h.experts(), rows, H] {
+    for (int l = 0; l < xs.local_experts; ++l) {
+      for (std::int64_t r = 0; r < xs.rows[l]; ++r)
+        f.apply(xs.experts[static_cast<std::size_t>(l)], xs.input_of(l) + r * std::int64_t(H),
+                xs.output_of(l) + r * std::int64_t(H));
+      if (rows != nullptr)
+        for (int src = 0; src < xs.sources; ++src)
+          rows->push_back(xs.source_rows[l * xs.sources + src]);
+    }
+  });
+  ex.combine(h, std::span<T>(y), s);
+  ex.check_errors(s);
+  return y;
+}
+
+// Several calls (zero tokens, full slots, sizes between, -1 ids): each output equals the naive
+// reference and the host decode_exchange's bitwise, and so do the per-(slot, source) counts.
+template <class T, class Comm>
+void check_device_against_host(Comm& comm, const weave::placement& where) {
+  const int rank = comm.rank(), D = comm.size();
+  const moe_test::linear_experts f(experts, hidden, 11);
+  weave::host_stream s("device decode"), hs("host decode");
+  device_layer<Comm, T> dev(comm, where, s);
+  weave::decode_exchange<Comm, T> host(comm, where, options());
+  for (int call = 0; call < 4; ++call) {
+    std::vector<moe_test::rank_input<T>> inputs;
+    for (int r = 0; r < D; ++r) {
+      std::mt19937 rng(static_cast<std::uint32_t>(100 * call + r));
+      inputs.push_back(moe_test::random_input<T>(tokens_of(r, call), hidden, experts, k, rng));
+    }
+    const auto& in = inputs[static_cast<std::size_t>(rank)];
+    std::vector<std::int64_t> rows, host_rows;
+    const auto y = device_decode_call(dev.ex, in, f, s, &rows);
+    CHECK(bitwise_equal(y, reference(in, k, f)));
+    CHECK(bitwise_equal(y, decode_call(host, in, f, hs, &host_rows)));
+    CHECK(rows == host_rows);
+    std::int64_t total = 0;
+    for (int l = 0; l < where.slots_per_device(); ++l)
+      for (int src = 0; src < D; ++src) {
+        const std::int64_t got = rows[static_cast<std::size_t>(l * D + src)];
+        total += got;
+        if (!where.replicated())
+          CHECK(got == pairs_for(inputs[static_cast<std::size_t>(src)].ids,
+                                 where.expert_of_slot(rank * where.slots_per_device() + l)));
+      }
+    CHECK(total <= static_cast<std::int64_t>(max_tokens) * D * where.slots_per_device());
+  }
+}
+
+// Three calls queued back to back and one check at the end: each output equals its reference.
+template <class Comm>
+void check_device_queued_calls(Comm& comm) {
+  const moe_test::linear_experts f(experts, hidden, 9);
+  weave::host_stream s("device decode");
+  device_layer<Comm, float> dev(comm, weave::placement::contiguous(experts, comm.size()), s);
+  std::vector<moe_test::rank_input<float>> inputs;
+  std::vector<std::vector<float>> ys;
+  for (int call = 0; call < 3; ++call) {
+    std::mt19937 rng(static_cast<std::uint32_t>(10 * comm.rank() + call));
+    inputs.push_back(
+        moe_test::random_input<float>(tokens_of(comm.rank(), call), hidden, experts, k, rng));
+    ys.emplace_back(inputs.back().x.rows() * hidden);
+  }
+  for (int call = 0; call < 3; ++call) {
+    const auto& in = inputs[static_cast<std::size_t>(call)];
+    auto h = dev.ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+    s.submit([&f, xs = h.experts()] {
+      for (int l = 0; l < xs.local_experts; ++l)
+        for (std::int64_t r = 0; r < xs.rows[l]; ++r)
+          f.apply(xs.experts[static_cast<std::size_t>(l)],
+                  xs.input_of(l) + r * static_cast<std::int64_t>(hidden),
+                  xs.output_of(l) + r * static_cast<std::int64_t>(hidden));
+    });
+    dev.ex.combine(h, std::span<float>(ys[static_cast<std::size_t>(call)]), s);
+  }
+  dev.ex.check_errors(s);
+  for (int call = 0; call < 3; ++call)
+    CHECK(bitwise_equal(ys[static_cast<std::size_t>(call)],
+                        reference(inputs[static_cast<std::size_t>(call)], k, f)));
+}
+
+// Rank `culprit` makes `bad`: check_errors throws `own` on it and peer_failure naming it (with
+// `cause`) on every other rank; every rank's output is NaN (all-ones bytes), not numbers; then
+// a good call succeeds everywhere.
+template <class Comm>
+void check_device_fail_stop(Comm& comm, int culprit, fault bad, weave::errc own,
+                            const char* cause) {
+  using T = float;
+  const int rank = comm.rank();
+  const moe_test::linear_experts f(experts, hidden, 5);
+  weave::host_stream s("device decode");
+  device_layer<Comm, T> dev(comm, weave::placement::contiguous(experts, comm.size()), s);
+  std::mt19937 rng(static_cast<std::uint32_t>(rank + 7));
+  const bool me = rank == culprit;
+  auto in = moe_test::random_input<T>(me && bad == fault::too_many_tokens ? max_tokens + 1 : 4,
+                                      hidden, experts, k, rng);
+  if (me && bad == fault::bad_id)
+    in.ids[5] = experts;
+  if (me && bad == fault::nan_weight) {
+    in.ids[4] = 2;
+    in.weights[4] = std::numeric_limits<float>::quiet_NaN();
+  }
+  if (me && bad == fault::duplicate_expert) {
+    in.ids[3] = 1;
+    in.ids[4] = 1;
+  }
+  std::vector<T> y;
+  const outcome got = outcome_of([&] {
+    y = device_decode_call(dev.ex, in, f, s, nullptr,
+                           me && bad == fault::wrong_output ? hidden : 0);
+  });
+  INFO("rank ", rank, ": ", got.message);
+  if (me) {
+    CHECK(got.code == own);
+  } else {
+    CHECK(got.code == weave::errc::peer_failure);
+    CHECK(got.message.find("rank " + std::to_string(culprit)) != std::string::npos);
+  }
+  CHECK(got.message.find(cause) != std::string::npos);
+  s.synchronize();
+  CHECK(y.empty()); // the call threw: no output was handed out
+  // The exchange and the communicator still work, and report nothing stale.
+  std::mt19937 again(static_cast<std::uint32_t>(rank + 70));
+  const auto good = moe_test::random_input<T>(3, hidden, experts, k, again);
+  CHECK(bitwise_equal(device_decode_call(dev.ex, good, f, s), reference(good, k, f)));
+}
+
+// A failed call's outputs are NaN on every rank (read after the combine, before the check).
+template <class Comm>
+void check_device_failed_outputs_are_nan(Comm& comm) {
+  const moe_test::linear_experts f(experts, hidden, 5);
+  weave::host_stream s("device decode");
+  device_layer<Comm, float> dev(comm, weave::placement::contiguous(experts, comm.size()), s);
+  std::mt19937 rng(static_cast<std::uint32_t>(comm.rank() + 17));
+  auto in = moe_test::random_input<float>(5, hidden, experts, k, rng);
+  if (comm.rank() == 0)
+    in.ids[2] = -5;
+  std::vector<float> y(in.x.rows() * hidden, 1.0f);
+  auto h = dev.ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+  s.submit([xs = h.experts()] {
+    for (int l = 0; l < xs.local_experts; ++l)
+      CHECK(xs.rows[l] == 0); // a failed call hands the experts nothing
+  });
+  dev.ex.combine(h, std::span<float>(y), s);
+  s.synchronize();
+  CHECK(std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); }));
+  const outcome got = outcome_of([&] { dev.ex.check_errors(s); });
+  CHECK(got.code == (comm.rank() == 0 ? weave::errc::out_of_range : weave::errc::peer_failure));
+  CHECK_NOTHROW(dev.ex.check_errors(s)); // reported once
+}
+
+template <class Comm>
+void check_device_every_fault(Comm& comm) {
+  const int culprit = comm.size() - 1;
+  using weave::errc;
+  check_device_fail_stop(comm, culprit, fault::too_many_tokens, errc::invalid_argument,
+                         "exceeds max_tokens_per_rank");
+  check_device_fail_stop(comm, culprit, fault::bad_id, errc::out_of_range,
+                         "expert id outside [-1, 8)");
+  check_device_fail_stop(comm, culprit, fault::nan_weight, errc::invalid_argument,
+                         "non-finite gate weight");
+  check_device_fail_stop(comm, culprit, fault::duplicate_expert, errc::invalid_argument, "twice");
+  check_device_fail_stop(comm, 0, fault::wrong_output, errc::size_mismatch, "an output of");
+  check_device_failed_outputs_are_nan(comm);
+}
+
+} // namespace decode_test

@@ -1,0 +1,133 @@
+// The device decode exchange (`basic_device_decode_exchange`, the algorithm of
+// `cuda_decode_exchange`) run on host streams by `host_space` over a local_world of 1, 2 and 4
+// ranks: bitwise equal to the naive reference and to the host decode_exchange (outputs and
+// per-source counts) for f32, bf16 and f16 rows, with zero-token and full ranks, -1 ids and
+// replicated experts; every bad input on one rank fails every rank through check_errors with
+// NaN outputs, and the next call works; agreement at construction; misuse refused.
+#include "device_decode_cases.hpp"
+
+#include <weave/comm/local_world.hpp>
+#include <weave/core/dtype.hpp>
+
+using local = weave::local_communicator;
+
+TEST_CASE_TEMPLATE("device decode exchange equals the reference and the host decode exchange", T,
+                   float, weave::bfloat16, weave::half) {
+  for (int ranks : {1, 2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) {
+      decode_test::check_device_against_host<T>(
+          c, weave::placement::contiguous(decode_test::experts, ranks));
+    });
+  }
+}
+
+TEST_CASE("device decode exchange with replicated experts chooses replicas as the host does") {
+  // 2 ranks of 6 slots: experts 0, 1, 4 and 5 have a replica on each rank.
+  const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
+  weave::local_world world(2);
+  world.run([&](local& c) { decode_test::check_device_against_host<float>(c, where); });
+}
+
+TEST_CASE("device decode exchange: calls queued back to back, one check at the end") {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) { decode_test::check_device_queued_calls(c); });
+  }
+}
+
+TEST_CASE("device decode exchange fail-stop: one rank's bad call fails every rank, none hangs") {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) { decode_test::check_device_every_fault(c); });
+  }
+}
+
+TEST_CASE("device decode exchange: ranks built differently fail construction on every rank") {
+  weave::local_world world(2);
+  std::vector<weave::errc> codes(2);
+  std::vector<std::string> messages(2);
+  world.run([&](local& c) {
+    const auto r = static_cast<std::size_t>(c.rank());
+    try {
+      decode_test::device_decode<local, float> ex(c, weave::placement::contiguous(4, 2),
+                                                  {2, 4, c.rank() == 1 ? 3u : 2u});
+    } catch (const weave::error& e) {
+      codes[r] = e.code();
+      messages[r] = e.message();
+    }
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(codes[r] == weave::errc::config_mismatch);
+    CHECK(messages[r].find("max_tokens_per_rank") != std::string::npos);
+  }
+}
+
+TEST_CASE("device decode exchange refuses calls before initialize, a second handle, another "
+          "stream") {
+  weave::local_world world(1);
+  world.run([&](local& c) {
+    decode_test::device_decode<local, float> ex(c, weave::placement::contiguous(4, 1), {2, 4, 2});
+    weave::host_stream s("decode");
+    std::vector<float> x(8, 1.0f), w(4, 0.5f), y(8);
+    std::vector<std::int32_t> ids{0, 1, 2, 3};
+    CHECK(moe_test::error_code_of([&] { (void)ex.dispatch(x, ids, w, s); }) ==
+          weave::errc::invalid_state);
+    weave_test::aligned_buffer ws(ex.workspace_size());
+    CHECK(moe_test::error_code_of([&] { ex.initialize(ws.ptr, ws.size - 1, s); }) ==
+          weave::errc::size_mismatch);
+    ex.initialize(ws.ptr, ws.size, s);
+    auto h = ex.dispatch(x, ids, w, s);
+    CHECK(moe_test::error_code_of([&] { (void)ex.dispatch(x, ids, w, s); }) ==
+          weave::errc::invalid_state);
+    weave::host_stream other("other");
+    CHECK(moe_test::error_code_of([&] { ex.combine(h, std::span<float>(y), other); }) ==
+          weave::errc::invalid_argument);
+    decltype(h) empty;
+    CHECK(moe_test::error_code_of([&] { ex.combine(empty, std::span<float>(y), s); }) ==
+          weave::errc::invalid_argument);
+    s.submit([xs = h.experts()] {
+      for (int l = 0; l < xs.local_experts; ++l)
+        std::copy(xs.input_of(l), xs.input_of(l) + xs.rows[l] * 4, xs.output_of(l)); // hidden 4
+    });
+    ex.combine(h, std::span<float>(y), s);
+    ex.check_errors(s);
+    CHECK(y == std::vector<float>(8, 1.0f)); // 0.5 * x + 0.5 * x
+    CHECK(!h.valid());
+  });
+}
+
+// The docs' example: one device decode layer per rank in host_space, the experts queued on the
+// stream after the dispatch, one check at the end; checked against the naive reference.
+TEST_CASE("device decode exchange example: experts queued, one check at the end") {
+  constexpr int experts = 8, k = 2;
+  constexpr std::size_t hidden = 32;
+  const moe_test::linear_experts f(experts, hidden, 3);
+  weave::local_world world(2);
+  world.run([&](local& comm) {
+    std::mt19937 rng(static_cast<std::uint32_t>(comm.rank()));
+    const auto in =
+        moe_test::random_input<float>(comm.rank() == 0 ? 5 : 0, hidden, experts, k, rng);
+    std::vector<float> y(in.x.rows() * hidden);
+    //! [device_decode]
+    weave::basic_device_decode_exchange<weave::host_space, weave::local_communicator, float> layer(
+        comm, weave::placement::contiguous(experts, comm.size()), {k, hidden, 16});
+    weave_test::aligned_buffer ws(layer.workspace_size()); // memory of the space, once
+    weave::host_stream stream("decode");
+    layer.initialize(ws.ptr, ws.size, stream);
+    auto h = layer.dispatch(in.x.elements(), in.ids, in.weights, stream); // never waits
+    stream.submit([&f, xs = h.experts()] { // on a GPU: kernels reading xs.rows on the device
+      for (int l = 0; l < xs.local_experts; ++l)
+        for (std::int64_t r = 0; r < xs.rows[l]; ++r) // rows of xs.hidden elements
+          f.apply(xs.experts[static_cast<std::size_t>(l)], xs.input_of(l) + r * xs.hidden,
+                  xs.output_of(l) + r * xs.hidden);
+    });
+    layer.combine(h, std::span<float>(y), stream);
+    layer.check_errors(stream); // the one wait: this rank's failure, else a peer's
+    //! [device_decode]
+    CHECK(decode_test::bitwise_equal(y, decode_test::reference(in, k, f)));
+  });
+}
