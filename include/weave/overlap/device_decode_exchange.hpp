@@ -66,7 +66,7 @@ struct device_decode_experts {
   const std::int64_t* rows = nullptr; //!< valid rows per slot [local_experts]
   const std::int64_t* source_rows = nullptr; //!< rows per (slot, source) [local_experts][sources]
   const std::int64_t* source_offsets = nullptr; //!< first row of each (slot, source), same shape
-  std::span<const std::int32_t> experts;        //!< (host memory) logical expert of each slot
+  std::span<const std::int32_t> experts; //!< (host memory) logical expert of each slot, -1 empty
 
   //! Local slot `l`'s input and output rows.
   const T* input_of(int l) const noexcept { return input + offset(l); }
@@ -192,7 +192,7 @@ class basic_device_decode_exchange {
       moves::gather(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens), buffer(send_),
                     send_index_, nullptr, nullptr);
     send_headers(s, rejected, slot_rows_, at_.spd, 1);
-    Space::for_each(s, 1,
+    Space::for_each(s, at_.spd,
                     detail::decode_receive_step{at_, recv_, rank_, nullptr, source_rows_,
                                                 source_offsets_, expert_rows_, words_ + call_failed,
                                                 words_ + sticky_error, peer_});
@@ -227,7 +227,7 @@ class basic_device_decode_exchange {
         detail::decode_return_index_step{at_, source_rows_, source_offsets_, send_index_});
     moves::gather(s, experts_rows(expert_out_), buffer(send_), send_index_, nullptr, nullptr);
     send_headers(s, rejected, source_rows_, 1, at_.D);
-    Space::for_each(s, 1,
+    Space::for_each(s, at_.spd,
                     detail::decode_receive_step{at_, recv_, rank_, slot_rows_, nullptr, nullptr,
                                                 nullptr, words_ + call_failed,
                                                 words_ + sticky_error, peer_});

@@ -121,12 +121,13 @@ struct decode_header_step {
   }
 };
 
-// One index, after a phase's all-to-all: every received header is checked. A failed one fails
-// the call (`call_failed`), and the first failed peer's header is kept in `peer` unless one is
-// kept already; a header that contradicts the layer fails it too and is flagged. With `counts`
-// (the dispatch) it lays out the received rows: per (slot l, source d) the count and offset in
-// slot l's expert rows, and each slot's total (all 0 when the call failed). With `expected`
-// (the combine) each message must return the rows sent to it.
+// Per local slot l, after a phase's all-to-all: the headers of l's messages, one per source. A
+// failed one fails the call (`call_failed`; a failing rank fails all its messages, so every slot
+// sees it), and slot 0 keeps the first failed peer's header in `peer` unless one is kept
+// already; a header that contradicts the layer fails the call too, counts as no rows and is
+// flagged. With `source_rows` (the dispatch) it lays out slot l's received rows: per source the
+// count and offset, and the total (all 0 when the slot saw a failure). With `expected` (the
+// combine) each message must return the rows sent to it.
 struct decode_receive_step {
   decode_layout at;
   std::byte* recv;
@@ -136,37 +137,34 @@ struct decode_receive_step {
   std::uint32_t *call_failed, *error;
   decode_header* peer;
 
-  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
-    bool failed = *call_failed != 0;
-    const bool checks_returns = expected != nullptr && !failed;
-    for (std::int64_t d = 0; d < at.D; ++d)
-      for (std::int64_t l = 0; l < at.spd; ++l) {
-        const decode_header* h = at.header(recv, d, l);
-        if (h->status != decode_status::ok) {
-          failed = true;
-          if (d != rank && peer->status == decode_status::ok)
-            *peer = *h;
-          continue;
-        }
-        const bool fits = h->source == d && h->rows >= 0 && h->rows <= at.M;
-        if (!fits || (checks_returns && h->rows != expected[d * at.spd + l])) {
-          failed = true;
-          atomic_or(error, device_decode_bad_message);
-        }
+  WEAVE_HOST_DEVICE void operator()(std::int64_t l) const {
+    const bool checks_returns = expected != nullptr && *call_failed == 0;
+    bool failed = false, bad = false;
+    for (std::int64_t d = 0; d < at.D; ++d) {
+      const decode_header* h = at.header(recv, d, l);
+      if (h->status != decode_status::ok) {
+        failed = true;
+        if (l == 0 && d != rank && peer->status == decode_status::ok)
+          *peer = *h;
+        continue;
       }
-    *call_failed = failed ? 1u : 0u;
+      const bool fits = h->source == d && h->rows >= 0 && h->rows <= at.M;
+      bad = bad || !fits || (checks_returns && h->rows != expected[d * at.spd + l]);
+    }
+    if (failed || bad)
+      atomic_or(call_failed, 1u);
+    if (bad)
+      atomic_or(error, device_decode_bad_message);
     if (source_rows == nullptr)
       return;
-    for (std::int64_t l = 0; l < at.spd; ++l) {
-      std::int64_t total = 0;
-      for (std::int64_t d = 0; d < at.D; ++d) {
-        const std::int64_t n = failed ? 0 : at.header(recv, d, l)->rows;
-        source_rows[l * at.D + d] = n;
-        source_offsets[l * at.D + d] = total;
-        total += n;
-      }
-      expert_rows[l] = total;
+    std::int64_t total = 0;
+    for (std::int64_t d = 0; d < at.D; ++d) {
+      const std::int64_t n = failed || bad ? 0 : at.header(recv, d, l)->rows;
+      source_rows[l * at.D + d] = n;
+      source_offsets[l * at.D + d] = total;
+      total += n;
     }
+    expert_rows[l] = total;
   }
 };
 
