@@ -76,34 +76,49 @@ struct rank_result {
   std::vector<std::int64_t> rows;
 };
 
+// One rank's decode layer on its own stream, with device copies of its inputs.
 template <class Comm>
-rank_result run_rank(Comm& comm, const moe_test::rank_input<float>& in,
-                     const moe_test::linear_experts& f, int calls = 1) {
+struct rank_layer {
   stream_holder s;
-  weave::cuda_decode_exchange<Comm, float> ex(
-      comm, weave::placement::contiguous(experts, comm.size()), options());
-  dev<std::byte> ws(ex.workspace_size());
-  ex.initialize(ws.ptr, ws.size, s.ref());
-  dev<float> x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()));
-  dev<std::int32_t> ids(in.ids);
-  dev<float> weights(in.weights);
-  dev<float> y(in.x.rows() * hidden);
-  std::optional<device_experts> run;
-  rank_result out;
-  for (int call = 0; call < calls; ++call) {
+  weave::cuda_decode_exchange<Comm, float> ex;
+  dev<std::byte> ws;
+  dev<float> x;
+  dev<std::int32_t> ids;
+  dev<float> weights, y;
+  rank_layer(Comm& comm, const moe_test::rank_input<float>& in)
+      : ex(comm, weave::placement::contiguous(experts, comm.size()), options())
+      , ws(ex.workspace_size())
+      , x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()))
+      , ids(in.ids)
+      , weights(in.weights)
+      , y(in.x.rows() * hidden) {
+    ex.initialize(ws.ptr, ws.size, s.ref());
+  }
+  // One call: dispatch, the experts' kernel, combine (no host wait); returns the view.
+  weave::device_decode_experts<float> call(std::optional<device_experts>& run,
+                                           const moe_test::linear_experts& f) {
     auto h = ex.dispatch(x.cspan(), ids.cspan(), weights.cspan(), s.ref());
     const auto xs = h.experts();
     if (!run)
       run.emplace(f, xs.experts);
     (*run)(xs, s.raw);
     ex.combine(h, y.span(), s.ref());
-    if (call + 1 == calls) {
-      s.ref().synchronize();
-      out.y = to_host(y.cspan());
-      out.rows = to_host(std::span<const std::int64_t>(
-          xs.source_rows, static_cast<std::size_t>(xs.local_experts * xs.sources)));
-    }
-    ex.check_errors(s.ref());
+    return xs;
+  }
+};
+
+template <class Comm>
+rank_result run_rank(Comm& comm, const moe_test::rank_input<float>& in,
+                     const moe_test::linear_experts& f, int calls) {
+  rank_layer<Comm> layer(comm, in);
+  std::optional<device_experts> run;
+  rank_result out;
+  for (int call = 0; call < calls; ++call) {
+    const auto xs = layer.call(run, f);
+    layer.ex.check_errors(layer.s.ref());
+    out.y = to_host(layer.y.cspan());
+    out.rows = to_host(std::span<const std::int64_t>(
+        xs.source_rows, static_cast<std::size_t>(xs.local_experts * xs.sources)));
   }
   return out;
 }
@@ -154,28 +169,18 @@ TEST_CASE("cuda_decode_exchange: a bad expert id on one rank fails every rank, o
     auto in = moe_test::random_input<float>(6, hidden, experts, k, rng);
     if (r == 0)
       in.ids[3] = experts + 1;
-    stream_holder s;
-    weave::cuda_decode_exchange<weave::cuda_local_communicator, float> ex(
-        c, weave::placement::contiguous(experts, 2), options());
-    dev<std::byte> ws(ex.workspace_size());
-    ex.initialize(ws.ptr, ws.size, s.ref());
-    dev<float> x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()));
-    dev<std::int32_t> ids(in.ids);
-    dev<float> weights(in.weights);
-    dev<float> y(in.x.rows() * hidden);
-    auto h = ex.dispatch(x.cspan(), ids.cspan(), weights.cspan(), s.ref());
-    const device_experts run(f, h.experts().experts);
-    run(h.experts(), s.raw);
-    ex.combine(h, y.span(), s.ref());
+    rank_layer<weave::cuda_local_communicator> layer(c, in);
+    std::optional<device_experts> run;
+    layer.call(run, f);
     try {
-      ex.check_errors(s.ref());
+      layer.ex.check_errors(layer.s.ref());
     } catch (const weave::peer_error& e) {
       codes[r] = e.code();
       origins[r] = e.origin().rank;
     } catch (const weave::error& e) {
       codes[r] = e.code();
     }
-    const auto out = to_host(y.cspan());
+    const auto out = to_host(layer.y.cspan());
     nan[r] = std::all_of(out.begin(), out.end(), [](float v) { return std::isnan(v); });
   });
   CHECK(codes[0] == weave::errc::out_of_range);

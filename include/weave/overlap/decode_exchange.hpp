@@ -240,15 +240,8 @@ class decode_exchange {
                      std::span<const float> weights) {
     pack([&] {
       const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
-      WEAVE_EXPECT(x.size() % H == 0, errc::size_mismatch, "decode_exchange: ", x.size(),
-                   " input elements are not whole rows of hidden = ", H);
-      const std::size_t tokens = x.size() / H;
-      WEAVE_EXPECT(tokens <= options_.max_tokens_per_rank, errc::invalid_argument,
-                   "decode_exchange: a call of ", tokens,
-                   " tokens exceeds max_tokens_per_rank = ", options_.max_tokens_per_rank);
-      WEAVE_EXPECT(ids.size() == tokens * k && weights.size() == tokens * k, errc::size_mismatch,
-                   "decode_exchange: ", ids.size(), " ids and ", weights.size(), " weights for ",
-                   tokens, " tokens with k = ", k);
+      const std::size_t tokens = detail::decode_call_tokens(options_, x.size(), ids.size(),
+                                                            weights.size(), "decode_exchange");
       plan_.build(ids, weights); // the exchanges' one validation of ids and weights
       weights_ = weights;
       const std::span<const std::int32_t> kept = plan_.kept_experts();

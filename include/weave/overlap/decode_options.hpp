@@ -64,6 +64,21 @@ inline std::size_t decode_message_bytes(const decode_options& o, std::size_t ele
   return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
 }
 
+//! The tokens of a call of `who` with `elements` input elements and `ids` / `weights` entries:
+//! whole rows, at most `max_tokens_per_rank`, k entries per token (typed errors otherwise).
+inline std::size_t decode_call_tokens(const decode_options& o, std::size_t elements,
+                                      std::size_t ids, std::size_t weights, const char* who) {
+  const std::size_t H = o.hidden, k = static_cast<std::size_t>(o.k);
+  WEAVE_EXPECT(elements % H == 0, errc::size_mismatch, who, ": ", elements,
+               " input elements are not whole rows of hidden = ", H);
+  const std::size_t tokens = elements / H;
+  WEAVE_EXPECT(tokens <= o.max_tokens_per_rank, errc::invalid_argument, who, ": a call of ", tokens,
+               " tokens exceeds max_tokens_per_rank = ", o.max_tokens_per_rank);
+  WEAVE_EXPECT(ids == tokens * k && weights == tokens * k, errc::size_mismatch, who, ": ", ids,
+               " ids and ", weights, " weights for ", tokens, " tokens with k = ", k);
+  return tokens;
+}
+
 //! A header saying that `source` failed with `code` and `what`.
 inline decode_header failed_header(int source, errc code, std::string_view what) noexcept {
   decode_header h;

@@ -167,7 +167,8 @@ class basic_device_decode_exchange {
     decode_header rejected;
     std::size_t tokens = 0;
     try {
-      tokens = checked_tokens(x, ids, weights);
+      tokens = detail::decode_call_tokens(options_, x.size(), ids.size(), weights.size(),
+                                          "device_decode_exchange");
     } catch (...) {
       rejected = reject(std::current_exception());
     }
@@ -314,21 +315,6 @@ class basic_device_decode_exchange {
       return static_cast<const void*>(s.get());
     else
       return static_cast<const void*>(&s);
-  }
-
-  std::size_t checked_tokens(std::span<const T> x, std::span<const std::int32_t> ids,
-                             std::span<const float> weights) const {
-    const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
-    WEAVE_EXPECT(x.size() % H == 0, errc::size_mismatch, "device_decode_exchange: ", x.size(),
-                 " input elements are not whole rows of hidden = ", H);
-    const std::size_t tokens = x.size() / H;
-    WEAVE_EXPECT(tokens <= options_.max_tokens_per_rank, errc::invalid_argument,
-                 "device_decode_exchange: a call of ", tokens,
-                 " tokens exceeds max_tokens_per_rank = ", options_.max_tokens_per_rank);
-    WEAVE_EXPECT(ids.size() == tokens * k && weights.size() == tokens * k, errc::size_mismatch,
-                 "device_decode_exchange: ", ids.size(), " ids and ", weights.size(),
-                 " weights for ", tokens, " tokens with k = ", k);
-    return tokens;
   }
 
   // A call refused on the host: kept for this rank's `check_errors` (the first one), sent to
