@@ -104,7 +104,25 @@ void check_queued_calls(Comm& comm) {
 }
 
 // How `bad` corrupts one rank's call.
-enum class fault { too_many_tokens, bad_id, nan_weight, duplicate_expert, wrong_output };
+enum class fault { none, too_many_tokens, bad_id, nan_weight, duplicate_expert, wrong_output };
+
+// Rank `rank`'s input of a fail-stop case (4 tokens), with the fault `bad` put in it.
+inline moe_test::rank_input<float> input_of(int rank, fault bad) {
+  std::mt19937 rng(static_cast<std::uint32_t>(rank + 7));
+  auto in = moe_test::random_input<float>(bad == fault::too_many_tokens ? max_tokens + 1 : 4,
+                                          hidden, experts, k, rng);
+  if (bad == fault::bad_id)
+    in.ids[5] = experts;
+  if (bad == fault::nan_weight) {
+    in.ids[4] = 2;
+    in.weights[4] = std::numeric_limits<float>::quiet_NaN();
+  }
+  if (bad == fault::duplicate_expert) {
+    in.ids[3] = 1;
+    in.ids[4] = 1;
+  }
+  return in;
+}
 
 // Rank `culprit` makes `bad` in its call; it must fail with `own`, every other rank with
 // peer_failure naming it; then a good call succeeds on every rank (nobody hangs, nothing is
@@ -117,20 +135,8 @@ void check_fail_stop(Comm& comm, int culprit, fault bad, weave::errc own, const 
   weave::decode_exchange<Comm, T> ex(comm, weave::placement::contiguous(experts, comm.size()),
                                      options());
   typename Comm::stream_type s("decode");
-  std::mt19937 rng(static_cast<std::uint32_t>(rank + 7));
   const bool me = rank == culprit;
-  auto in = moe_test::random_input<T>(me && bad == fault::too_many_tokens ? max_tokens + 1 : 4,
-                                      hidden, experts, k, rng);
-  if (me && bad == fault::bad_id)
-    in.ids[5] = experts;
-  if (me && bad == fault::nan_weight) {
-    in.ids[4] = 2;
-    in.weights[4] = std::numeric_limits<float>::quiet_NaN();
-  }
-  if (me && bad == fault::duplicate_expert) {
-    in.ids[3] = 1;
-    in.ids[4] = 1;
-  }
+  const auto in = input_of(rank, me ? bad : fault::none);
   const outcome got = outcome_of([&] {
     const std::size_t H = hidden;
     std::vector<T> y(in.x.rows() * H + (me && bad == fault::wrong_output ? H : 0));

@@ -136,20 +136,8 @@ void check_device_fail_stop(Comm& comm, int culprit, fault bad, weave::errc own,
   const moe_test::linear_experts f(experts, hidden, 5);
   weave::host_stream s("device decode");
   device_layer<Comm, T> dev(comm, weave::placement::contiguous(experts, comm.size()), s);
-  std::mt19937 rng(static_cast<std::uint32_t>(rank + 7));
   const bool me = rank == culprit;
-  auto in = moe_test::random_input<T>(me && bad == fault::too_many_tokens ? max_tokens + 1 : 4,
-                                      hidden, experts, k, rng);
-  if (me && bad == fault::bad_id)
-    in.ids[5] = experts;
-  if (me && bad == fault::nan_weight) {
-    in.ids[4] = 2;
-    in.weights[4] = std::numeric_limits<float>::quiet_NaN();
-  }
-  if (me && bad == fault::duplicate_expert) {
-    in.ids[3] = 1;
-    in.ids[4] = 1;
-  }
+  const auto in = input_of(rank, me ? bad : fault::none);
   std::vector<T> y;
   const outcome got = outcome_of([&] {
     y = device_decode_call(dev.ex, in, f, s, nullptr,
