@@ -199,3 +199,43 @@ void check_device_every_fault(Comm& comm) {
 }
 
 } // namespace decode_test
+
+namespace decode_test {
+
+// The exchange of a test's layer: a device_layer's, or the object itself.
+template <class Layer>
+auto& exchange_of(Layer& layer) {
+  if constexpr (requires { layer.ex; })
+    return layer.ex;
+  else
+    return layer;
+}
+
+// Rank 0 drops its dispatched handle without the combine: that aborts the communicator, so
+// rank 1, already in the combine, fails with the cause instead of waiting for ever. `make`
+// makes one layer (host or device) on a stream; `finish` waits for a call and checks it.
+template <class Comm, class Make, class Finish>
+outcome check_dropped_handle(Comm& comm, Make&& make, Finish&& finish) {
+  weave::host_stream s("decode");
+  auto layer = make(comm, s);
+  auto& ex = exchange_of(*layer);
+  const auto in = input_of(comm.rank(), fault::none);
+  std::vector<float> y(in.x.rows() * hidden);
+  const outcome got = outcome_of([&] {
+    auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+    if (comm.rank() == 0) {
+      s.synchronize();
+      h.reset(); // the peers wait in this call's combine: the world is aborted
+      return;
+    }
+    ex.combine(h, std::span<float>(y), s);
+    finish(ex, s);
+  });
+  try {
+    s.synchronize(); // nothing queued outlives the layer
+  } catch (const weave::error&) {
+  }
+  return got;
+}
+
+} // namespace decode_test

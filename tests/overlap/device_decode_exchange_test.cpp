@@ -131,3 +131,34 @@ TEST_CASE("device decode exchange example: experts queued, one check at the end"
     CHECK(decode_test::bitwise_equal(y, decode_test::reference(in, k, f)));
   });
 }
+
+TEST_CASE("a decode handle dropped without its combine aborts the world: the peer fails, never "
+          "hangs") {
+  const auto check = [](auto make, auto finish) {
+    weave::local_world world(2);
+    std::vector<decode_test::outcome> got(2);
+    world.run([&](local& c) {
+      got[static_cast<std::size_t>(c.rank())] = decode_test::check_dropped_handle(c, make, finish);
+    });
+    CHECK(got[0].message.empty()); // dropping is not an error of its own rank
+    CHECK(got[1].code == weave::errc::peer_failure);
+    CHECK(got[1].message.find("without its combine") != std::string::npos);
+  };
+  SUBCASE("decode_exchange") {
+    check(
+        [](local& c, weave::host_stream&) {
+          return std::make_unique<weave::decode_exchange<local, float>>(
+              c, weave::placement::contiguous(decode_test::experts, c.size()),
+              decode_test::options());
+        },
+        [](auto&, weave::host_stream& s) { s.synchronize(); });
+  }
+  SUBCASE("device decode exchange") {
+    check(
+        [](local& c, weave::host_stream& s) {
+          return std::make_unique<decode_test::device_layer<local, float>>(
+              c, weave::placement::contiguous(decode_test::experts, c.size()), s);
+        },
+        [](auto& ex, weave::host_stream& s) { ex.check_errors(s); });
+  }
+}
