@@ -574,10 +574,12 @@ class moe_exchange_base {
       abort_peers(*comm_, failure);
       return;
     }
+    int i = -1;
     try {
       handle h = acquire(0);
-      const int i = slot_of(h);
+      i = slot_of(h);
       slot_type& s = slot(i);
+      s.failed_together = false; // said by this call's exchanges alone, not an earlier call's
       self().enqueue_rejected(s, failure, compute, comm, [&] {
         start(i, false, compute, comm);
         while (s.current < options_.chunks)
@@ -585,10 +587,10 @@ class moe_exchange_base {
         finish_phase(i, compute, moe_phase::combined); // into an empty output
       });
     } catch (...) {
-      if (!communicator_aborted(*comm_) && !failed_together_last_)
+      const bool together = i >= 0 && slot(i).failed_together; // every rank failed alike
+      if (!communicator_aborted(*comm_) && !together)
         abort_peers(*comm_, failure);
     }
-    failed_together_last_ = false;
   }
 
   // Issues `f` (a step of slot `s`'s phase that enqueues collectives); if it throws, the phase
@@ -599,7 +601,6 @@ class moe_exchange_base {
     try {
       std::forward<F>(f)();
     } catch (...) {
-      failed_together_last_ = s.failed_together;
       if (!s.failed_together)
         abort_peers(*comm_, std::current_exception());
       try {
@@ -752,7 +753,6 @@ class moe_exchange_base {
 
   std::vector<std::unique_ptr<slot_type>> slots_;
   const chunk_pipeline<stream_type>* last_pipeline_ = nullptr;
-  bool failed_together_last_ = false; // the last phase that ended early failed on every rank
   handle last_; // the callback form's last forward (declared after the slots it holds)
 };
 
