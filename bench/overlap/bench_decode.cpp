@@ -4,7 +4,8 @@
 // per rank, registered side by side so one run measures them all. A third mode is the device
 // decode exchange (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run
 // on host streams: the same protocol with every step written for a GPU (no host wait inside
-// the layer; the host waits once, in `check_errors`).
+// the layer; the host waits once, in `check_errors`). A fourth is decode_exchange with its
+// dispatch in FP8 (e4m3, one scale per 128 elements, dequantised on arrival).
 //
 // 4 in-process ranks, E = 32, k = 4, hidden 256 bf16 (moe_bench_setup.hpp), on an emulated link of
 // 20 us per message and 25 GB/s per rank pair. The experts copy their input (no compute): the layer
@@ -25,6 +26,7 @@
 #include <weave/overlap/decode_exchange.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include <algorithm>
@@ -83,7 +85,7 @@ class counting_comm {
   weave::local_communicator* c_;
 };
 
-enum class mode { dynamic = 0, decode = 1, device_decode = 2 };
+enum class mode { dynamic = 0, decode = 1, device_decode = 2, decode_fp8 = 3 };
 
 // Persistent ranks, each with its exchange and streams; `step()` runs one layer on all.
 class layer_ranks {
@@ -140,8 +142,11 @@ class layer_ranks {
         ex.combine(h, d.y.elements(), stream);
         ex.check_errors(stream); // the one wait
       });
-    } else if (m == mode::decode) {
-      weave::decode_exchange<counting_comm, row_t> ex(comm, where, {k, hidden, tokens});
+    } else if (m == mode::decode || m == mode::decode_fp8) {
+      weave::decode_options o{k, hidden, tokens};
+      if (m == mode::decode_fp8) // e4m3, 128-element blocks, dequantised for the experts
+        o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true};
+      weave::decode_exchange<counting_comm, row_t> ex(comm, where, o);
       loop(r, comm, [&] {
         auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
         stream.submit([xs = h.experts()] { // the experts, queued: no host wait mid-layer
@@ -208,6 +213,7 @@ void moe_decode_layer(benchmark::State& state) {
   state.counters["peer_bytes_per_layer"] = layer.bytes_per_layer();
   state.SetLabel(m == mode::decode          ? "decode"
                  : m == mode::device_decode ? "device decode (host streams)"
+                 : m == mode::decode_fp8    ? "decode, FP8 dispatch"
                                             : "dynamic");
 }
 
@@ -217,7 +223,7 @@ BENCHMARK(moe_decode_layer)
     ->ArgNames({"decode", "tokens"})
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (int tokens : {1, 8, 64, 256}) // each size's modes next to each other
-        for (int decode : {0, 1, 2})
+        for (int decode : {0, 1, 2, 3})
           b->Args({decode, tokens});
     })
     ->UseManualTime()

@@ -1,7 +1,8 @@
 // cuda_decode_exchange on one GPU: several ranks through cuda_local_world against the host
-// decode_exchange on the same inputs (outputs bitwise, per-(slot, source) counts equal), a bad
-// expert id on one rank failing every rank through check_errors with NaN outputs, and a decode
-// layer over NCCL captured in a CUDA graph and replayed. Reports skipped without a GPU.
+// decode_exchange on the same inputs (outputs bitwise, per-(slot, source) counts equal; f32 rows,
+// and FP8 dispatched rows dequantised on arrival), a bad expert id on one rank failing every rank
+// through check_errors with NaN outputs, and a decode layer over NCCL captured in a CUDA graph
+// and replayed. Reports skipped without a GPU.
 #include <doctest/doctest.h>
 
 #include "cuda_buffers.hpp"
@@ -85,13 +86,14 @@ struct rank_layer {
   dev<float> x;
   dev<std::int32_t> ids;
   dev<float> weights, y;
-  rank_layer(Comm& comm, const moe_test::rank_input<float>& in)
-      : ex(comm, weave::placement::contiguous(experts, comm.size()), options())
+  rank_layer(Comm& comm, const moe_test::rank_input<float>& in,
+             const weave::decode_options& o = options())
+      : ex(comm, weave::placement::contiguous(experts, comm.size()), o)
       , ws(ex.workspace_size())
       , x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()))
       , ids(in.ids)
       , weights(in.weights)
-      , y(in.x.rows() * hidden) {
+      , y(in.x.elements().size()) {
     ex.initialize(ws.ptr, ws.size, s.ref());
   }
   // One call: dispatch, the experts' kernel, combine (no host wait); returns the view.
@@ -109,8 +111,9 @@ struct rank_layer {
 
 template <class Comm>
 rank_result run_rank(Comm& comm, const moe_test::rank_input<float>& in,
-                     const moe_test::linear_experts& f, int calls) {
-  rank_layer<Comm> layer(comm, in);
+                     const moe_test::linear_experts& f, int calls,
+                     const weave::decode_options& o = options()) {
+  rank_layer<Comm> layer(comm, in, o);
   std::optional<device_experts> run;
   rank_result out;
   for (int call = 0; call < calls; ++call) {
@@ -125,29 +128,33 @@ rank_result run_rank(Comm& comm, const moe_test::rank_input<float>& in,
 
 } // namespace
 
-TEST_CASE("cuda_decode_exchange over cuda_local_world equals the host decode_exchange") {
-  const moe_test::linear_experts f(experts, hidden, 5);
+namespace {
+
+// Both exchanges on the same inputs (zero tokens, full slots and sizes between): the CUDA one
+// over cuda_local_world, the host one over local_world; outputs bitwise, counts equal.
+void check_against_host(const weave::decode_options& o) {
+  const moe_test::linear_experts f(experts, o.hidden, 5);
   for (const int ranks : {1, 2, 4}) {
     CAPTURE(ranks);
     std::vector<moe_test::rank_input<float>> in;
     std::mt19937 rng(31);
-    for (int r = 0; r < ranks; ++r) // zero tokens, full slots and sizes between
+    for (int r = 0; r < ranks; ++r)
       in.push_back(moe_test::random_input<float>(
-          std::vector<std::size_t>{0, max_tokens, 5, 1}[static_cast<std::size_t>(r)], hidden,
+          std::vector<std::size_t>{0, max_tokens, 5, 1}[static_cast<std::size_t>(r)], o.hidden,
           experts, k, rng));
     std::vector<rank_result> want(static_cast<std::size_t>(ranks)), got(want.size());
     weave::local_world host_world(ranks);
     host_world.run([&](weave::local_communicator& c) {
       const auto r = static_cast<std::size_t>(c.rank());
       weave::decode_exchange<weave::local_communicator, float> ex(
-          c, weave::placement::contiguous(experts, ranks), options());
+          c, weave::placement::contiguous(experts, ranks), o);
       weave::host_stream s("decode");
       want[r].y = decode_test::decode_call(ex, in[r], f, s, &want[r].rows);
     });
     weave::cuda_local_world world(ranks);
     world.run([&](weave::cuda_local_communicator& c) {
       const auto r = static_cast<std::size_t>(c.rank());
-      got[r] = run_rank(c, in[r], f, 2);
+      got[r] = run_rank(c, in[r], f, 2, o);
     });
     for (std::size_t r = 0; r < got.size(); ++r) {
       CAPTURE(r);
@@ -155,6 +162,19 @@ TEST_CASE("cuda_decode_exchange over cuda_local_world equals the host decode_exc
       CHECK(got[r].rows == want[r].rows);
     }
   }
+}
+
+} // namespace
+
+TEST_CASE("cuda_decode_exchange over cuda_local_world equals the host decode_exchange") {
+  check_against_host(options());
+}
+
+TEST_CASE("cuda_decode_exchange's FP8 dispatch equals the host decode_exchange's") {
+  weave::decode_options o = options();
+  o.hidden = 256;
+  o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true};
+  check_against_host(o);
 }
 
 TEST_CASE("cuda_decode_exchange: a bad expert id on one rank fails every rank, outputs NaN") {

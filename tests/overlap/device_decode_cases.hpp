@@ -6,10 +6,12 @@
 #pragma once
 
 #include "aligned_buffer.hpp"
+#include "block_quant_reference.hpp"
 #include "decode_cases.hpp"
 
 #include <weave/exec/host_space.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include <algorithm>
@@ -236,6 +238,141 @@ outcome check_dropped_handle(Comm& comm, Make&& make, Finish&& finish) {
   } catch (const weave::error&) {
   }
   return got;
+}
+
+} // namespace decode_test
+
+// --- FP8 dispatch in both decode exchanges --------------------------------------------------
+
+namespace decode_test {
+
+constexpr std::size_t fp8_hidden = 256; // two blocks of 128
+
+inline weave::decode_options fp8_options(bool dequantized) {
+  weave::decode_options o = options();
+  o.hidden = fp8_hidden;
+  o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, dequantized};
+  return o;
+}
+
+// `in` with every row replaced by its brute-force quantisation (block_quant_reference.hpp),
+// dequantised: T(decode(code) * scale), what the experts must compute on.
+template <class T>
+moe_test::rank_input<T> brute_force_dequantized(moe_test::rank_input<T> in) {
+  const fp8_ref::table table(fp8_ref::e4m3);
+  const weave::block_quantization q{};
+  std::vector<float> row(fp8_hidden);
+  for (std::size_t t = 0; t < in.x.rows(); ++t) {
+    for (std::size_t j = 0; j < fp8_hidden; ++j)
+      row[j] = static_cast<float>(in.x(t, j));
+    const auto ref = fp8_ref::quantize_row(row.data(), fp8_hidden, q, table);
+    for (std::size_t j = 0; j < fp8_hidden; ++j)
+      in.x(t, j) =
+          T(static_cast<float>(fp8_ref::decode(table.f, ref.codes[j])) * ref.scales[j / q.block]);
+  }
+  return in;
+}
+
+// The experts on one FP8 row: from its dequantised input, or (codes only) by decoding its codes
+// and scales here with the brute-force decoder.
+template <class T>
+void apply_fp8(const moe_test::linear_experts& f, int e, const T* input, const std::byte* codes,
+               const float* scales, T* out) {
+  if (input != nullptr)
+    return f.apply(e, input, out);
+  const fp8_ref::table table(fp8_ref::e4m3);
+  std::vector<T> x(fp8_hidden);
+  for (std::size_t j = 0; j < fp8_hidden; ++j)
+    x[j] = T(static_cast<float>(fp8_ref::decode(table.f, static_cast<std::uint8_t>(codes[j]))) *
+             scales[j / 128]);
+  f.apply(e, x.data(), out);
+}
+
+// Several calls of both decode exchanges with an FP8 dispatch: each output equals the naive
+// reference on brute-force quantised-and-dequantised inputs and the other exchange's, bitwise;
+// the dispatch sends about half the bytes of the combine (bf16 rows).
+template <class T, class Comm>
+void check_fp8_decode(Comm& comm, bool dequantized) {
+  const int D = comm.size();
+  const moe_test::linear_experts f(experts, fp8_hidden, 13);
+  const auto where = weave::placement::contiguous(experts, D);
+  const auto o = fp8_options(dequantized);
+  weave::host_stream s("device decode"), hs("host decode");
+  device_layer<Comm, T> dev(comm, where, s, o);
+  weave::decode_exchange<Comm, T> host(comm, where, o);
+  if constexpr (sizeof(T) == 2) {
+    const double ratio = static_cast<double>(host.dispatch_bytes_per_peer()) /
+                         static_cast<double>(host.combine_bytes_per_peer());
+    CHECK(ratio < 0.56); // 2 bytes per element -> 1 byte and 4 bytes per 128
+    CHECK(dev.ex.dispatch_bytes_per_peer() < dev.ex.combine_bytes_per_peer() * 0.56);
+  }
+  for (int call = 0; call < 3; ++call) {
+    std::mt19937 rng(static_cast<std::uint32_t>(50 * call + comm.rank()));
+    const auto in =
+        moe_test::random_input<T>(tokens_of(comm.rank(), call), fp8_hidden, experts, k, rng);
+    const auto want = reference(brute_force_dequantized(in), k, f);
+    std::vector<T> y_dev(in.x.rows() * fp8_hidden), y_host(y_dev.size());
+    auto h = dev.ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+    s.submit([&f, xs = h.experts()] {
+      for (int l = 0; l < xs.local_experts; ++l)
+        for (std::int64_t r = 0; r < xs.rows[l]; ++r)
+          apply_fp8(f, xs.experts[static_cast<std::size_t>(l)],
+                    xs.input == nullptr ? nullptr : xs.input_of(l) + r * fp8_hidden,
+                    xs.codes_of(l) + r * fp8_hidden, xs.scales_of(l) + r * 2,
+                    xs.output_of(l) + r * fp8_hidden);
+    });
+    dev.ex.combine(h, std::span<T>(y_dev), s);
+    dev.ex.check_errors(s);
+    auto hh = host.dispatch(in.x.elements(), in.ids, in.weights, hs);
+    hs.synchronize();
+    const auto xs = hh.experts();
+    for (int l = 0; l < xs.local_experts(); ++l) {
+      if (!dequantized)
+        CHECK(outcome_of([&] { (void)xs.input(l); }).code == weave::errc::invalid_state);
+      const auto codes = xs.input_codes(l);
+      const auto scales = xs.input_scales(l);
+      for (std::int64_t r = 0; r < xs.rows(l); ++r) {
+        const auto i = static_cast<std::size_t>(r);
+        apply_fp8(f, xs.expert(l), dequantized ? xs.input(l).data() + i * fp8_hidden : nullptr,
+                  codes.row(i), reinterpret_cast<const float*>(scales.row(i)),
+                  xs.output(l).data() + i * fp8_hidden);
+      }
+    }
+    host.combine(hh, std::span<T>(y_host), hs);
+    hs.synchronize();
+    CHECK(bitwise_equal(y_dev, want));
+    CHECK(bitwise_equal(y_host, want));
+  }
+}
+
+// A token holding a NaN on one rank fails the FP8 call on every rank (own invalid_argument,
+// peers peer_failure naming the rank), in both exchanges; the next call works.
+template <class Comm>
+void check_fp8_nonfinite(Comm& comm) {
+  const int culprit = comm.size() - 1;
+  const bool me = comm.rank() == culprit;
+  const moe_test::linear_experts f(experts, fp8_hidden, 3);
+  const auto where = weave::placement::contiguous(experts, comm.size());
+  weave::host_stream s("device decode"), hs("host decode");
+  device_layer<Comm, float> dev(comm, where, s, fp8_options(true));
+  weave::decode_exchange<Comm, float> host(comm, where, fp8_options(true));
+  std::mt19937 rng(static_cast<std::uint32_t>(comm.rank() + 5));
+  auto in = moe_test::random_input<float>(4, fp8_hidden, experts, k, rng);
+  if (me)
+    in.x(2, 200) = std::numeric_limits<float>::quiet_NaN();
+  const auto ends = [&](const outcome& got) {
+    INFO("rank ", comm.rank(), ": ", got.message);
+    CHECK(got.code == (me ? weave::errc::invalid_argument : weave::errc::peer_failure));
+    CHECK(got.message.find("NaN") != std::string::npos);
+    if (!me)
+      CHECK(got.message.find("rank " + std::to_string(culprit)) != std::string::npos);
+  };
+  ends(outcome_of([&] { (void)device_decode_call(dev.ex, in, f, s); }));
+  ends(outcome_of([&] { (void)decode_call(host, in, f, hs); }));
+  in.x(2, 200) = 1.0f;
+  const auto want = reference(brute_force_dequantized(in), k, f);
+  CHECK(bitwise_equal(device_decode_call(dev.ex, in, f, s), want));
+  CHECK(bitwise_equal(decode_call(host, in, f, hs), want));
 }
 
 } // namespace decode_test

@@ -27,3 +27,10 @@ TEST_CASE("device decode exchange over MPI: calls queued back to back") {
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_device_queued_calls(comm);
 }
+
+TEST_CASE("FP8 decode over MPI: both exchanges equal the reference; a NaN token fails every rank") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_fp8_decode<weave::bfloat16>(comm, true);
+  decode_test::check_fp8_decode<float>(comm, false);
+  decode_test::check_fp8_nonfinite(comm);
+}

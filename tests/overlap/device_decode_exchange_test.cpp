@@ -162,3 +162,22 @@ TEST_CASE("a decode handle dropped without its combine aborts the world: the pee
         [](auto& ex, weave::host_stream& s) { ex.check_errors(s); });
   }
 }
+
+TEST_CASE_TEMPLATE("FP8 decode: both exchanges equal the reference on brute-force quantised rows",
+                   T, float, weave::bfloat16) {
+  for (int ranks : {1, 2, 4})
+    for (bool dequantized : {true, false}) {
+      CAPTURE(ranks);
+      CAPTURE(dequantized);
+      weave::local_world world(ranks);
+      world.run([&](local& c) { decode_test::check_fp8_decode<T>(c, dequantized); });
+    }
+}
+
+TEST_CASE("FP8 decode: a NaN token on one rank fails the call on every rank, in both exchanges") {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) { decode_test::check_fp8_nonfinite(c); });
+  }
+}

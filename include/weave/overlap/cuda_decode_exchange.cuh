@@ -11,6 +11,7 @@
 #include "weave/exec/cuda_space.cuh"
 #include "weave/overlap/device_decode_exchange.hpp"
 #include "weave/routing/cuda_row_moves.cuh"
+#include "weave/routing/quantize.cuh"
 
 WEAVE_NAMESPACE_BEGIN
 

@@ -28,11 +28,13 @@
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
+#include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
+#include "weave/routing/quantize.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -74,14 +76,12 @@ class decode_exchange {
     const auto D = static_cast<std::size_t>(comm.size());
     const auto spd = static_cast<std::size_t>(where_.slots_per_device());
     const auto k = static_cast<std::size_t>(options_.k);
-    message_bytes_ = detail::decode_message_bytes(options_, sizeof(T));
-    const std::size_t peer_bytes = checked_mul(spd, message_bytes_, "bytes per peer");
+    const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
+    dispatch_ = phase_of(detail::decode_wire_row_bytes(options_, row_bytes), D, spd);
+    combine_ = phase_of(row_bytes, D, spd);
+    const std::size_t peer_bytes = std::max(dispatch_.bytes_per_peer(), combine_.bytes_per_peer());
     send_.assign(checked_mul(D, peer_bytes, "send bytes"), std::byte{0});
     recv_.assign(send_.size(), std::byte{0});
-    counts_.assign(D, static_cast<std::int64_t>(peer_bytes));
-    displs_.resize(D);
-    for (std::size_t d = 0; d < D; ++d)
-      displs_[d] = static_cast<std::int64_t>(d * peer_bytes);
     const std::size_t pairs = checked_mul(options_.max_tokens_per_rank, k, "pairs");
     pair_slot_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
@@ -93,6 +93,12 @@ class decode_exchange {
         checked_mul(checked_mul(spd, slot_rows_, "expert rows"), options_.hidden, "elements");
     expert_in_.assign(expert_elems, T{});
     expert_out_.assign(expert_elems, T{});
+    if (options_.fp8_dispatch) {
+      wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
+      token_wire_.assign(checked_mul(options_.max_tokens_per_rank, wire_.stride, "wire bytes"),
+                         std::byte{0});
+      expert_wire_.assign(checked_mul(spd * slot_rows_, wire_.stride, "wire bytes"), std::byte{0});
+    }
     sum_.assign(options_.hidden, 0.0f);
     // Sizes the plan's buffers for the largest call (every token choosing k experts spread over
     // as many devices as it can): later builds do not allocate.
@@ -113,10 +119,10 @@ class decode_exchange {
 
   const decode_options& options() const noexcept { return options_; }
   const placement& where() const noexcept { return where_; }
-  //! Bytes of one (slot, source) message: header and a full slot.
-  std::size_t message_bytes() const noexcept { return message_bytes_; }
-  //! Bytes this rank sends to each peer per all-to-all (dispatch and combine alike).
-  std::size_t bytes_per_peer() const noexcept { return static_cast<std::size_t>(counts_[0]); }
+  //! Bytes this rank sends to each peer in a dispatch (FP8 rows with an FP8 dispatch).
+  std::size_t dispatch_bytes_per_peer() const noexcept { return dispatch_.bytes_per_peer(); }
+  //! Bytes this rank sends to each peer in a combine (rows of T).
+  std::size_t combine_bytes_per_peer() const noexcept { return combine_.bytes_per_peer(); }
 
   //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights`
   //! (k per token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they
@@ -131,7 +137,7 @@ class decode_exchange {
     held_ = true;
     combined_ = false;
     s.submit([this, x, ids, weights] { pack_dispatch(x, ids, weights); });
-    exchange(s);
+    exchange(s, dispatch_);
     s.submit([this, call] { unpack_dispatch(call); });
     return handle(this, call);
   }
@@ -146,7 +152,7 @@ class decode_exchange {
     bind_stream(s);
     combined_ = true;
     s.submit([this, y, call = h.call_] { pack_combine(y, call); });
-    exchange(s);
+    exchange(s, combine_);
     s.submit([this, y] { unpack_combine(y); });
     h.reset();
   }
@@ -166,59 +172,82 @@ class decode_exchange {
                  "decode_exchange: every call runs on the stream of the first call");
   }
 
-  // The one all-to-all of a phase: fixed-size messages, so counts never change.
-  void exchange(stream_type& s) {
-    weave::all_to_all_v(*comm_, s, send_.data(), counts_, displs_, recv_.data(), counts_, displs_,
-                        1);
+  // The messages of a phase: one per (slot, source), of a fixed size, so counts never change.
+  struct phase_layout {
+    std::size_t message_bytes = 0;
+    std::vector<std::int64_t> counts, displs; // bytes per peer
+    std::size_t bytes_per_peer() const noexcept { return static_cast<std::size_t>(counts[0]); }
+  };
+  phase_layout phase_of(std::size_t row_bytes, std::size_t D, std::size_t spd) const {
+    phase_layout p;
+    p.message_bytes = detail::decode_message_bytes(options_, row_bytes);
+    const std::size_t peer = checked_mul(spd, p.message_bytes, "bytes per peer");
+    for (std::size_t d = 0; d < D; ++d) {
+      p.counts.push_back(static_cast<std::int64_t>(peer));
+      p.displs.push_back(static_cast<std::int64_t>(checked_mul(d, peer, "displacement")));
+    }
+    return p;
+  }
+
+  // The one all-to-all of a phase.
+  void exchange(stream_type& s, const phase_layout& p) {
+    weave::all_to_all_v(*comm_, s, send_.data(), p.counts, p.displs, recv_.data(), p.counts,
+                        p.displs, 1);
   }
 
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
-  std::size_t world() const noexcept { return counts_.size(); }
-  std::byte* message(std::vector<std::byte>& buf, std::size_t rank, std::size_t l) noexcept {
-    return buf.data() + (rank * spd() + l) * message_bytes_;
+  std::size_t world() const noexcept { return dispatch_.counts.size(); }
+  static std::byte* message(std::vector<std::byte>& buf, std::size_t at, const phase_layout& p) {
+    return buf.data() + at * p.message_bytes;
   }
-  T* payload(std::vector<std::byte>& buf, std::size_t rank, std::size_t l) noexcept {
-    return reinterpret_cast<T*>(message(buf, rank, l) + sizeof(decode_header));
+  std::byte* message(std::vector<std::byte>& buf, std::size_t rank, std::size_t l,
+                     const phase_layout& p) noexcept {
+    return message(buf, rank * spd() + l, p);
   }
-  decode_header header(std::size_t rank, std::size_t l) noexcept {
+  std::byte* payload(std::vector<std::byte>& buf, std::size_t rank, std::size_t l,
+                     const phase_layout& p) noexcept {
+    return message(buf, rank, l, p) + sizeof(decode_header);
+  }
+  decode_header header(std::size_t rank, std::size_t l, const phase_layout& p) noexcept {
     decode_header h;
-    std::memcpy(&h, message(recv_, rank, l), sizeof h);
+    std::memcpy(&h, message(recv_, rank, l, p), sizeof h);
     return h;
   }
-  void put_header(std::size_t rank, std::size_t l, const decode_header& h) noexcept {
-    std::memcpy(message(send_, rank, l), &h, sizeof h);
+  void put_header(std::size_t rank, std::size_t l, const decode_header& h,
+                  const phase_layout& p) noexcept {
+    std::memcpy(message(send_, rank, l, p), &h, sizeof h);
   }
 
-  // Runs `fill`, which writes the send messages; on failure every header says so instead,
-  // and the failure is kept for this rank's own stream.
+  // Runs `fill`, which writes the send messages of phase `p`; on failure every header says so
+  // instead, and the failure is kept for this rank's own stream.
   template <class F>
-  void pack(F&& fill) noexcept {
+  void pack(F&& fill, const phase_layout& p) noexcept {
     local_failure_ = nullptr;
     try {
       fill();
       return;
     } catch (const error& e) {
       local_failure_ = std::current_exception();
-      mark_failed(e.code(), e.message());
+      mark_failed(e.code(), e.message(), p);
     } catch (const std::exception& e) {
       local_failure_ = std::current_exception();
-      mark_failed(errc::internal, e.what());
+      mark_failed(errc::internal, e.what(), p);
     }
   }
-  void mark_failed(errc code, const std::string& what) noexcept {
+  void mark_failed(errc code, const std::string& what, const phase_layout& p) noexcept {
     const decode_header h = detail::failed_header(rank_, code, what);
     for (std::size_t d = 0; d < world(); ++d)
       for (std::size_t l = 0; l < spd(); ++l)
-        put_header(d, l, h);
+        put_header(d, l, h, p);
   }
 
-  // Checks every received header: this rank's own failure first (the root cause), then the
-  // lowest failed peer's, then that each count fits its slot.
-  void check_headers() {
+  // Checks every received header of phase `p`: this rank's own failure first (the root
+  // cause), then the lowest failed peer's, then that each count fits its slot.
+  void check_headers(const phase_layout& p) {
     if (local_failure_)
       std::rethrow_exception(local_failure_);
     for (std::size_t d = 0; d < world(); ++d) {
-      const decode_header h = header(d, 0);
+      const decode_header h = header(d, 0, p);
       if (h.status != decode_status::ok) {
         throw peer_error(failure_record{static_cast<int>(d), static_cast<errc>(h.code), true,
                                         std::string(h.cause, ::strnlen(h.cause, sizeof h.cause))},
@@ -227,7 +256,7 @@ class decode_exchange {
     }
     for (std::size_t d = 0; d < world(); ++d)
       for (std::size_t l = 0; l < spd(); ++l) {
-        const decode_header h = header(d, l);
+        const decode_header h = header(d, l, p);
         WEAVE_EXPECT(h.source == static_cast<std::int32_t>(d) && h.rows >= 0 &&
                          static_cast<std::size_t>(h.rows) <= options_.max_tokens_per_rank,
                      errc::size_mismatch, "decode_exchange: message (slot ", l, ") from rank ", d,
@@ -236,92 +265,124 @@ class decode_exchange {
       }
   }
 
+  // Bytes of a dispatched row: T elements, or an FP8 row (codes, then scales).
+  std::size_t wire_row() const noexcept {
+    return options_.fp8_dispatch ? wire_.stride : options_.hidden * sizeof(T);
+  }
+  std::pair<token_view, token_view> wire_views(std::byte* base, std::size_t rows) const {
+    return wire_.views(base, rows, options_.fp8_dispatch->format);
+  }
+
   void pack_dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
                      std::span<const float> weights) {
-    pack([&] {
-      const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
-      const std::size_t tokens = detail::decode_call_tokens(options_, x.size(), ids.size(),
-                                                            weights.size(), "decode_exchange");
-      plan_.build(ids, weights); // the exchanges' one validation of ids and weights
-      weights_ = weights;
-      const std::span<const std::int32_t> kept = plan_.kept_experts();
-      std::fill(fill_.begin(), fill_.end(), 0);
-      for (std::size_t p = 0; p < tokens * k; ++p) {
-        pair_slot_[p] = -1;
-        if (kept[p] < 0)
-          continue;
-        const int slot = where_.slot_for(kept[p], p / k, rank_);
-        const std::int64_t pos = fill_[static_cast<std::size_t>(slot)]++;
-        pair_slot_[p] = slot;
-        pair_pos_[p] = pos;
-        const auto d = static_cast<std::size_t>(slot) / spd(),
-                   l = static_cast<std::size_t>(slot) % spd();
-        std::memcpy(payload(send_, d, l) + static_cast<std::size_t>(pos) * H,
-                    x.data() + (p / k) * H, H * sizeof(T));
-      }
-      put_counts(fill_);
-      tokens_ = tokens;
-    });
+    pack(
+        [&] {
+          const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
+          const std::size_t tokens = detail::decode_call_tokens(options_, x.size(), ids.size(),
+                                                                weights.size(), "decode_exchange");
+          plan_.build(ids, weights); // the exchanges' one validation of ids and weights
+          weights_ = weights;
+          const auto* rows = reinterpret_cast<const std::byte*>(x.data());
+          if (options_.fp8_dispatch) { // each token once; a NaN or an inf fails the call
+            const auto [codes, scales] = wire_views(token_wire_.data(), tokens);
+            quantize_rows(const_token_view(rows, tokens, H, dtype_of_v<T>), codes, scales,
+                          options_.fp8_dispatch->blocks);
+            rows = token_wire_.data();
+          }
+          const std::size_t row = wire_row();
+          const std::span<const std::int32_t> kept = plan_.kept_experts();
+          std::fill(fill_.begin(), fill_.end(), 0);
+          for (std::size_t p = 0; p < tokens * k; ++p) {
+            pair_slot_[p] = -1;
+            if (kept[p] < 0)
+              continue;
+            const int slot = where_.slot_for(kept[p], p / k, rank_);
+            const std::int64_t pos = fill_[static_cast<std::size_t>(slot)]++;
+            pair_slot_[p] = slot;
+            pair_pos_[p] = pos;
+            const auto d = static_cast<std::size_t>(slot) / spd(),
+                       l = static_cast<std::size_t>(slot) % spd();
+            std::memcpy(payload(send_, d, l, dispatch_) + static_cast<std::size_t>(pos) * row,
+                        rows + (p / k) * row, row);
+          }
+          put_counts(fill_, dispatch_);
+          tokens_ = tokens;
+        },
+        dispatch_);
   }
 
   // Headers of a successful pack: `rows[d * spd + l]` rows for slot l of rank d.
-  void put_counts(std::span<const std::int64_t> rows) noexcept {
+  void put_counts(std::span<const std::int64_t> rows, const phase_layout& p) noexcept {
     for (std::size_t d = 0; d < world(); ++d)
       for (std::size_t l = 0; l < spd(); ++l) {
         decode_header h;
         h.rows = rows[d * spd() + l];
         h.source = rank_;
-        put_header(d, l, h);
+        put_header(d, l, h, p);
       }
   }
 
   void unpack_dispatch(std::uint64_t call) {
     try {
-      check_headers();
+      check_headers(dispatch_);
     } catch (...) {
       failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
       throw;
     }
-    const std::size_t H = options_.hidden;
+    const bool fp8 = options_.fp8_dispatch.has_value();
+    const std::size_t row = wire_row();
     for (std::size_t l = 0; l < spd(); ++l) {
       std::size_t at = 0;
-      T* in = expert_in_.data() + l * slot_rows_ * H;
+      std::byte* in =
+          (fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data())) +
+          l * slot_rows_ * row;
       for (std::size_t d = 0; d < world(); ++d) {
-        const auto n = static_cast<std::size_t>(header(d, l).rows);
+        const auto n = static_cast<std::size_t>(header(d, l, dispatch_).rows);
         received_[l * world() + d] = static_cast<std::int64_t>(n);
-        std::memcpy(in + at * H, payload(recv_, d, l), n * H * sizeof(T));
+        std::memcpy(in + at * row, payload(recv_, d, l, dispatch_), n * row);
         at += n;
       }
       expert_rows_[l] = static_cast<std::int64_t>(at);
+      if (fp8 && options_.fp8_dispatch->dequantized_inputs) {
+        const auto [codes, scales] = wire_views(in, at);
+        dequantize_rows(codes, scales, expert_rows_view(expert_in_.data(), l, at),
+                        options_.fp8_dispatch->blocks);
+      }
     }
     arrived_.store(call, std::memory_order_release);
   }
+  token_view expert_rows_view(T* base, std::size_t l, std::size_t rows) const {
+    return token_view(reinterpret_cast<std::byte*>(base + l * slot_rows_ * options_.hidden), rows,
+                      options_.hidden, dtype_of_v<T>);
+  }
 
   void pack_combine(std::span<T> y, std::uint64_t call) {
-    pack([&] {
-      WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
-                   "decode_exchange::combine after a dispatch that failed");
-      WEAVE_EXPECT(y.size() == tokens_ * options_.hidden, errc::size_mismatch,
-                   "decode_exchange::combine: an output of ", y.size(), " elements for ", tokens_,
-                   " tokens of hidden = ", options_.hidden);
-      const std::size_t H = options_.hidden;
-      for (std::size_t l = 0; l < spd(); ++l) {
-        std::size_t at = 0;
-        const T* out = expert_out_.data() + l * slot_rows_ * H;
-        for (std::size_t d = 0; d < world(); ++d) {
-          const auto n = static_cast<std::size_t>(received_[l * world() + d]);
-          std::memcpy(payload(send_, d, l), out + at * H, n * H * sizeof(T));
-          fill_[d * spd() + l] = static_cast<std::int64_t>(n);
-          at += n;
-        }
-      }
-      put_counts(fill_);
-    });
+    pack(
+        [&] {
+          WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
+                       "decode_exchange::combine after a dispatch that failed");
+          WEAVE_EXPECT(y.size() == tokens_ * options_.hidden, errc::size_mismatch,
+                       "decode_exchange::combine: an output of ", y.size(), " elements for ",
+                       tokens_, " tokens of hidden = ", options_.hidden);
+          const std::size_t H = options_.hidden;
+          for (std::size_t l = 0; l < spd(); ++l) {
+            std::size_t at = 0;
+            const T* out = expert_out_.data() + l * slot_rows_ * H;
+            for (std::size_t d = 0; d < world(); ++d) {
+              const auto n = static_cast<std::size_t>(received_[l * world() + d]);
+              std::memcpy(payload(send_, d, l, combine_), out + at * H, n * H * sizeof(T));
+              fill_[d * spd() + l] = static_cast<std::int64_t>(n);
+              at += n;
+            }
+          }
+          put_counts(fill_, combine_);
+        },
+        combine_);
   }
 
   // The weighted sum of each token's returned rows, in choice order.
   void unpack_combine(std::span<T> y) {
-    check_headers();
+    check_headers(combine_);
     const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
     for (std::size_t t = 0; t < tokens_; ++t) {
       std::fill(sum_.begin(), sum_.end(), 0.0f);
@@ -331,11 +392,13 @@ class decode_exchange {
           continue;
         const auto d = static_cast<std::size_t>(slot) / spd(),
                    l = static_cast<std::size_t>(slot) % spd();
-        WEAVE_EXPECT(pair_pos_[t * k + j] < header(d, l).rows, errc::size_mismatch,
-                     "decode_exchange::combine: rank ", d, " returned ", header(d, l).rows,
-                     " rows of slot ", l, ", fewer than were sent");
+        const std::int64_t returned = header(d, l, combine_).rows;
+        WEAVE_EXPECT(pair_pos_[t * k + j] < returned, errc::size_mismatch,
+                     "decode_exchange::combine: rank ", d, " returned ", returned, " rows of slot ",
+                     l, ", fewer than were sent");
         const float w = weights_[t * k + j];
-        const T* row = payload(recv_, d, l) + static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
+        const T* row = reinterpret_cast<const T*>(payload(recv_, d, l, combine_)) +
+                       static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
         for (std::size_t i = 0; i < H; ++i)
           sum_[i] += w * static_cast<float>(row[i]);
       }
@@ -370,9 +433,22 @@ class decode_exchange {
     return expert_rows_[static_cast<std::size_t>(l)];
   }
   std::span<const T> expert_input(int l) const {
+    WEAVE_EXPECT(!options_.fp8_dispatch || options_.fp8_dispatch->dequantized_inputs,
+                 errc::invalid_state,
+                 "decode_exchange: an FP8 dispatch without dequantized_inputs delivers codes and "
+                 "scales only (input_codes, input_scales)");
     const auto n = static_cast<std::size_t>(received_rows(l));
     return {expert_in_.data() + static_cast<std::size_t>(l) * slot_rows_ * options_.hidden,
             n * options_.hidden};
+  }
+  std::pair<const_token_view, const_token_view> expert_wire(int l) const {
+    WEAVE_EXPECT(options_.fp8_dispatch.has_value(), errc::invalid_state,
+                 "decode_exchange: codes and scales exist with an FP8 dispatch only");
+    const auto n = static_cast<std::size_t>(received_rows(l));
+    auto* base = const_cast<std::byte*>(expert_wire_.data()) + // read-only views
+                 static_cast<std::size_t>(l) * slot_rows_ * wire_.stride;
+    const auto [codes, scales] = wire_views(base, n);
+    return {codes, scales};
   }
   std::span<T> expert_output(int l) const {
     const auto n = static_cast<std::size_t>(received_rows(l));
@@ -392,17 +468,20 @@ class decode_exchange {
   decode_options options_;
   int rank_ = 0;
   dispatch_plan plan_;
-  std::size_t message_bytes_ = 0, slot_rows_ = 0, tokens_ = 0;
-  std::vector<std::byte> send_, recv_;        // [rank][local slot][message]
-  std::vector<std::int64_t> counts_, displs_; // bytes per peer: fixed
-  std::vector<std::int32_t> pair_slot_;       // (token, choice) -> physical slot, or -1
-  std::vector<std::int64_t> pair_pos_;        // (token, choice) -> row in its slot's message
-  std::vector<std::int64_t> fill_;            // rows per (rank, local slot) being sent
-  std::vector<std::int64_t> received_;        // rows per (local slot, source)
-  std::vector<std::int64_t> expert_rows_;     // rows per local slot
-  std::vector<T> expert_in_, expert_out_;     // [local slot][D * max_tokens_per_rank][hidden]
-  std::vector<float> sum_;                    // one token's f32 accumulator
-  std::span<const float> weights_;            // the call's gate weights
+  std::size_t slot_rows_ = 0, tokens_ = 0;
+  phase_layout dispatch_, combine_;       // the two all-to-alls' messages
+  std::vector<std::byte> send_, recv_;    // [rank][local slot][message] of the larger phase
+  quantized_row_layout wire_;             // FP8 dispatch: a row's codes, then its scales
+  std::vector<std::byte> token_wire_;     // FP8 dispatch: the call's tokens quantised
+  std::vector<std::byte> expert_wire_;    // FP8 dispatch: [local slot][D * max tokens][wire row]
+  std::vector<std::int32_t> pair_slot_;   // (token, choice) -> physical slot, or -1
+  std::vector<std::int64_t> pair_pos_;    // (token, choice) -> row in its slot's message
+  std::vector<std::int64_t> fill_;        // rows per (rank, local slot) being sent
+  std::vector<std::int64_t> received_;    // rows per (local slot, source)
+  std::vector<std::int64_t> expert_rows_; // rows per local slot
+  std::vector<T> expert_in_, expert_out_; // [local slot][D * max_tokens_per_rank][hidden]
+  std::vector<float> sum_;                // one token's f32 accumulator
+  std::span<const float> weights_;        // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed

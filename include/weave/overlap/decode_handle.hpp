@@ -6,6 +6,7 @@
 #include "weave/comm/communicator.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
 
 #include <cstdint>
@@ -39,10 +40,22 @@ class decode_experts {
     return ex_->received_rows(l);
   }
   //! Local slot `l`'s input rows: source 0's, then source 1's, ... (`rows(l)` rows of
-  //! `hidden` elements; each source's in its token order).
+  //! `hidden` elements; each source's in its token order). With an FP8 dispatch these are the
+  //! dequantised rows, given when `dequantized_inputs` is set (`errc::invalid_state` otherwise).
   std::span<const element_type> input(int l) const {
     ex_->expect_arrived(call_);
     return ex_->expert_input(l);
+  }
+  //! With an FP8 dispatch (`decode_options::fp8_dispatch`): local slot `l`'s inputs as they
+  //! arrived, FP8 codes (`rows(l)` x hidden) and their f32 scales (`rows(l)` x hidden / block),
+  //! as two strided views of one packed buffer. `errc::invalid_state` without an FP8 dispatch.
+  const_token_view input_codes(int l) const {
+    ex_->expect_arrived(call_);
+    return ex_->expert_wire(l).first;
+  }
+  const_token_view input_scales(int l) const {
+    ex_->expect_arrived(call_);
+    return ex_->expert_wire(l).second;
   }
   //! Where the caller writes local slot `l`'s outputs, one row per input row, before `combine`.
   std::span<element_type> output(int l) const {

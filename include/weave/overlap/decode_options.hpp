@@ -12,12 +12,15 @@
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/overlap/layer_agreement.hpp"
+#include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string_view>
 
 WEAVE_NAMESPACE_BEGIN
@@ -27,6 +30,10 @@ struct decode_options {
   int k = 1;                           //!< experts chosen per token
   std::size_t hidden = 0;              //!< elements per token row
   std::size_t max_tokens_per_rank = 0; //!< the most tokens any rank passes to one call
+  //! Send the dispatch quantised to FP8 with block scales (DeepEP's low-latency FP8 dispatch;
+  //! see `fp8_dispatch_options`): the experts get the codes and scales, and the rows
+  //! dequantised when `dequantized_inputs` is set. The combine keeps the row type.
+  std::optional<fp8_dispatch_options> fp8_dispatch{};
 };
 
 //! Status word of a `decode_header`.
@@ -53,13 +60,22 @@ inline void check_decode_options(const decode_options& o) {
   WEAVE_EXPECT(o.hidden >= 1, errc::invalid_argument, "decode_options.hidden = ", o.hidden);
   WEAVE_EXPECT(o.max_tokens_per_rank >= 1, errc::invalid_argument,
                "decode_options.max_tokens_per_rank = ", o.max_tokens_per_rank);
+  if (o.fp8_dispatch)
+    check_quantization(o.hidden, o.fp8_dispatch->format, o.fp8_dispatch->blocks,
+                       "decode_options.fp8_dispatch");
 }
 
-//! Bytes of one (slot, source) message with elements of `element_bytes` (header + a full
-//! slot, rounded up to 16 so every header stays aligned).
-inline std::size_t decode_message_bytes(const decode_options& o, std::size_t element_bytes) {
-  const std::size_t payload = checked_mul(
-      checked_mul(o.max_tokens_per_rank, o.hidden, "slot elements"), element_bytes, "slot bytes");
+//! Bytes of one dispatched row on the wire: `row_bytes`, or the packed FP8 row (codes, then
+//! scales, 16-byte aligned) with an FP8 dispatch.
+inline std::size_t decode_wire_row_bytes(const decode_options& o, std::size_t row_bytes) {
+  return o.fp8_dispatch ? quantized_row_layout::of(o.hidden, o.fp8_dispatch->blocks.block).stride
+                        : row_bytes;
+}
+
+//! Bytes of one (slot, source) message of rows of `row_bytes` (header + a full slot, rounded
+//! up to 16 so every header stays aligned).
+inline std::size_t decode_message_bytes(const decode_options& o, std::size_t row_bytes) {
+  const std::size_t payload = checked_mul(o.max_tokens_per_rank, row_bytes, "slot bytes");
   const std::size_t bytes = checked_add(sizeof(decode_header), payload, "message bytes");
   return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
 }
@@ -106,6 +122,7 @@ Comm& agree_on_decode(Comm& comm, const placement& where, const decode_options& 
       .add_label("element type", static_cast<std::int64_t>(element),
                  [](std::int64_t v) { return to_string(static_cast<dtype>(v)); })
       .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank));
+  add_fp8_dispatch(f, o.fp8_dispatch);
   agree_on_config(comm, f, [&] {
     check_decode_options(o);
     WEAVE_EXPECT(o.k <= where.num_experts(), errc::invalid_argument, "decode_options.k = ", o.k,

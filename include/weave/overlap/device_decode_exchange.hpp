@@ -2,8 +2,9 @@
 //! `basic_device_decode_exchange<Space, Comm, T>`: the low-latency decode exchange
 //! (docs/decode.md) with every step where the data lives and no host synchronisation, so a
 //! call can be captured in a CUDA graph. `cuda_decode_exchange` (`cuda_decode_exchange.cuh`) is
-//! this class in `cuda_space`; in `host_space` the same steps run as host-stream tasks, which is
-//! how CI checks it against the host `decode_exchange` and a naive reference.
+//! this class in `cuda_space`; in `host_space` the same steps run as host-stream tasks (include
+//! `weave/routing/host_row_moves.hpp` and `host_quant_moves.hpp`), which is how CI checks it
+//! against the host `decode_exchange` and a naive reference.
 //!
 //! The protocol is `decode_exchange`'s: fixed per-(expert slot, source) receive slots of
 //! `max_tokens_per_rank` rows, each slot's row count and status in a header inside its message,
@@ -13,11 +14,11 @@
 //! experts read the received rows and their counts from memory of the space, in stream order.
 //!
 //! Fail-stop, without waiting for the device: a rank whose call is bad (shapes or more tokens
-//! than the slots hold, found on the host; ids or weights, found by a step) sends every message
-//! with the status `failed`; every rank that receives one marks the call failed, so its expert
-//! rows are empty and its output is all-ones bytes (NaN), and `check_errors` then throws on each
-//! rank: the rank's own typed error, else a `peer_error` naming the first failed peer and its
-//! cause. The next call works. Calls never throw for bad data; they throw only for misuse that
+//! than the slots hold, found on the host; ids, weights or, with an FP8 dispatch, a non-finite
+//! token, found by a step) sends every message with the status `failed`; every rank that
+//! receives one marks the call failed, so its expert rows are empty and its output is all-ones
+//! bytes (NaN), and `check_errors` then throws on each rank: the rank's own typed error, else a
+//! `peer_error` naming the first failed peer and its cause. The next call works. Calls never throw for bad data; they throw only for misuse that
 //! is local and stops before any collective (a second live handle, another stream).
 #pragma once
 
@@ -36,8 +37,10 @@
 #include "weave/overlap/device_decode_steps.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/device_dispatch_plan.hpp"
+#include "weave/routing/quantize.hpp"
 #include "weave/routing/row_moves.hpp"
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -57,19 +60,30 @@ WEAVE_NAMESPACE_BEGIN
 //! the same rows of `output`. A failed call has no valid rows.
 template <class T>
 struct device_decode_experts {
-  int local_experts = 0;              //!< local expert slots of this rank
-  int sources = 0;                    //!< ranks (each sends at most `max_tokens_per_rank` rows)
-  std::size_t hidden = 0;             //!< elements per row
-  std::size_t rows_per_expert = 0;    //!< room per slot: sources * max_tokens_per_rank rows
-  const T* input = nullptr;           //!< [local_experts][rows_per_expert][hidden]
-  T* output = nullptr;                //!< [local_experts][rows_per_expert][hidden]
-  const std::int64_t* rows = nullptr; //!< valid rows per slot [local_experts]
+  int local_experts = 0;           //!< local expert slots of this rank
+  int sources = 0;                 //!< ranks (each sends at most `max_tokens_per_rank` rows)
+  std::size_t hidden = 0;          //!< elements per row
+  std::size_t rows_per_expert = 0; //!< room per slot: sources * max_tokens_per_rank rows
+  //! [local_experts][rows_per_expert][hidden]; null with an FP8 dispatch that does not ask for
+  //! `dequantized_inputs`
+  const T* input = nullptr;
+  T* output = nullptr; //!< [local_experts][rows_per_expert][hidden]
+  //! FP8 dispatch: the rows as they arrived, codes [local_experts][rows_per_expert][hidden]
+  //! (e4m3 / e5m2 bytes) and f32 scales [local_experts][rows_per_expert][scales_per_row]
+  const std::byte* codes = nullptr;
+  const float* scales = nullptr;
+  std::size_t scales_per_row = 0;            //!< FP8 dispatch: hidden / block
+  const std::int64_t* rows = nullptr;        //!< valid rows per slot [local_experts]
   const std::int64_t* source_rows = nullptr; //!< rows per (slot, source) [local_experts][sources]
   const std::int64_t* source_offsets = nullptr; //!< first row of each (slot, source), same shape
   std::span<const std::int32_t> experts; //!< (host memory) logical expert of each slot, -1 empty
 
-  //! Local slot `l`'s input and output rows.
+  //! Local slot `l`'s input and output rows (and, with an FP8 dispatch, codes and scales).
   const T* input_of(int l) const noexcept { return input + offset(l); }
+  const std::byte* codes_of(int l) const noexcept { return codes + offset(l); }
+  const float* scales_of(int l) const noexcept {
+    return scales + static_cast<std::size_t>(l) * rows_per_expert * scales_per_row;
+  }
   T* output_of(int l) const noexcept { return output + offset(l); }
 
  private:
@@ -105,22 +119,16 @@ class basic_device_decode_exchange {
       , rank_(comm.rank())
       , table_host_(detail::replica_table(where_, comm.rank())) {
     const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
-    at_.D = comm.size();
-    at_.spd = where_.slots_per_device();
-    at_.M = static_cast<std::int64_t>(options_.max_tokens_per_rank);
-    at_.stride = checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16;
-    const std::size_t headers =
-        checked_mul(static_cast<std::size_t>(at_.spd), sizeof(decode_header), "header bytes");
-    at_.header_rows = static_cast<std::int64_t>((headers + at_.stride - 1) / at_.stride);
-    at_.block_rows = static_cast<std::int64_t>(checked_add(
-        static_cast<std::size_t>(at_.header_rows),
-        checked_mul(static_cast<std::size_t>(at_.spd), options_.max_tokens_per_rank, "rows"),
-        "rows per peer"));
-    (void)checked_mul(buffer_rows(), at_.stride, "message buffer bytes");
-    counts_.assign(static_cast<std::size_t>(at_.D), at_.block_rows);
-    displs_.resize(counts_.size());
-    for (std::size_t d = 0; d < counts_.size(); ++d)
-      displs_[d] = static_cast<std::int64_t>(d) * at_.block_rows;
+    at_ = layout(comm.size(), checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16);
+    if (options_.fp8_dispatch)
+      wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
+    dispatch_at_ = options_.fp8_dispatch ? layout(comm.size(), wire_.stride) : at_;
+    for (std::int64_t d = 0; d < at_.D; ++d) { // fixed: rows per peer
+      counts_.push_back(at_.block_rows);
+      displs_.push_back(d * at_.block_rows);
+      dispatch_counts_.push_back(dispatch_at_.block_rows);
+      dispatch_displs_.push_back(d * dispatch_at_.block_rows);
+    }
     for (int l = 0; l < at_.spd; ++l)
       local_experts_.push_back(where_.expert_of_slot(rank_ * static_cast<int>(at_.spd) + l));
   }
@@ -130,10 +138,10 @@ class basic_device_decode_exchange {
 
   const decode_options& options() const noexcept { return options_; }
   const placement& where() const noexcept { return where_; }
-  //! Bytes this rank sends to each peer per all-to-all (dispatch and combine alike).
-  std::size_t bytes_per_peer() const noexcept {
-    return static_cast<std::size_t>(at_.block_rows) * at_.stride;
-  }
+  //! Bytes this rank sends to each peer in a dispatch (FP8 rows with an FP8 dispatch).
+  std::size_t dispatch_bytes_per_peer() const noexcept { return bytes_per_peer(dispatch_at_); }
+  //! Bytes this rank sends to each peer in a combine (rows of T).
+  std::size_t combine_bytes_per_peer() const noexcept { return bytes_per_peer(at_); }
 
   //! Bytes of memory of the space `initialize` needs.
   std::size_t workspace_size() const {
@@ -151,8 +159,8 @@ class basic_device_decode_exchange {
                           table_host_.size() * sizeof(std::int32_t));
     Space::fill(stream, words_, 0, word_count * sizeof(std::uint32_t));
     Space::fill(stream, peer_, 0, sizeof(decode_header));
-    Space::fill(stream, send_, 0, buffer_rows() * at_.stride);
-    Space::fill(stream, recv_, 0, buffer_rows() * at_.stride);
+    Space::fill(stream, send_, 0, buffer_bytes());
+    Space::fill(stream, recv_, 0, buffer_bytes());
     wait_watched(*comm_, stream);
     initialized_ = true;
   }
@@ -178,7 +186,9 @@ class basic_device_decode_exchange {
     weights_ = weights.data();
     static_assert(call_failed == call_flags + 1); // the two per-call words, cleared together
     Space::fill(s, words_ + call_flags, 0, 2 * sizeof(std::uint32_t));
-    Space::fill(s, send_index_, 0xFF, buffer_rows() * sizeof(std::int64_t));
+    Space::fill(s, send_index_, 0xFF, buffer_rows(dispatch_at_) * sizeof(std::int64_t));
+    if (options_.fp8_dispatch)
+      Space::fill(s, bad_token_, 0xFF, sizeof(std::int64_t)); // -1: every token finite
     const auto n = static_cast<std::int64_t>(tokens);
     if (n > 0)
       Space::for_each(s, n,
@@ -187,20 +197,19 @@ class basic_device_decode_exchange {
                           table_ + where_.num_experts(), table_ + 2 * where_.num_experts() + 1,
                           pair_slot_, words_ + call_flags});
     Space::for_each(s, slots(),
-                    detail::decode_position_step{at_, n * k, options_.k, pair_slot_, pair_pos_,
-                                                 slot_rows_, send_index_});
+                    detail::decode_position_step{dispatch_at_, n * k, options_.k, pair_slot_,
+                                                 pair_pos_, slot_rows_, send_index_});
     if (n > 0)
-      moves::gather(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens), buffer(send_),
-                    send_index_, nullptr, nullptr);
-    send_headers(s, rejected, slot_rows_, at_.spd, 1);
+      send_rows(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens));
+    send_headers(s, dispatch_at_, rejected, slot_rows_, at_.spd, 1);
     Space::for_each(s, at_.spd,
-                    detail::decode_receive_step{at_, recv_, rank_, nullptr, source_rows_,
+                    detail::decode_receive_step{dispatch_at_, recv_, rank_, nullptr, source_rows_,
                                                 source_offsets_, expert_rows_, words_ + call_failed,
                                                 words_ + sticky_error, peer_});
     Space::for_each(s, expert_capacity(),
-                    detail::decode_expert_index_step{at_, source_rows_, source_offsets_,
+                    detail::decode_expert_index_step{dispatch_at_, source_rows_, source_offsets_,
                                                      expert_rows_, expert_index_});
-    moves::gather(s, buffer(recv_), experts_rows(expert_in_), expert_index_, nullptr, nullptr);
+    receive_rows(s);
     return handle(this, calls_);
   }
 
@@ -224,10 +233,10 @@ class basic_device_decode_exchange {
     }
     Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
     Space::for_each(
-        s, static_cast<std::int64_t>(buffer_rows()),
+        s, static_cast<std::int64_t>(buffer_rows(at_)),
         detail::decode_return_index_step{at_, source_rows_, source_offsets_, send_index_});
-    moves::gather(s, experts_rows(expert_out_), buffer(send_), send_index_, nullptr, nullptr);
-    send_headers(s, rejected, source_rows_, 1, at_.D);
+    moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), send_index_, nullptr, nullptr);
+    send_headers(s, at_, rejected, source_rows_, 1, at_.D);
     Space::for_each(s, at_.spd,
                     detail::decode_receive_step{at_, recv_, rank_, slot_rows_, nullptr, nullptr,
                                                 nullptr, words_ + call_failed,
@@ -238,7 +247,7 @@ class basic_device_decode_exchange {
       Space::for_each(s, pairs,
                       detail::decode_pair_row_step{at_, pair_slot_, pair_pos_, words_ + call_failed,
                                                    pair_row_});
-      moves::merge(s, buffer(recv_), rows(reinterpret_cast<std::byte*>(y.data()), tokens_),
+      moves::merge(s, buffer(recv_, at_), rows(reinterpret_cast<std::byte*>(y.data()), tokens_),
                    pair_row_, options_.k, weights_, nullptr, false);
     }
     Space::for_each(s, 1,
@@ -263,7 +272,7 @@ class basic_device_decode_exchange {
     wait_watched(*comm_, stream);
     if (pending_)
       std::rethrow_exception(std::exchange(pending_, nullptr));
-    device_dispatch_plan<Space>::throw_plan_errors(flags & 0xFFu, where_.num_experts());
+    throw_flagged(flags);
     if (peer.status != decode_status::ok)
       throw peer_error(peer_record(peer), "device_decode_exchange");
     WEAVE_EXPECT((flags & device_decode_bad_message) == 0, errc::size_mismatch,
@@ -274,6 +283,7 @@ class basic_device_decode_exchange {
  private:
   friend handle;
   using moves = row_moves<Space>;
+  using quant = quant_moves<Space>;
   enum word : std::size_t { call_flags, call_failed, sticky_error, word_count };
 
   device_decode_experts<T> experts_of(std::uint64_t) const {
@@ -282,7 +292,13 @@ class basic_device_decode_exchange {
     v.sources = static_cast<int>(at_.D);
     v.hidden = options_.hidden;
     v.rows_per_expert = static_cast<std::size_t>(at_.D * at_.M);
-    v.input = reinterpret_cast<const T*>(expert_in_);
+    const bool fp8 = options_.fp8_dispatch.has_value();
+    v.input = fp8 && !options_.fp8_dispatch->dequantized_inputs
+                  ? nullptr
+                  : reinterpret_cast<const T*>(expert_in_);
+    v.codes = expert_codes_;
+    v.scales = expert_scales_;
+    v.scales_per_row = scales_per_row();
     v.output = reinterpret_cast<T*>(expert_out_);
     v.rows = expert_rows_;
     v.source_rows = source_rows_;
@@ -326,24 +342,70 @@ class basic_device_decode_exchange {
     return detail::failed_header(rank_, r.code, r.message);
   }
 
+  // Throws for a sender's flags (this rank's, or a failed peer's header's).
+  void throw_flagged(std::uint32_t flags) const {
+    device_dispatch_plan<Space>::throw_plan_errors(flags & 0xFFu, where_.num_experts());
+    WEAVE_EXPECT((flags & device_decode_nonfinite) == 0, errc::invalid_argument,
+                 "a token holds a NaN or an infinity: the FP8 dispatch "
+                 "(decode_options::fp8_dispatch) cannot scale it, and the call failed");
+  }
+
   // A failed peer's header as its failure: the cause it sent, or the one its flags name.
   failure_record peer_record(const decode_header& h) const {
     const std::size_t n = ::strnlen(h.cause, sizeof h.cause);
     if (n > 0)
       return {h.source, static_cast<errc>(h.code), true, std::string(h.cause, n)};
-    return record_of_call(h.source, [&] {
-      device_dispatch_plan<Space>::throw_plan_errors(static_cast<std::uint32_t>(h.flags),
-                                                     where_.num_experts());
-    });
+    return record_of_call(h.source, [&] { throw_flagged(static_cast<std::uint32_t>(h.flags)); });
   }
 
   // The headers of a phase's messages, then its one all-to-all of fixed-size messages.
-  void send_headers(stream_arg s, const decode_header& rejected, const std::int64_t* counts,
-                    std::int64_t per_rank, std::int64_t per_slot) {
+  void send_headers(stream_arg s, const detail::decode_layout& at, const decode_header& rejected,
+                    const std::int64_t* counts, std::int64_t per_rank, std::int64_t per_slot) {
+    const bool dispatch = &at == &dispatch_at_;
     Space::for_each(s, slots(),
-                    detail::decode_header_step{at_, send_, rejected, counts, per_rank, per_slot,
-                                               words_ + call_flags, words_ + sticky_error, rank_});
-    all_to_all_v(*comm_, s, send_, counts_, displs_, recv_, counts_, displs_, at_.stride);
+                    detail::decode_header_step{
+                        at, send_, rejected, counts, per_rank, per_slot, words_ + call_flags,
+                        dispatch && options_.fp8_dispatch ? bad_token_ : nullptr,
+                        words_ + sticky_error, rank_});
+    const std::vector<std::int64_t>& c = dispatch ? dispatch_counts_ : counts_;
+    const std::vector<std::int64_t>& d = dispatch ? dispatch_displs_ : displs_;
+    all_to_all_v(*comm_, s, send_, c, d, recv_, c, d, at.stride);
+  }
+
+  // The dispatch's rows into their slots: copied, or quantised (each token once per slot).
+  void send_rows(stream_arg s, const const_token_view& x) {
+    if (!options_.fp8_dispatch) {
+      moves::gather(s, x, buffer(send_, at_), send_index_, nullptr, nullptr);
+      return;
+    }
+    const auto [codes, scales] =
+        wire_.views(send_, buffer_rows(dispatch_at_), options_.fp8_dispatch->format, Space::memory);
+    quant::quantize(s, x, codes, scales, send_index_, nullptr, options_.fp8_dispatch->blocks,
+                    bad_token_);
+  }
+
+  // The received rows into the experts' layout: rows of T; with an FP8 dispatch codes and
+  // scales, and their dequantised rows when asked for.
+  void receive_rows(stream_arg s) {
+    const auto capacity = static_cast<std::size_t>(expert_capacity());
+    if (!options_.fp8_dispatch) {
+      moves::gather(s, buffer(recv_, at_), experts_rows(expert_in_), expert_index_, nullptr,
+                    nullptr);
+      return;
+    }
+    const fp8_dispatch_options& f = *options_.fp8_dispatch;
+    const auto [codes, scales] =
+        wire_.views(recv_, buffer_rows(dispatch_at_), f.format, Space::memory);
+    moves::gather(s, codes,
+                  token_view(expert_codes_, capacity, options_.hidden, f.format, Space::memory),
+                  expert_index_, nullptr, nullptr);
+    moves::gather(s, scales,
+                  token_view(reinterpret_cast<std::byte*>(expert_scales_), capacity,
+                             scales_per_row(), dtype::f32, Space::memory),
+                  expert_index_, nullptr, nullptr);
+    if (f.dequantized_inputs)
+      quant::dequantize(s, codes, scales, experts_rows(expert_in_), expert_index_, nullptr,
+                        f.blocks);
   }
 
   void release_handle(std::uint64_t) noexcept {
@@ -353,18 +415,46 @@ class basic_device_decode_exchange {
     held_ = false;
   }
 
-  std::int64_t slots() const noexcept { return at_.D * at_.spd; }
-  std::size_t buffer_rows() const noexcept {
-    return static_cast<std::size_t>(at_.D * at_.block_rows);
+  // The message layout of rows of `stride` bytes (see device_decode_steps.hpp).
+  detail::decode_layout layout(int ranks, std::size_t stride) const {
+    detail::decode_layout at;
+    at.D = ranks;
+    at.spd = where_.slots_per_device();
+    at.M = static_cast<std::int64_t>(options_.max_tokens_per_rank);
+    at.stride = stride;
+    const std::size_t headers =
+        checked_mul(static_cast<std::size_t>(at.spd), sizeof(decode_header), "header bytes");
+    at.header_rows = static_cast<std::int64_t>((headers + stride - 1) / stride);
+    at.block_rows = static_cast<std::int64_t>(checked_add(
+        static_cast<std::size_t>(at.header_rows),
+        checked_mul(static_cast<std::size_t>(at.spd), options_.max_tokens_per_rank, "rows"),
+        "rows per peer"));
+    (void)checked_mul(checked_mul(static_cast<std::size_t>(at.D),
+                                  static_cast<std::size_t>(at.block_rows), "rows"),
+                      stride, "message buffer bytes");
+    return at;
   }
+  static std::size_t bytes_per_peer(const detail::decode_layout& at) noexcept {
+    return static_cast<std::size_t>(at.block_rows) * at.stride;
+  }
+  static std::size_t buffer_rows(const detail::decode_layout& at) noexcept {
+    return static_cast<std::size_t>(at.D * at.block_rows);
+  }
+  std::size_t buffer_bytes() const noexcept {
+    return std::max(buffer_rows(at_) * at_.stride, buffer_rows(dispatch_at_) * dispatch_at_.stride);
+  }
+  std::size_t scales_per_row() const noexcept {
+    return options_.fp8_dispatch ? options_.hidden / options_.fp8_dispatch->blocks.block : 0;
+  }
+  std::int64_t slots() const noexcept { return at_.D * at_.spd; }
   std::int64_t expert_capacity() const noexcept { return at_.spd * at_.D * at_.M; }
   template <class Byte>
   basic_token_view<Byte> rows(Byte* p, std::size_t n) const {
     return basic_token_view<Byte>(p, n, options_.hidden, dtype_of_v<T>, Space::memory);
   }
-  token_view buffer(std::byte* p) const {
-    return token_view(p, buffer_rows(), options_.hidden, dtype_of_v<T>, Space::memory, -1,
-                      at_.stride);
+  token_view buffer(std::byte* p, const detail::decode_layout& at) const {
+    return token_view(p, buffer_rows(at), options_.hidden, dtype_of_v<T>, Space::memory, -1,
+                      at.stride);
   }
   token_view experts_rows(std::byte* p) const {
     return rows(p, static_cast<std::size_t>(expert_capacity()));
@@ -382,8 +472,8 @@ class basic_device_decode_exchange {
     set(self.table_, self.table_host_.size());
     set(self.words_, std::size_t{word_count});
     set(self.peer_, 1);
-    set(self.send_, self.buffer_rows() * self.at_.stride);
-    set(self.recv_, self.buffer_rows() * self.at_.stride);
+    set(self.send_, self.buffer_bytes());
+    set(self.recv_, self.buffer_bytes());
     set(self.expert_in_, expert_bytes);
     set(self.expert_out_, expert_bytes);
     set(self.pair_slot_, pairs);
@@ -393,7 +483,13 @@ class basic_device_decode_exchange {
     set(self.source_rows_, slots);
     set(self.source_offsets_, slots);
     set(self.expert_rows_, static_cast<std::size_t>(self.at_.spd));
-    set(self.send_index_, self.buffer_rows());
+    set(self.send_index_, std::max(buffer_rows(self.at_), buffer_rows(self.dispatch_at_)));
+    if (self.options_.fp8_dispatch) {
+      const auto capacity = static_cast<std::size_t>(self.expert_capacity());
+      set(self.bad_token_, 1);
+      set(self.expert_codes_, checked_mul(capacity, self.options_.hidden, "codes"));
+      set(self.expert_scales_, checked_mul(capacity, self.scales_per_row(), "scales"));
+    }
     set(self.expert_index_, static_cast<std::size_t>(self.expert_capacity()));
     return c;
   }
@@ -402,9 +498,11 @@ class basic_device_decode_exchange {
   placement where_;
   decode_options options_;
   int rank_ = 0;
-  detail::decode_layout at_;
+  detail::decode_layout at_, dispatch_at_; // the combine's messages (rows of T), the dispatch's
+  quantized_row_layout wire_;              // FP8 dispatch: a row's codes, then its scales
   std::vector<std::int32_t> table_host_, local_experts_;
-  std::vector<std::int64_t> counts_, displs_; // rows per peer: fixed
+  std::vector<std::int64_t> counts_, displs_;                   // combine: rows per peer
+  std::vector<std::int64_t> dispatch_counts_, dispatch_displs_; // dispatch: rows per peer
   // Memory of the space, carved by `initialize`.
   std::int32_t* table_ = nullptr;
   std::uint32_t* words_ = nullptr; // call flags, call failed, sticky error
@@ -414,6 +512,9 @@ class basic_device_decode_exchange {
   std::int64_t *pair_pos_ = nullptr, *pair_row_ = nullptr, *slot_rows_ = nullptr;
   std::int64_t *source_rows_ = nullptr, *source_offsets_ = nullptr, *expert_rows_ = nullptr;
   std::int64_t *send_index_ = nullptr, *expert_index_ = nullptr;
+  std::int64_t* bad_token_ = nullptr; // FP8 dispatch: the call's first non-finite token, or -1
+  std::byte* expert_codes_ = nullptr; // FP8 dispatch: [slot][D * max tokens][hidden]
+  float* expert_scales_ = nullptr;    // FP8 dispatch: [slot][D * max tokens][hidden / block]
   // The call in flight, as the host issued it.
   std::size_t tokens_ = 0;
   bool rejected_ = false, held_ = false, combined_ = false, initialized_ = false;

@@ -21,6 +21,9 @@ WEAVE_NAMESPACE_BEGIN
 //! Bit of a device decode exchange's error word: a message whose header contradicts the layer
 //! (a row count outside the slot, another source, or fewer rows returned than were sent).
 inline constexpr std::uint32_t device_decode_bad_message = 1u << 8;
+//! Bit of a device decode exchange's error word and of a failed header's flags: with an FP8
+//! dispatch, a token held a NaN or an infinity (the call fails on every rank).
+inline constexpr std::uint32_t device_decode_nonfinite = 1u << 9;
 
 namespace detail {
 
@@ -88,8 +91,9 @@ struct decode_position_step {
 };
 
 // Per (rank d, local slot l) message: its header. `rejected` is the host's failure of this call
-// (status `ok` when none); the call's flagged choices fail it too; else the header carries
-// rows[d * rows_d + l * rows_l]. Index 0 also adds the call's flags to the sticky error word.
+// (status `ok` when none); the call's flagged choices, or a non-finite token of an FP8 dispatch
+// (`bad_token` >= 0), fail it too; else the header carries rows[d * rows_d + l * rows_l].
+// Index 0 also adds the call's flags to the sticky error word.
 struct decode_header_step {
   decode_layout at;
   std::byte* send;
@@ -97,13 +101,15 @@ struct decode_header_step {
   const std::int64_t* rows;
   std::int64_t rows_d, rows_l;
   const std::uint32_t* call_flags;
+  const std::int64_t* bad_token; // FP8 dispatch: the first non-finite token, or -1; else null
   std::uint32_t* error;
   int rank;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t s) const {
     const std::int64_t d = s / at.spd, l = s % at.spd;
     decode_header h;
-    const std::uint32_t flags = *call_flags;
+    const std::uint32_t flags =
+        *call_flags | (bad_token != nullptr && *bad_token >= 0 ? device_decode_nonfinite : 0u);
     if (rejected.status != decode_status::ok) {
       h = rejected;
     } else if (flags != 0) {

@@ -16,6 +16,7 @@
 #include "weave/placement/placement.hpp"
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -46,6 +47,18 @@ inline const char* rounding_label(std::int64_t v) {
   return label_in(names, v);
 }
 
+// The FP8 dispatch fields of a layer's fingerprint: what the senders quantise with must be what
+// the receivers read. Whether a rank also dequantises on arrival is its own business.
+inline void add_fp8_dispatch(config_fingerprint& f,
+                             const std::optional<fp8_dispatch_options>& fp8) {
+  const fp8_dispatch_options q = fp8.value_or(fp8_dispatch_options{});
+  f.add_flag("fp8_dispatch", fp8.has_value())
+      .add_label("fp8_dispatch format", fp8 ? static_cast<std::int64_t>(q.format) : 0, dtype_label)
+      .add("fp8_dispatch block", fp8 ? static_cast<std::int64_t>(q.blocks.block) : 0)
+      .add("fp8_dispatch scale rounding", fp8 ? static_cast<std::int64_t>(q.blocks.rounding) : 0)
+      .add_real("fp8_dispatch min_amax", fp8 ? q.blocks.min_amax : 0.0);
+}
+
 } // namespace detail
 
 //! The fingerprint of an MoE layer built as `kind` ("moe_exchange" or "device_exchange") over
@@ -72,17 +85,7 @@ inline config_fingerprint layer_fingerprint(const std::string& kind, const place
       .add_flag("save_for_backward", o.save_for_backward)
       .add_flag("static_shape", o.static_shape)
       .add("static_rows_per_peer", static_cast<std::int64_t>(o.static_rows_per_peer));
-  // FP8 dispatch: what the senders quantise with must be what the receivers read. Whether
-  // a rank also dequantises on arrival is its own business.
-  const fp8_dispatch_options none{};
-  const fp8_dispatch_options& q = o.fp8_dispatch ? *o.fp8_dispatch : none;
-  f.add_flag("fp8_dispatch", o.fp8_dispatch.has_value())
-      .add_label("fp8_dispatch format", o.fp8_dispatch ? static_cast<std::int64_t>(q.format) : 0,
-                 detail::dtype_label)
-      .add("fp8_dispatch block", o.fp8_dispatch ? static_cast<std::int64_t>(q.blocks.block) : 0)
-      .add("fp8_dispatch scale rounding",
-           o.fp8_dispatch ? static_cast<std::int64_t>(q.blocks.rounding) : 0)
-      .add_real("fp8_dispatch min_amax", o.fp8_dispatch ? q.blocks.min_amax : 0.0);
+  detail::add_fp8_dispatch(f, o.fp8_dispatch);
   return f;
 }
 
