@@ -64,6 +64,29 @@ TEST_CASE("device decode exchange: ranks built differently fail construction on 
     CHECK(codes[r] == weave::errc::config_mismatch);
     CHECK(messages[r].find("max_tokens_per_rank") != std::string::npos);
   }
+  // An FP8 dispatch on one rank only: both exchanges refuse it on every rank, naming it.
+  for (const bool device : {true, false}) {
+    CAPTURE(device);
+    world.run([&](local& c) {
+      const auto r = static_cast<std::size_t>(c.rank());
+      weave::decode_options o = decode_test::fp8_options(true);
+      if (c.rank() == 1)
+        o.fp8_dispatch.reset();
+      const auto where = weave::placement::contiguous(4, 2);
+      const auto got = decode_test::outcome_of([&] {
+        if (device)
+          decode_test::device_decode<local, float> ex(c, where, o);
+        else
+          weave::decode_exchange<local, float> ex(c, where, o);
+      });
+      codes[r] = got.code;
+      messages[r] = got.message;
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      CHECK(codes[r] == weave::errc::config_mismatch);
+      CHECK(messages[r].find("fp8_dispatch") != std::string::npos);
+    }
+  }
 }
 
 TEST_CASE("device decode exchange refuses calls before initialize, a second handle, another "

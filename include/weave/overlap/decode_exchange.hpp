@@ -9,6 +9,10 @@
 //! - rows are sent once per (token, expert) pair; the gate weights stay on the source rank,
 //!   which sums the returned expert outputs in token order (choice order within a token).
 //!
+//! With `decode_options::fp8_dispatch` the dispatch sends each token quantised to FP8 with one
+//! scale per block (codes, then scales, in one wire row) and the experts get codes, scales and,
+//! on request, the dequantised rows; the combine keeps T.
+//!
 //! Full slots cannot happen: a token sends at most one row to each expert slot (its k experts
 //! are distinct, and a slot holds one expert), so a slot receives at most as many rows as its
 //! source has tokens. A call of more than `max_tokens_per_rank` tokens is refused with
