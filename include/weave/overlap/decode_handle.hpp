@@ -1,6 +1,7 @@
 //! \file
-//! `decode_handle` and `decode_experts`: a decode exchange's call between its dispatch and its
-//! combine, and (for the host `decode_exchange`) the view of its expert rows.
+//! `decode_handle`, `decode_experts` and `device_decode_experts`: a decode exchange's call
+//! between its dispatch and its combine, and the views of its expert rows (of the host
+//! `decode_exchange`, and of the device exchange).
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -9,6 +10,7 @@
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -70,6 +72,45 @@ class decode_experts {
       , call_(call) {}
   const Exchange* ex_;
   std::uint64_t call_;
+};
+
+//! The expert rows of a device decode call: pointers into memory of the space, whose contents
+//! are valid in stream order, after the dispatch and before the combine. Local slot l's inputs
+//! are `rows_per_expert` rows of `hidden` elements at `input + l * rows_per_expert * hidden`,
+//! of which the first `rows[l]` are valid (source 0's, then source 1's, ...); its outputs go to
+//! the same rows of `output`. A failed call has no valid rows.
+template <class T>
+struct device_decode_experts {
+  int local_experts = 0;           //!< local expert slots of this rank
+  int sources = 0;                 //!< ranks (each sends at most `max_tokens_per_rank` rows)
+  std::size_t hidden = 0;          //!< elements per row
+  std::size_t rows_per_expert = 0; //!< room per slot: sources * max_tokens_per_rank rows
+  //! [local_experts][rows_per_expert][hidden]; null with an FP8 dispatch that does not ask for
+  //! `dequantized_inputs`
+  const T* input = nullptr;
+  T* output = nullptr; //!< [local_experts][rows_per_expert][hidden]
+  //! FP8 dispatch: the rows as they arrived, codes [local_experts][rows_per_expert][hidden]
+  //! (e4m3 / e5m2 bytes) and f32 scales [local_experts][rows_per_expert][scales_per_row]
+  const std::byte* codes = nullptr;
+  const float* scales = nullptr;
+  std::size_t scales_per_row = 0;            //!< FP8 dispatch: hidden / block
+  const std::int64_t* rows = nullptr;        //!< valid rows per slot [local_experts]
+  const std::int64_t* source_rows = nullptr; //!< rows per (slot, source) [local_experts][sources]
+  const std::int64_t* source_offsets = nullptr; //!< first row of each (slot, source), same shape
+  std::span<const std::int32_t> experts; //!< (host memory) logical expert of each slot, -1 empty
+
+  //! Local slot `l`'s input and output rows (and, with an FP8 dispatch, codes and scales).
+  const T* input_of(int l) const noexcept { return input + offset(l); }
+  const std::byte* codes_of(int l) const noexcept { return codes + offset(l); }
+  const float* scales_of(int l) const noexcept {
+    return scales + static_cast<std::size_t>(l) * rows_per_expert * scales_per_row;
+  }
+  T* output_of(int l) const noexcept { return output + offset(l); }
+
+ private:
+  std::size_t offset(int l) const noexcept {
+    return static_cast<std::size_t>(l) * rows_per_expert * hidden;
+  }
 };
 
 //! A decode call between its dispatch and its combine (`combine` releases it). Move-only.

@@ -18,8 +18,9 @@
 //! token, found by a step) sends every message with the status `failed`; every rank that
 //! receives one marks the call failed, so its expert rows are empty and its output is all-ones
 //! bytes (NaN), and `check_errors` then throws on each rank: the rank's own typed error, else a
-//! `peer_error` naming the first failed peer and its cause. The next call works. Calls never throw for bad data; they throw only for misuse that
-//! is local and stops before any collective (a second live handle, another stream).
+//! `peer_error` naming the first failed peer and its cause. The next call works. Calls never throw
+//! for bad data; they throw only for misuse that is local and stops before any collective (a second
+//! live handle, another stream).
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -53,45 +54,6 @@
 
 WEAVE_NAMESPACE_BEGIN
 
-//! The expert rows of a device decode call: pointers into memory of the space, whose contents
-//! are valid in stream order, after the dispatch and before the combine. Local slot l's inputs
-//! are `rows_per_expert` rows of `hidden` elements at `input + l * rows_per_expert * hidden`,
-//! of which the first `rows[l]` are valid (source 0's, then source 1's, ...); its outputs go to
-//! the same rows of `output`. A failed call has no valid rows.
-template <class T>
-struct device_decode_experts {
-  int local_experts = 0;           //!< local expert slots of this rank
-  int sources = 0;                 //!< ranks (each sends at most `max_tokens_per_rank` rows)
-  std::size_t hidden = 0;          //!< elements per row
-  std::size_t rows_per_expert = 0; //!< room per slot: sources * max_tokens_per_rank rows
-  //! [local_experts][rows_per_expert][hidden]; null with an FP8 dispatch that does not ask for
-  //! `dequantized_inputs`
-  const T* input = nullptr;
-  T* output = nullptr; //!< [local_experts][rows_per_expert][hidden]
-  //! FP8 dispatch: the rows as they arrived, codes [local_experts][rows_per_expert][hidden]
-  //! (e4m3 / e5m2 bytes) and f32 scales [local_experts][rows_per_expert][scales_per_row]
-  const std::byte* codes = nullptr;
-  const float* scales = nullptr;
-  std::size_t scales_per_row = 0;            //!< FP8 dispatch: hidden / block
-  const std::int64_t* rows = nullptr;        //!< valid rows per slot [local_experts]
-  const std::int64_t* source_rows = nullptr; //!< rows per (slot, source) [local_experts][sources]
-  const std::int64_t* source_offsets = nullptr; //!< first row of each (slot, source), same shape
-  std::span<const std::int32_t> experts; //!< (host memory) logical expert of each slot, -1 empty
-
-  //! Local slot `l`'s input and output rows (and, with an FP8 dispatch, codes and scales).
-  const T* input_of(int l) const noexcept { return input + offset(l); }
-  const std::byte* codes_of(int l) const noexcept { return codes + offset(l); }
-  const float* scales_of(int l) const noexcept {
-    return scales + static_cast<std::size_t>(l) * rows_per_expert * scales_per_row;
-  }
-  T* output_of(int l) const noexcept { return output + offset(l); }
-
- private:
-  std::size_t offset(int l) const noexcept {
-    return static_cast<std::size_t>(l) * rows_per_expert * hidden;
-  }
-};
-
 //! The decode exchange of rank `comm.rank()` in `Space` for rows of `T` (`float`, `bfloat16`,
 //! `half`; sums in f32): see the file comment. Construct, allocate `workspace_size()` bytes of
 //! memory of the space (256-byte aligned), `initialize` once; calls then allocate nothing. One
@@ -119,10 +81,14 @@ class basic_device_decode_exchange {
       , rank_(comm.rank())
       , table_host_(detail::replica_table(where_, comm.rank())) {
     const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
-    at_ = layout(comm.size(), checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16);
+    const auto spd = where_.slots_per_device();
+    const std::size_t M = options_.max_tokens_per_rank;
+    at_ = detail::decode_layout::of(comm.size(), spd, M,
+                                    checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16);
     if (options_.fp8_dispatch)
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
-    dispatch_at_ = options_.fp8_dispatch ? layout(comm.size(), wire_.stride) : at_;
+    dispatch_at_ =
+        options_.fp8_dispatch ? detail::decode_layout::of(comm.size(), spd, M, wire_.stride) : at_;
     for (std::int64_t d = 0; d < at_.D; ++d) { // fixed: rows per peer
       counts_.push_back(at_.block_rows);
       displs_.push_back(d * at_.block_rows);
@@ -139,9 +105,9 @@ class basic_device_decode_exchange {
   const decode_options& options() const noexcept { return options_; }
   const placement& where() const noexcept { return where_; }
   //! Bytes this rank sends to each peer in a dispatch (FP8 rows with an FP8 dispatch).
-  std::size_t dispatch_bytes_per_peer() const noexcept { return bytes_per_peer(dispatch_at_); }
+  std::size_t dispatch_bytes_per_peer() const noexcept { return dispatch_at_.bytes_per_peer(); }
   //! Bytes this rank sends to each peer in a combine (rows of T).
-  std::size_t combine_bytes_per_peer() const noexcept { return bytes_per_peer(at_); }
+  std::size_t combine_bytes_per_peer() const noexcept { return at_.bytes_per_peer(); }
 
   //! Bytes of memory of the space `initialize` needs.
   std::size_t workspace_size() const {
@@ -186,7 +152,7 @@ class basic_device_decode_exchange {
     weights_ = weights.data();
     static_assert(call_failed == call_flags + 1); // the two per-call words, cleared together
     Space::fill(s, words_ + call_flags, 0, 2 * sizeof(std::uint32_t));
-    Space::fill(s, send_index_, 0xFF, buffer_rows(dispatch_at_) * sizeof(std::int64_t));
+    Space::fill(s, send_index_, 0xFF, dispatch_at_.rows() * sizeof(std::int64_t));
     if (options_.fp8_dispatch)
       Space::fill(s, bad_token_, 0xFF, sizeof(std::int64_t)); // -1: every token finite
     const auto n = static_cast<std::int64_t>(tokens);
@@ -233,7 +199,7 @@ class basic_device_decode_exchange {
     }
     Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
     Space::for_each(
-        s, static_cast<std::int64_t>(buffer_rows(at_)),
+        s, static_cast<std::int64_t>(at_.rows()),
         detail::decode_return_index_step{at_, source_rows_, source_offsets_, send_index_});
     moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), send_index_, nullptr, nullptr);
     send_headers(s, at_, rejected, source_rows_, 1, at_.D);
@@ -379,7 +345,7 @@ class basic_device_decode_exchange {
       return;
     }
     const auto [codes, scales] =
-        wire_.views(send_, buffer_rows(dispatch_at_), options_.fp8_dispatch->format, Space::memory);
+        wire_.views(send_, dispatch_at_.rows(), options_.fp8_dispatch->format, Space::memory);
     quant::quantize(s, x, codes, scales, send_index_, nullptr, options_.fp8_dispatch->blocks,
                     bad_token_);
   }
@@ -394,8 +360,7 @@ class basic_device_decode_exchange {
       return;
     }
     const fp8_dispatch_options& f = *options_.fp8_dispatch;
-    const auto [codes, scales] =
-        wire_.views(recv_, buffer_rows(dispatch_at_), f.format, Space::memory);
+    const auto [codes, scales] = wire_.views(recv_, dispatch_at_.rows(), f.format, Space::memory);
     moves::gather(s, codes,
                   token_view(expert_codes_, capacity, options_.hidden, f.format, Space::memory),
                   expert_index_, nullptr, nullptr);
@@ -415,33 +380,8 @@ class basic_device_decode_exchange {
     held_ = false;
   }
 
-  // The message layout of rows of `stride` bytes (see device_decode_steps.hpp).
-  detail::decode_layout layout(int ranks, std::size_t stride) const {
-    detail::decode_layout at;
-    at.D = ranks;
-    at.spd = where_.slots_per_device();
-    at.M = static_cast<std::int64_t>(options_.max_tokens_per_rank);
-    at.stride = stride;
-    const std::size_t headers =
-        checked_mul(static_cast<std::size_t>(at.spd), sizeof(decode_header), "header bytes");
-    at.header_rows = static_cast<std::int64_t>((headers + stride - 1) / stride);
-    at.block_rows = static_cast<std::int64_t>(checked_add(
-        static_cast<std::size_t>(at.header_rows),
-        checked_mul(static_cast<std::size_t>(at.spd), options_.max_tokens_per_rank, "rows"),
-        "rows per peer"));
-    (void)checked_mul(checked_mul(static_cast<std::size_t>(at.D),
-                                  static_cast<std::size_t>(at.block_rows), "rows"),
-                      stride, "message buffer bytes");
-    return at;
-  }
-  static std::size_t bytes_per_peer(const detail::decode_layout& at) noexcept {
-    return static_cast<std::size_t>(at.block_rows) * at.stride;
-  }
-  static std::size_t buffer_rows(const detail::decode_layout& at) noexcept {
-    return static_cast<std::size_t>(at.D * at.block_rows);
-  }
   std::size_t buffer_bytes() const noexcept {
-    return std::max(buffer_rows(at_) * at_.stride, buffer_rows(dispatch_at_) * dispatch_at_.stride);
+    return std::max(at_.rows() * at_.stride, dispatch_at_.rows() * dispatch_at_.stride);
   }
   std::size_t scales_per_row() const noexcept {
     return options_.fp8_dispatch ? options_.hidden / options_.fp8_dispatch->blocks.block : 0;
@@ -453,8 +393,7 @@ class basic_device_decode_exchange {
     return basic_token_view<Byte>(p, n, options_.hidden, dtype_of_v<T>, Space::memory);
   }
   token_view buffer(std::byte* p, const detail::decode_layout& at) const {
-    return token_view(p, buffer_rows(at), options_.hidden, dtype_of_v<T>, Space::memory, -1,
-                      at.stride);
+    return token_view(p, at.rows(), options_.hidden, dtype_of_v<T>, Space::memory, -1, at.stride);
   }
   token_view experts_rows(std::byte* p) const {
     return rows(p, static_cast<std::size_t>(expert_capacity()));
@@ -483,7 +422,7 @@ class basic_device_decode_exchange {
     set(self.source_rows_, slots);
     set(self.source_offsets_, slots);
     set(self.expert_rows_, static_cast<std::size_t>(self.at_.spd));
-    set(self.send_index_, std::max(buffer_rows(self.at_), buffer_rows(self.dispatch_at_)));
+    set(self.send_index_, std::max(self.at_.rows(), self.dispatch_at_.rows()));
     if (self.options_.fp8_dispatch) {
       const auto capacity = static_cast<std::size_t>(self.expert_capacity());
       set(self.bad_token_, 1);

@@ -8,6 +8,7 @@
 //! view covers the whole buffer and the row moves address any payload row by its index.
 #pragma once
 
+#include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/overlap/decode_options.hpp"
@@ -32,6 +33,29 @@ struct decode_layout {
   std::int64_t D = 0, spd = 0, M = 0; // ranks, local slots, max_tokens_per_rank
   std::int64_t header_rows = 0, block_rows = 0;
   std::size_t stride = 0; // bytes per row
+
+  // The layout of `ranks` blocks of `slots` slots of `max_tokens` rows of `stride` bytes.
+  static decode_layout of(int ranks, int slots, std::size_t max_tokens, std::size_t stride) {
+    decode_layout at;
+    at.D = ranks;
+    at.spd = slots;
+    at.M = static_cast<std::int64_t>(max_tokens);
+    at.stride = stride;
+    const std::size_t headers =
+        checked_mul(static_cast<std::size_t>(slots), sizeof(decode_header), "header bytes");
+    at.header_rows = static_cast<std::int64_t>((headers + stride - 1) / stride);
+    at.block_rows = static_cast<std::int64_t>(
+        checked_add(static_cast<std::size_t>(at.header_rows),
+                    checked_mul(static_cast<std::size_t>(slots), max_tokens, "rows"), "rows"));
+    (void)checked_mul(checked_mul(static_cast<std::size_t>(ranks),
+                                  static_cast<std::size_t>(at.block_rows), "rows"),
+                      stride, "message buffer bytes");
+    return at;
+  }
+  std::size_t rows() const noexcept { return static_cast<std::size_t>(D * block_rows); }
+  std::size_t bytes_per_peer() const noexcept {
+    return static_cast<std::size_t>(block_rows) * stride;
+  }
 
   // Row index, in a message buffer, of row r of local slot l's payload in rank d's block.
   WEAVE_HOST_DEVICE std::int64_t payload_row(std::int64_t d, std::int64_t l, std::int64_t r) const {
