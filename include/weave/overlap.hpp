@@ -1,10 +1,16 @@
 //! \file
 //! Overlap layer: the MoE exchange (host and device) with its handles (dispatch, combine and
-//! their backward, several calls in flight), its chunked pipeline and stage timings.
+//! their backward, several calls in flight), its chunked pipeline and stage timings; the
+//! low-latency decode exchanges (host and device).
 //! The Lancet-style planner (graph model, partition planner, dW scheduler, schedules, their
 //! simulator and executor) lives in `weave/plan.hpp`, namespace `weave::plan`.
 #pragma once
 
+#include "weave/overlap/decode_exchange.hpp"
+#include "weave/overlap/decode_handle.hpp"
+#include "weave/overlap/decode_options.hpp"
+#include "weave/overlap/device_decode_exchange.hpp"
+#include "weave/overlap/device_decode_steps.hpp"
 #include "weave/overlap/device_exchange.hpp"
 #include "weave/overlap/device_exchange_steps.hpp"
 #include "weave/overlap/moe_exchange.hpp"
