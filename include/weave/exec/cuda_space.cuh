@@ -96,6 +96,15 @@ struct cuda_space {
       WEAVE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s.get()));
   }
 
+  //! Pinned host memory (`cudaMallocHost`): copies into and out of it are asynchronous, so the
+  //! host blocks only where it waits for the stream (see `host_mirror`).
+  static void* allocate_host(std::size_t bytes) {
+    void* p = nullptr;
+    WEAVE_CUDA_CHECK(cudaMallocHost(&p, bytes == 0 ? 1 : bytes));
+    return p;
+  }
+  static void free_host(void* p) noexcept { (void)cudaFreeHost(p); }
+
   //! Waits for the stream, then runs `f()` on the calling thread.
   template <class F>
   static void on_host(stream_arg s, F&& f) {

@@ -88,6 +88,10 @@ struct host_space {
     s.submit([&s, f = std::move(f)]() mutable { f(s); });
   }
 
+  //! True while `s` belongs to a capture (`host_stream::begin_capture`): the CUDA capture rules
+  //! are checked on host streams too.
+  static bool is_capturing(stream_arg s) { return s.capturing(); }
+
   //! Scratch bytes `sort_pairs` and `exclusive_scan` need for n elements (none here).
   static std::size_t sort_temp_bytes(std::int64_t) { return 0; }
   static std::size_t scan_temp_bytes(std::int64_t) { return 0; }

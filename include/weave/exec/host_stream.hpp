@@ -7,12 +7,18 @@
 //! failure), events recorded later complete carrying the failure, a stream waiting on such an
 //! event fails too, and `synchronize()` rethrows the first failure and clears it. Nothing fails
 //! silently and nothing deadlocks on a failed producer.
+//!
+//! `begin_capture` / `end_capture` check CUDA's stream-capture rules (`host_capture.hpp`): what
+//! a CUDA graph capture of the same calls would refuse throws here.
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/error.hpp"
+#include "weave/exec/host_capture.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/exec/unique_task.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -25,6 +31,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 WEAVE_NAMESPACE_BEGIN
 
@@ -39,24 +46,30 @@ class host_event {
   host_event()
       : state_(std::make_shared<state>()) {}
 
-  //! True once the most recent record point has been reached.
+  //! True once the most recent record point has been reached. Throws `errc::invalid_state` for
+  //! an event last recorded in a capture (CUDA: `cudaErrorCapturedEvent`).
   bool query() const {
+    check_not_captured("query");
     std::lock_guard lock(state_->mutex);
     return state_->completed >= state_->recorded;
   }
 
   //! Blocks until the most recent record point is reached; rethrows the failure, if any, of the
-  //! stream it was recorded on at that point.
+  //! stream it was recorded on at that point. Refused for a captured event, as `query`.
   void synchronize() const {
-    std::exception_ptr failure;
-    {
-      std::unique_lock lock(state_->mutex);
-      const std::uint64_t target = state_->recorded;
-      state_->reached.wait(lock, [&] { return state_->completed >= target; });
-      failure = state_->failure;
-    }
-    if (failure)
+    check_not_captured("synchronize");
+    if (std::exception_ptr failure = outcome())
       std::rethrow_exception(failure);
+  }
+
+  //! Blocks until the most recent record point is reached and returns the failure it carries
+  //! (null: none). How a task on a host stream waits for another stream's point (no capture rule
+  //! applies: CUDA has no such wait).
+  std::exception_ptr outcome() const {
+    std::unique_lock lock(state_->mutex);
+    const std::uint64_t target = state_->recorded;
+    state_->reached.wait(lock, [&] { return state_->completed >= target; });
+    return state_->failure;
   }
 
   //! When the most recent record point was reached (valid once `query()` is true).
@@ -81,7 +94,18 @@ class host_event {
     std::uint64_t completed = 0; // record points reached so far
     clock::time_point completed_at{};
     std::exception_ptr failure;
+    // The capture the last record was made in (null: none) and what it depended on there;
+    // guarded by `host_capture::lock()`.
+    std::shared_ptr<detail::host_capture> capture;
+    detail::host_capture_clock depends;
   };
+
+  void check_not_captured(const char* call) const {
+    std::lock_guard lock(detail::host_capture::lock());
+    if (state_->capture)
+      state_->capture->refuse(detail::concat("cudaErrorCapturedEvent: ", call,
+                                             " of an event last recorded in a stream capture"));
+  }
 
   std::shared_ptr<state> state_;
 };
@@ -122,7 +146,10 @@ class host_stream {
   }
 
   //! Enqueues `task` to run after everything submitted before it.
-  void submit(unique_task task) { push(std::move(task)); }
+  void submit(unique_task task) {
+    count_captured_work();
+    push(std::move(task));
+  }
 
   //! Enqueues `task(failure)`, which runs even on a failed stream: `failure` is the stream's
   //! pending failure (null when healthy), taken from the stream while the task runs; what the
@@ -132,6 +159,7 @@ class host_stream {
   template <class F>
   requires std::is_invocable_r_v<std::exception_ptr, F&, std::exception_ptr>
   void submit_always(F task) {
+    count_captured_work();
     push(unique_task([this, task = std::move(task)]() mutable {
            std::exception_ptr after;
            try {
@@ -154,6 +182,11 @@ class host_stream {
 
   //! Moves `e` to the current end of the queue (earlier waits on `e` keep their point).
   void record(host_event& e) {
+    {
+      std::lock_guard capture_lock(detail::host_capture::lock());
+      e.state_->capture = capture_;
+      e.state_->depends = capture_ ? capture_->snapshot(this) : detail::host_capture_clock{};
+    }
     std::uint64_t point = 0;
     {
       std::lock_guard lock(e.state_->mutex);
@@ -177,6 +210,7 @@ class host_stream {
   //! Makes every later task wait until `e`'s current record point is reached. If the producer
   //! failed before that point, this stream takes on the failure.
   void wait(const host_event& e) {
+    check_wait(e);
     std::uint64_t point = 0;
     {
       std::lock_guard lock(e.state_->mutex);
@@ -198,6 +232,7 @@ class host_stream {
   //! Blocks until every task submitted so far has finished, then rethrows the first failure
   //! (clearing it, so the stream is usable again).
   void synchronize() {
+    check_not_capturing("synchronize");
     std::unique_lock lock(mutex_);
     drained_.wait(lock, [&] { return pending_ == 0; });
     if (failure_) {
@@ -209,17 +244,105 @@ class host_stream {
 
   //! True when every submitted task has finished.
   bool query() const {
+    check_not_capturing("query");
     std::lock_guard lock(mutex_);
     return pending_ == 0;
   }
 
   const std::string& name() const noexcept { return name_; }
 
+  //! Begins checking CUDA's stream-capture rules on this stream and the streams that join it
+  //! (`cudaStreamBeginCapture` in global mode; see `host_capture.hpp`). Work still runs.
+  void begin_capture() {
+    std::lock_guard lock(detail::host_capture::lock());
+    WEAVE_EXPECT(!capture_, errc::invalid_state, "host_stream '", name_,
+                 "': begin_capture on a stream that is already capturing");
+    capture_ = std::make_shared<detail::host_capture>(this, name_);
+    capturing_ = true;
+  }
+
+  //! Ends the capture begun on this stream; throws `errc::invalid_state` if it was invalidated,
+  //! if a stream that joined it was not joined back, or if this stream did not begin it. Every
+  //! stream of the capture leaves it.
+  void end_capture() {
+    std::lock_guard lock(detail::host_capture::lock());
+    WEAVE_EXPECT(capture_ && capture_->origin == this, errc::invalid_state, "host_stream '", name_,
+                 "': end_capture on a stream that did not begin a capture");
+    const std::shared_ptr<detail::host_capture> c = capture_;
+    for (auto& [member, _] : c->members) {
+      auto* s = static_cast<host_stream*>(const_cast<void*>(member));
+      s->capture_.reset();
+      s->capturing_ = false;
+    }
+    c->ended = true;
+    WEAVE_EXPECT(c->invalid.empty(), errc::invalid_state, "host_stream '", name_,
+                 "': the capture was invalidated: ", c->invalid);
+    if (const void* open = c->unjoined())
+      WEAVE_THROW(errc::invalid_state, "cudaErrorStreamCaptureUnjoined: stream '",
+                  static_cast<const host_stream*>(open)->name_, "' joined the capture of '", name_,
+                  "' and its work was not joined back before end_capture");
+  }
+
+  //! True while this stream belongs to a capture (`cudaStreamIsCapturing`).
+  bool capturing() const noexcept { return capturing_; }
+
+  //! Refuses `what` (a copy from pageable memory, an allocation) while this stream captures,
+  //! as the CUDA runtime does: throws `errc::invalid_state` naming `cuda_error`.
+  void refuse_while_capturing(const char* cuda_error, const std::string& what) {
+    if (!capturing_)
+      return;
+    std::lock_guard lock(detail::host_capture::lock());
+    if (capture_)
+      capture_->refuse(
+          detail::concat(cuda_error, ": ", what, " on capturing stream '", name_, "'"));
+  }
+
  private:
   struct entry {
     unique_task task;
     bool is_marker; // events and waits run even on a failed stream, so nothing deadlocks
   };
+
+  void count_captured_work() {
+    if (!capturing_)
+      return;
+    std::lock_guard lock(detail::host_capture::lock());
+    if (capture_)
+      ++capture_->members[this].work;
+  }
+
+  void check_not_capturing(const char* call) const {
+    if (!capturing_)
+      return;
+    std::lock_guard lock(detail::host_capture::lock());
+    if (capture_)
+      capture_->refuse(detail::concat("cudaErrorStreamCaptureUnsupported: ", call,
+                                      " of capturing stream '", name_, "'"));
+  }
+
+  // The capture rules of a wait for `e` (see host_capture.hpp); joins its capture if this stream
+  // captures nothing and `e` was recorded in one that is still open.
+  void check_wait(const host_event& e) {
+    std::lock_guard lock(detail::host_capture::lock());
+    const std::shared_ptr<detail::host_capture>& theirs = e.state_->capture;
+    if (capture_) {
+      if (!theirs)
+        capture_->refuse(detail::concat("cudaErrorStreamCaptureIsolation: capturing stream '",
+                                        name_,
+                                        "' waits for an event recorded outside the capture"));
+      if (theirs != capture_)
+        capture_->refuse(detail::concat("cudaErrorStreamCaptureMerge: capturing stream '", name_,
+                                        "' waits for an event of another capture"));
+      capture_->merge(this, e.state_->depends);
+    } else if (theirs && !theirs->ended) {
+      capture_ = theirs; // joins
+      capturing_ = true;
+      capture_->merge(this, e.state_->depends);
+    } else if (theirs) {
+      WEAVE_THROW(errc::invalid_state, "cudaErrorCapturedEvent: stream '", name_,
+                  "' waits for an event last recorded in a capture that has ended");
+    }
+  }
 
   void push(unique_task task, bool is_marker = false) {
     {
@@ -278,7 +401,10 @@ class host_stream {
   std::size_t pending_ = 0;
   bool stopping_ = false;
   std::exception_ptr failure_; // first failure since the last synchronize(); under mutex_
-  std::thread worker_;         // last: starts after every other member is constructed
+  // The capture this stream belongs to (under `host_capture::lock()`), and whether it has one.
+  std::shared_ptr<detail::host_capture> capture_;
+  std::atomic<bool> capturing_{false};
+  std::thread worker_; // last: starts after every other member is constructed
 };
 
 static_assert(stream<host_stream> && host_executor<host_stream>);

@@ -7,6 +7,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
+#include "weave/exec/emulated_cuda_space.hpp"
 #include "weave/exec/host_space.hpp"
 #include "weave/routing/host_row_kernels.hpp"
 #include "weave/routing/kernels_host.hpp"
@@ -27,7 +28,9 @@ struct row_moves<host_space> {
     detail::check_host(src, dst, "row_moves::gather");
     if (scale != nullptr)
       detail::visit_float(src.element_type(), "gate-scaled gather", [](auto*) {});
-    s.submit([=] { detail::gather_rows_host(src, dst, index, scale, detail::counted_rows(count, dst.rows())); });
+    s.submit([=] {
+      detail::gather_rows_host(src, dst, index, scale, detail::counted_rows(count, dst.rows()));
+    });
   }
 
   static void merge(host_stream& s, const_token_view src, token_view dst, const std::int64_t* index,
@@ -59,5 +62,9 @@ struct row_moves<host_space> {
     });
   }
 };
+
+//! The emulated CUDA space moves rows as host_space does (its streams are host streams).
+template <>
+struct row_moves<emulated_cuda_space> : row_moves<host_space> {};
 
 WEAVE_NAMESPACE_END
