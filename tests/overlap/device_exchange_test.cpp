@@ -1,13 +1,16 @@
 // The device exchange (`basic_device_exchange`, the algorithm of `cuda_moe_exchange`) run on host
-// streams by `host_space` over a local_world: bitwise equal to `moe_exchange` (itself checked
-// against a dense reference) for dynamic and static shapes, every chunking, capacities, dtypes,
-// forward and backward; its statistics; its flagged errors and slot overflows.
+// streams over a local_world, in `host_space` and in `emulated_cuda_space` (the control flow of
+// `cuda_space`: host code at enqueue time, blocking host reads, CUDA's copy and capture rules):
+// bitwise equal to `moe_exchange` (itself checked against a dense reference) for dynamic and
+// static shapes, every chunking, capacities, dtypes, forward and backward; its statistics; its
+// flagged errors and slot overflows; static shapes captured.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
 #include "moe_test_support.hpp"
 
 #include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_cuda_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/device_exchange.hpp>
@@ -25,7 +28,18 @@ using weave_test::aligned_buffer;
 
 namespace {
 
-using device_exchange = weave::basic_device_exchange<weave::host_space, weave::local_communicator>;
+template <class Space>
+using device_exchange = weave::basic_device_exchange<Space, weave::local_communicator>;
+
+// The expert work of a callback: in host_space the callback runs as a task of its stream, in
+// emulated_cuda_space (as with CUDA) when it is issued, and enqueues its work.
+template <class Space, class F>
+void on_stream(weave::host_stream& s, F f) {
+  if constexpr (Space::runs_later)
+    f();
+  else
+    s.submit(std::move(f));
+}
 
 struct setup {
   int ranks = 2, experts = 8, k = 2;
@@ -58,7 +72,8 @@ weave::moe_options options_of(const setup& s, weave::dtype element, int chunks) 
   return o;
 }
 
-template <class T, bool Device>
+// `Space` void: moe_exchange.
+template <class T, class Space>
 result<T> run(const setup& s, const weave::placement& where, int chunks,
               const std::vector<moe_test::rank_input<T>>& in,
               const moe_test::linear_experts& experts) {
@@ -76,22 +91,26 @@ result<T> run(const setup& s, const weave::placement& where, int chunks,
     out.y[r] = weave::host_matrix<T>(in[r].x.rows(), s.hidden);
     out.dx[r] = weave::host_matrix<T>(in[r].x.rows(), s.hidden);
     out.dw[r].assign(in[r].ids.size(), -1.0f);
-    if constexpr (Device) {
-      device_exchange ex(comm, where, o);
+    if constexpr (!std::is_void_v<Space>) {
+      device_exchange<Space> ex(comm, where, o);
       aligned_buffer ws(ex.workspace_size());
       ex.initialize(ws.ptr, ws.size, compute);
       ex.forward(
           in[r].x.view(), in[r].ids, in[r].weights, out.y[r].view(),
-          [&](const weave::device_expert_batch<weave::host_space>& b) {
-            experts.template operator()<T>(
-                {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+          [&](const weave::device_expert_batch<Space>& b) {
+            on_stream<Space>(b.stream, [&experts, b] {
+              experts.template operator()<T>(
+                  {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+            });
           },
           compute, comm_stream);
       ex.backward(
           in[r].x.view(), out.dx[r].view(), out.dw[r], // dL/dy = x
-          [&](const weave::device_expert_grad_batch<weave::host_space>& b) {
-            experts.template backward<T>({b.chunk, b.device, b.expert_offsets, b.experts,
-                                          b.saved_input, b.grad_output, b.grad_input});
+          [&](const weave::device_expert_grad_batch<Space>& b) {
+            on_stream<Space>(b.stream, [&experts, b] {
+              experts.template backward<T>({b.chunk, b.device, b.expert_offsets, b.experts,
+                                            b.saved_input, b.grad_output, b.grad_input});
+            });
           },
           compute, comm_stream);
       compute.synchronize();
@@ -128,14 +147,14 @@ std::vector<moe_test::rank_input<T>> inputs(const setup& s) {
 }
 
 // The device exchange equals moe_exchange bitwise, for every chunking, with equal statistics.
-template <class T>
+template <class T, class Space>
 void check_against_host(const setup& s, const weave::placement& where) {
   const auto in = inputs<T>(s);
   const moe_test::linear_experts experts(s.experts, s.hidden, s.seed + 100);
-  const auto want = run<T, false>(s, where, 1, in, experts);
+  const auto want = run<T, void>(s, where, 1, in, experts);
   for (const int chunks : {1, 2, 3}) {
     CAPTURE(chunks);
-    const auto got = run<T, true>(s, where, chunks, in, experts);
+    const auto got = run<T, Space>(s, where, chunks, in, experts);
     for (std::size_t r = 0; r < static_cast<std::size_t>(s.ranks); ++r) {
       CAPTURE(r);
       REQUIRE(moe_test::bitwise_equal(got.y[r], want.y[r]));
@@ -156,13 +175,14 @@ void check_against_host(const setup& s, const weave::placement& where) {
 
 } // namespace
 
-TEST_CASE("device exchange on host streams equals moe_exchange: dynamic and static shapes") {
+TEST_CASE_TEMPLATE("device exchange on host streams equals moe_exchange: dynamic and static shapes",
+                   Space, weave::host_space, weave::emulated_cuda_space) {
   for (const bool fixed : {false, true}) {
     CAPTURE(fixed);
     setup s;
     s.fixed = fixed;
     s.tokens = {37, 29};
-    check_against_host<float>(s, weave::placement::contiguous(8, 2));
+    check_against_host<float, Space>(s, weave::placement::contiguous(8, 2));
     s.ranks = 4;
     s.experts = 16;
     s.k = 4;
@@ -172,32 +192,33 @@ TEST_CASE("device exchange on host streams equals moe_exchange: dynamic and stat
     std::vector<std::int32_t> slots(16);
     for (int i = 0; i < 16; ++i)
       slots[static_cast<std::size_t>(i)] = (i * 7) % 16;
-    check_against_host<float>(s, weave::placement(16, 4, slots));
+    check_against_host<float, Space>(s, weave::placement(16, 4, slots));
     s.ranks = 3;
     s.experts = 6;
     s.k = 3;
     s.tokens = {25, 25, 24};
     s.seed = 9;
-    check_against_host<weave::bfloat16>(s, weave::placement::contiguous(6, 3));
+    check_against_host<weave::bfloat16, Space>(s, weave::placement::contiguous(6, 3));
     // Replicas: experts 0 and 3 twice, 5 three times; chosen per token as moe_exchange does.
-    check_against_host<float>(s, weave::placement(6, 3, {0, 1, 5, 2, 3, 0, 4, 5, 3}));
+    check_against_host<float, Space>(s, weave::placement(6, 3, {0, 1, 5, 2, 3, 0, 4, 5, 3}));
     // Empty slots: device 0 holds two experts, device 2 one; expert 1 twice.
-    check_against_host<float>(s, weave::placement(6, 3, {0, 1, -1, 2, 3, 4, 5, -1, -1}));
+    check_against_host<float, Space>(s, weave::placement(6, 3, {0, 1, -1, 2, 3, 4, 5, -1, -1}));
     s.ranks = 2;
     s.experts = 5;
     s.k = 2;
     s.tokens = {21, 34};
     s.seed = 13;
-    check_against_host<float>(s, weave::placement(5, 2, {0, 1, 2, 3, 4, -1, -1, 1}));
+    check_against_host<float, Space>(s, weave::placement(5, 2, {0, 1, 2, 3, 4, -1, -1, 1}));
     s.ranks = 1;
     s.experts = 4;
     s.k = 2;
     s.tokens = {19};
-    check_against_host<weave::half>(s, weave::placement::contiguous(4, 1));
+    check_against_host<weave::half, Space>(s, weave::placement::contiguous(4, 1));
   }
 }
 
-TEST_CASE("device exchange decides capacity like moe_exchange, for every order") {
+TEST_CASE_TEMPLATE("device exchange decides capacity like moe_exchange, for every order", Space,
+                   weave::host_space, weave::emulated_cuda_space) {
   for (const bool fixed : {false, true})
     for (const auto order :
          {weave::drop_order::position, weave::drop_order::rank_major,
@@ -219,11 +240,12 @@ TEST_CASE("device exchange decides capacity like moe_exchange, for every order")
         s.capacity = {factor, order, rounding};
         s.fixed = fixed;
         s.seed = 77;
-        check_against_host<float>(s, weave::placement::contiguous(6, 3));
+        check_against_host<float, Space>(s, weave::placement::contiguous(6, 3));
       }
 }
 
-TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slots") {
+TEST_CASE_TEMPLATE("device exchange flags bad ids, bad weights and overflowing static slots", Space,
+                   weave::host_space, weave::emulated_cuda_space) {
   // Rank 0 passes a bad id, a duplicate or a NaN weight: flagged ids are treated as absent, so
   // every shape stays consistent and nobody hangs; the flags travel with the count exchange, so
   // rank 0 reports the kind and rank 1 a peer_failure naming rank 0 and that kind: with dynamic
@@ -252,18 +274,20 @@ TEST_CASE("device exchange flags bad ids, bad weights and overflowing static slo
       if (r == 1 && idle_peer) // every choice "no expert": sends nothing, so cannot overflow
         std::fill(in.ids.begin(), in.ids.end(), -1);
       weave::host_matrix<float> y(12, s.hidden);
-      device_exchange ex(comm, where, options_of(s, weave::dtype::f32, 2));
+      device_exchange<Space> ex(comm, where, options_of(s, weave::dtype::f32, 2));
       aligned_buffer ws(ex.workspace_size());
       weave::host_stream compute("compute"), comm_stream("comm");
       ex.initialize(ws.ptr, ws.size, compute);
-      ex.forward(
-          in.x.view(), in.ids, in.weights, y.view(),
-          [](const weave::device_expert_batch<weave::host_space>& b) {
-            moe_test::linear_experts(4, 8, 1).operator()<float>(
-                {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
-          },
-          compute, comm_stream);
       try {
+        ex.forward(
+            in.x.view(), in.ids, in.weights, y.view(),
+            [](const weave::device_expert_batch<Space>& b) {
+              on_stream<Space>(b.stream, [b] {
+                moe_test::linear_experts(4, 8, 1).operator()<float>(
+                    {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+              });
+            },
+            compute, comm_stream);
         ex.synchronize(compute, comm_stream);
       } catch (const weave::peer_error& e) {
         out[r] = {e.code(), e.origin().rank, e.origin().code};
@@ -319,14 +343,14 @@ TEST_CASE("device exchange rejects bad arguments") {
     o.max_tokens = 8;
     const auto where = weave::placement::contiguous(4, 2);
     CHECK(moe_test::error_code_of([&] {
-            device_exchange(comm, weave::placement::contiguous(4, 4), o);
+            device_exchange<weave::host_space>(comm, weave::placement::contiguous(4, 4), o);
           }) == weave::errc::invalid_argument);
     weave::moe_options fixed = o;
     fixed.static_shape = true;
     CHECK(moe_test::error_code_of([&] {
             weave::moe_exchange<weave::local_communicator>(comm, where, fixed);
           }) == weave::errc::not_supported);
-    device_exchange ex(comm, where, o);
+    device_exchange<weave::host_space> ex(comm, where, o);
     aligned_buffer ws(ex.workspace_size()); // outlives the streams: rejected calls still take
                                             // their turn on them, which uses the workspace
     weave::host_matrix<float> x(8, 4), y(8, 4), wide(8, 5), many(9, 4);
@@ -353,5 +377,106 @@ TEST_CASE("device exchange rejects bad arguments") {
                 x.view(), y.view(), dw,
                 [](const weave::device_expert_grad_batch<weave::host_space>&) {}, a, b);
           }) == weave::errc::invalid_state); // no save_for_backward
+  });
+}
+
+// A static-shape call issues nothing a CUDA graph capture refuses (host_capture.hpp): no wait for
+// an event recorded outside the capture, no query of a captured event, no host wait or pageable
+// copy (emulated_cuda_space), and the comm stream is joined back. Captured forwards and backwards
+// (host streams run them as they are captured) and the eager calls around them give moe_exchange's
+// results; a dynamic-shape call is refused before it issues anything.
+TEST_CASE_TEMPLATE("static-shape calls pass the CUDA capture rules; dynamic ones are refused",
+                   Space, weave::host_space, weave::emulated_cuda_space) {
+  for (const int in_flight : {1, 2})
+    for (const int chunks : {1, 3}) {
+      CAPTURE(in_flight);
+      CAPTURE(chunks);
+      setup s;
+      s.ranks = 2;
+      s.experts = 4;
+      s.k = 2;
+      s.tokens = {13, 9};
+      s.fixed = true;
+      const auto where = weave::placement::contiguous(4, 2);
+      const auto in = inputs<float>(s);
+      const moe_test::linear_experts experts(s.experts, s.hidden, 7);
+      const auto want = run<float, void>(s, where, 1, in, experts);
+      weave::local_world world(2, {std::chrono::seconds(20), {}});
+      world.run([&](weave::local_communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        weave::moe_options o = options_of(s, weave::dtype::f32, chunks);
+        o.max_in_flight = in_flight;
+        device_exchange<Space> ex(comm, where, o);
+        aligned_buffer ws(ex.workspace_size());
+        weave::host_stream compute("compute"), comm_stream("comm");
+        ex.initialize(ws.ptr, ws.size, compute);
+        const auto forward_experts = [&](const weave::device_expert_batch<Space>& b) {
+          on_stream<Space>(b.stream, [&experts, b] {
+            experts.operator()<float>(
+                {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+          });
+        };
+        const auto backward_experts = [&](const weave::device_expert_grad_batch<Space>& b) {
+          on_stream<Space>(b.stream, [&experts, b] {
+            experts.backward<float>({b.chunk, b.device, b.expert_offsets, b.experts, b.saved_input,
+                                     b.grad_output, b.grad_input});
+          });
+        };
+        // eager, captured, eager: each call's outputs checked against moe_exchange's
+        for (const bool captured : {false, true, false}) {
+          CAPTURE(captured);
+          weave::host_matrix<float> y(in[r].x.rows(), s.hidden), dx(in[r].x.rows(), s.hidden);
+          std::vector<float> dw(in[r].ids.size(), -1.0f);
+          if (captured)
+            compute.begin_capture();
+          ex.forward(in[r].x.view(), in[r].ids, in[r].weights, y.view(), forward_experts, compute,
+                     comm_stream);
+          ex.backward(in[r].x.view(), dx.view(), dw, backward_experts, compute, comm_stream);
+          if (captured)
+            compute.end_capture(); // throws for a violation, or a comm stream not joined back
+          ex.synchronize(compute, comm_stream);
+          CHECK(moe_test::bitwise_equal(y, want.y[r]));
+          CHECK(moe_test::bitwise_equal(dx, want.dx[r]));
+          CHECK(dw == want.dw[r]);
+        }
+        // Two handles in flight in one capture (DualPipe-style), when the slots allow.
+        if (in_flight == 2) {
+          weave::host_matrix<float> y1(in[r].x.rows(), s.hidden), y2(in[r].x.rows(), s.hidden);
+          compute.begin_capture();
+          auto a = ex.dispatch(in[r].x.view(), in[r].ids, in[r].weights, compute, comm_stream);
+          auto b = ex.dispatch(in[r].x.view(), in[r].ids, in[r].weights, compute, comm_stream);
+          for (auto* h : {&a, &b}) // handles: the caller enqueues its experts in either space
+            for (auto chunk : ex.chunks(*h))
+              compute.submit([&experts, batch = chunk.experts()] {
+                experts.operator()<float>({batch.chunk, batch.device, batch.expert_offsets,
+                                           batch.experts, batch.input, batch.output});
+              });
+          ex.combine(a, y1.view(), compute, comm_stream);
+          ex.combine(b, y2.view(), compute, comm_stream);
+          compute.end_capture();
+          ex.synchronize(compute, comm_stream);
+          CHECK(moe_test::bitwise_equal(y1, want.y[r]));
+          CHECK(moe_test::bitwise_equal(y2, want.y[r]));
+        }
+      });
+    }
+  // Dynamic shapes wait for counts on the host: refused in a capture, before anything is issued.
+  setup s;
+  s.tokens = {6, 6};
+  const auto where = weave::placement::contiguous(8, 2);
+  weave::local_world world(2, {std::chrono::seconds(20), {}});
+  world.run([&](weave::local_communicator& comm) {
+    device_exchange<Space> ex(comm, where, options_of(s, weave::dtype::f32, 2));
+    aligned_buffer ws(ex.workspace_size());
+    weave::host_stream compute("compute"), comm_stream("comm");
+    ex.initialize(ws.ptr, ws.size, compute);
+    std::mt19937 rng(1);
+    const auto in = moe_test::random_input<float>(6, s.hidden, 8, 2, rng);
+    compute.begin_capture();
+    CHECK(moe_test::error_code_of([&] {
+            (void)ex.dispatch(in.x.view(), in.ids, in.weights, compute, comm_stream);
+          }) == weave::errc::invalid_state);
+    compute.end_capture(); // nothing was issued in it
+    CHECK(ex.usable());
   });
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
@@ -254,7 +255,15 @@ std::vector<std::int64_t> all_gather_now(C& comm, std::span<const std::int64_t> 
                 send.begin() + static_cast<std::ptrdiff_t>(j * mine.size()));
     stream_type s;
     comm.exchange_counts(s, std::span<const std::int64_t>(send), std::span<std::int64_t>(recv));
-    s.synchronize();
+    try { // a peer that never arrives ends in the communicator's watchdog
+      wait_watched(comm, s);
+    } catch (...) {
+      try { // observe the stream's failure too (the watchdog aborted the communicator)
+        s.synchronize();
+      } catch (...) {
+      }
+      throw;
+    }
     return recv;
   }
 }

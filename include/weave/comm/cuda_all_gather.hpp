@@ -48,9 +48,12 @@ std::vector<std::int64_t> all_gather_through_device(int ranks, std::span<const s
                                    cudaMemcpyHostToDevice, tmp.stream));
   exchange(s, std::span<const std::int64_t>(tmp.words, n),
            std::span<std::int64_t>(tmp.words + n, n));
+  // Wait (watched) before copying back: a copy into pageable memory would block the host until
+  // the exchange ran, outside the watchdog, and hang it for good on a peer that never arrives.
+  wait(s);
   WEAVE_CUDA_CHECK(cudaMemcpyAsync(recv.data(), tmp.words + n, n * sizeof(std::int64_t),
                                    cudaMemcpyDeviceToHost, tmp.stream));
-  wait(s);
+  WEAVE_CUDA_CHECK(cudaStreamSynchronize(tmp.stream)); // the copy alone: the stream is idle
   return recv;
 }
 

@@ -22,6 +22,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
+#include "weave/exec/host_mirror.hpp"
 #include "weave/exec/space.hpp"
 
 #include <cstddef>
@@ -76,11 +77,13 @@ struct unpack_counts_step {
 
 //! The buffers of one status-carrying count exchange of an execution space (one per exchange
 //! that may be in flight, e.g. per chunk of a call): per peer a count and a status, sent and
-//! received in memory of the space (carved from the owner's workspace), and the host's copy.
+//! received in memory of the space (carved from the owner's workspace), and the host's copy
+//! (pinned on CUDA: the host reads it after a wait that goes through the communicator).
+template <class Space>
 struct device_status_block {
   std::int64_t *send = nullptr, *recv = nullptr;
-  std::vector<std::int64_t> host; // what the host read of `recv`
-  std::exception_ptr stashed;     // host streams: this rank's failure while an exchange runs
+  host_mirror<Space, std::int64_t> host; // what the host read of `recv`
+  std::exception_ptr stashed;            // host streams: this rank's failure while an exchange runs
 };
 
 //! The count exchange of an algorithm in `Space`, carrying each rank's status (see the file
@@ -108,10 +111,12 @@ class device_counts_with_status {
     return static_cast<std::size_t>(ranks_) * detail::status_stride;
   }
   //! Sizes `b`'s host copy (allocates: at construction of its owner); `carve` its buffers.
-  void size_block(device_status_block& b) const { b.host.assign(words(), 0); }
+  void size_block(device_status_block<Space>& b) const {
+    b.host = host_mirror<Space, std::int64_t>(words());
+  }
   //! Carves `b`'s buffers: `set(pointer, count)` as in `carve_into`.
   template <class Set>
-  void carve(const device_status_block& b, Set&& set) const {
+  void carve(const device_status_block<Space>& b, Set&& set) const {
     set(b.send, words());
     set(b.recv, words());
   }
@@ -122,10 +127,10 @@ class device_counts_with_status {
   //! (memory of the space, `failure_words`, or null): a rejected call's record (see `report`),
   //! sent instead of the flags.
   template <communicator Comm>
-  void exchange(Comm& comm, stream_arg s, device_status_block& b, const std::int64_t* counts,
+  void exchange(Comm& comm, stream_arg s, device_status_block<Space>& b, const std::int64_t* counts,
                 std::int64_t* recv_counts, const std::uint32_t* flags_low,
                 const std::uint32_t* flags_high, const std::int64_t* reported) {
-    device_status_block* block = &b;
+    device_status_block<Space>* block = &b;
     const auto D = static_cast<std::int64_t>(ranks_);
     const std::span<const std::int64_t> send(b.send, words());
     const std::span<std::int64_t> recv(b.recv, words());
@@ -163,7 +168,7 @@ class device_counts_with_status {
   //! Dynamic shapes, on the host once the stream passed `b`'s exchange (CUDA: inside
   //! `on_host`): this rank's flagged error, or a `peer_error` for a peer's failure, or null.
   //! Host streams decide on the stream instead: always null there.
-  std::exception_ptr failure(const device_status_block& b) const {
+  std::exception_ptr failure(const device_status_block<Space>& b) const {
     if constexpr (!Space::runs_later) {
       return failure_in(std::span<const std::int64_t>(b.host), true);
     } else {
@@ -174,13 +179,13 @@ class device_counts_with_status {
 
   //! Enqueues on `s` the copy of what `b` received since the last `take` to the host, and clears
   //! it; `peer_failure(b)` reads the copy once `s` is waited for.
-  void take(stream_arg s, device_status_block& b) const {
+  void take(stream_arg s, device_status_block<Space>& b) const {
     Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));
     Space::fill(s, b.recv, 0, words() * sizeof(std::int64_t));
   }
 
   //! A `peer_error` for a peer's failure (a record, or flags) in what `take` copied, or null.
-  std::exception_ptr peer_failure(const device_status_block& b) const {
+  std::exception_ptr peer_failure(const device_status_block<Space>& b) const {
     return failure_in(std::span<const std::int64_t>(b.host), false);
   }
 

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -203,9 +204,14 @@ class nccl_communicator {
     WEAVE_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, s.get()));
   }
 
-  //! Waits for `s` while watching the communicator: an asynchronous NCCL error or the timeout
-  //! aborts it and throws (`errc::nccl` / `errc::timeout`).
-  void synchronize(cuda_stream_ref s) {
+  //! Waits for `s` (a stream, or an event: anything with `query()`) while watching the
+  //! communicator: an asynchronous NCCL error or the timeout aborts it and throws (`errc::nccl` /
+  //! `errc::timeout`).
+  template <class Waitable>
+  requires requires(const Waitable& w) {
+    { w.query() } -> std::convertible_to<bool>;
+  }
+  void synchronize(const Waitable& s) {
     usable();
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     for (;;) {
@@ -221,7 +227,7 @@ class nccl_communicator {
         return;
       if (std::chrono::steady_clock::now() > deadline) {
         abort();
-        WEAVE_THROW(errc::timeout, "nccl_communicator rank ", rank_, ": stream not done after ",
+        WEAVE_THROW(errc::timeout, "nccl_communicator rank ", rank_, ": work not done after ",
                     options_.timeout.count(),
                     " ms (a peer never arrived or died); the communicator was aborted");
       }

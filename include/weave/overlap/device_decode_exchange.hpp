@@ -32,6 +32,7 @@
 #include "weave/core/failure.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/core/workspace.hpp"
+#include "weave/exec/host_mirror.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
@@ -230,12 +231,13 @@ class basic_device_decode_exchange {
   //! (`errc::size_mismatch`). Clears what it reported.
   void check_errors(stream_arg stream) {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device_decode_exchange is not initialised");
-    std::uint32_t flags = 0;
-    decode_header peer;
-    take_error_word<Space>(stream, &flags, words_ + sticky_error);
-    Space::copy_to_host(stream, &peer, peer_, sizeof peer);
+    // Copied into pinned memory on CUDA: the host blocks only in the watched wait.
+    take_error_word<Space>(stream, &checked_.data()->flags, words_ + sticky_error);
+    Space::copy_to_host(stream, &checked_.data()->peer, peer_, sizeof(decode_header));
     Space::fill(stream, peer_, 0, sizeof(decode_header));
     wait_watched(*comm_, stream);
+    const std::uint32_t flags = checked_.data()->flags;
+    const decode_header peer = checked_.data()->peer;
     if (pending_)
       std::rethrow_exception(std::exchange(pending_, nullptr));
     throw_flagged(flags);
@@ -439,6 +441,12 @@ class basic_device_decode_exchange {
   int rank_ = 0;
   detail::decode_layout at_, dispatch_at_; // the combine's messages (rows of T), the dispatch's
   quantized_row_layout wire_;              // FP8 dispatch: a row's codes, then its scales
+  // What `check_errors` reads back: the sticky flags and the first failed peer's header.
+  struct checked_words {
+    decode_header peer;
+    std::uint32_t flags;
+  };
+  host_mirror<Space, checked_words> checked_{1};
   std::vector<std::int32_t> table_host_, local_experts_;
   std::vector<std::int64_t> counts_, displs_;                   // combine: rows per peer
   std::vector<std::int64_t> dispatch_counts_, dispatch_displs_; // dispatch: rows per peer

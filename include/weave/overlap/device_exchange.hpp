@@ -35,6 +35,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/core/workspace.hpp"
+#include "weave/exec/host_mirror.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/overlap/device_exchange_state.hpp"
 #include "weave/overlap/device_exchange_steps.hpp"
@@ -115,11 +116,15 @@ class basic_device_exchange
       uniform_displs_[d] = static_cast<std::int64_t>(d * slot_rows_);
     if (options.fp8_dispatch)
       wire_ = quantized_row_layout::of(options.hidden, options.fp8_dispatch->blocks.block);
+    std::size_t chunk_states = 0;
     for (const auto& s : this->slots()) {
       s->state.construct(this->placement_, options, this->rank_, chunk_tokens_, recv_cap_);
       for (chunk_state& ch : s->state.chunks)
         status_.size_block(ch.status);
+      chunk_states += s->state.chunks.size();
     }
+    error_words_ = host_mirror<Space, std::uint32_t>(3 * chunk_states);
+    bad_tokens_ = host_mirror<Space, std::int64_t>(options.fp8_dispatch ? chunk_states : 0);
     last_forward_ = this->slots().front().get();
   }
 
@@ -175,11 +180,8 @@ class basic_device_exchange
   //! reported (`peer_error`), else bad received rows. Clears the flags.
   void check_errors(stream_arg stream) {
     const bool fp8 = this->options_.fp8_dispatch.has_value();
-    std::size_t chunks = 0;
-    for (const auto& s : this->slots())
-      chunks += s->state.chunks.size();
-    std::vector<std::uint32_t> words(3 * chunks, 0); // the copies land here when the stream runs
-    std::vector<std::int64_t> bad_tokens(fp8 ? chunks : 0, -1);
+    host_mirror<Space, std::uint32_t>& words = error_words_; // the copies land here, pinned
+    host_mirror<Space, std::int64_t>& bad_tokens = bad_tokens_;
     std::size_t at = 0, c = 0;
     for (const auto& s : this->slots())
       for (chunk_state& ch : s->state.chunks) {
@@ -411,8 +413,8 @@ class basic_device_exchange
   }
 
   moe_stats read_counters(const slot_type& s, stream_arg stream) const {
-    std::int64_t c[counter_count] = {};
-    Space::copy_to_host(stream, c, s.state.counters, sizeof(c));
+    std::int64_t* c = counters_h_.data();
+    Space::copy_to_host(stream, c, s.state.counters, counter_count * sizeof(std::int64_t));
     wait_watched(*this->comm_, stream);
     return {s.tokens,
             c[counter_routed],
@@ -580,16 +582,35 @@ class basic_device_exchange
                     ch.plan.send_offsets().data() + D_);
   }
 
-  void enqueue_dispatch(slot_type& s, int c, stream_type& st) {
+  // The dispatch of chunk c (the backward's reuses the forward's counts). Returns true when its
+  // all-to-alls wait for counts on the host (dynamic shapes, when host code runs at enqueue
+  // time, as on CUDA): they are issued by `complete_dispatch`, one step later (see
+  // `moe_exchange_base::flush_dispatch`), so the host does not wait here for the comm stream
+  // to drain through the previous chunk's combine.
+  bool enqueue_dispatch(slot_type& s, int c, stream_type& st) {
     chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    if (!s.backward) {
+      exchange_chunk_counts(s, ch, st);
+      if (!Space::runs_later && !this->options_.static_shape)
+        return true;
+    }
+    complete_dispatch(s, c, st);
+    return false;
+  }
+
+  // The all-to-alls of a dispatch, after its count exchange (dynamic shapes: the host reads the
+  // counts first, unless host code runs later, in the stream, as on host streams).
+  void complete_dispatch(slot_type& s, int c, stream_type& st) {
+    chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+    const bool fixed = this->options_.static_shape;
+    if (!s.backward && !fixed)
+      read_counts(s, ch, st);
     const bool fp8 = !s.backward && this->options_.fp8_dispatch; // the backward keeps T
     const std::size_t row =
         fp8 ? wire_.stride : this->options_.hidden * size_of(this->options_.element);
     std::byte* send = fp8 ? ch.send_fp8 : ch.send;
     std::byte* recv = fp8 ? ch.recv_fp8 : ch.recv;
-    const bool fixed = this->options_.static_shape;
     if (!s.backward) {
-      exchange_chunk_counts(s, ch, st);
       if (fixed)
         all_to_all_v(*this->comm_, st, ch.send_routes, uniform_counts_, uniform_displs_,
                      ch.recv_routes, uniform_counts_, uniform_displs_,
@@ -609,7 +630,7 @@ class basic_device_exchange
 
   // The count exchange of a chunk (every path's one place), carrying this rank's status.
   // Static shapes keep the counts in memory of the space; dynamic ones copy them to the host
-  // and lay out the receive there, where every rank fails alike if a rank's status says so.
+  // (pinned mirrors on CUDA), for `read_counts`.
   void exchange_chunk_counts(slot_type& s, chunk_state& ch, stream_type& st) {
     const auto D = static_cast<std::size_t>(D_);
     const std::int64_t* reported = s.state.rejected ? s.state.reported : nullptr;
@@ -623,14 +644,29 @@ class basic_device_exchange
     Space::copy_to_host(st, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
     Space::copy_to_host(st, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
     Space::copy_to_host(st, ch.recv_counts_h.data(), ch.recv_counts, D * 8);
-    on_host_watched<Space>(*this->comm_, st, [this, &ch, &s] {
+    if constexpr (!Space::runs_later)
+      st.record(ch.counts_ready);
+  }
+
+  // Dynamic shapes, once the counts are on the host (a wait through the communicator where host
+  // code runs at enqueue time): every rank fails alike if a rank's status says so; else the
+  // receive layout is planned and uploaded.
+  void read_counts(slot_type& s, chunk_state& ch, stream_type& st) {
+    const auto decide = [this, &ch, &s] {
       if (std::exception_ptr failed = status_.failure(ch.status)) {
         s.failed_together = true; // every rank raises it here
         std::rethrow_exception(failed);
       }
       abort_peers_on_failure(*this->comm_, [&] { plan_receive(ch); });
-    });
-    Space::copy_from_host(st, ch.recv_displs, ch.recv_displs_h.data(), D * 8);
+    };
+    if constexpr (Space::runs_later) {
+      Space::on_host(st, decide);
+    } else {
+      wait_watched(*this->comm_, ch.counts_ready);
+      decide();
+    }
+    Space::copy_from_host(st, ch.recv_displs, ch.recv_displs_h.data(),
+                          static_cast<std::size_t>(D_) * 8);
   }
 
   // Dynamic shapes, on the host once the counts arrived: the receive layout.
@@ -773,6 +809,10 @@ class basic_device_exchange
   std::int64_t* static_displs_ = nullptr;
   const slot_type* last_forward_ = nullptr;
   device_counts_with_status<Space> status_; // the count exchanges, carrying each rank's status
+  // Where `check_errors` and `read_stats` copy flags and counters to (pinned on CUDA).
+  host_mirror<Space, std::uint32_t> error_words_;
+  host_mirror<Space, std::int64_t> bad_tokens_;
+  mutable host_mirror<Space, std::int64_t> counters_h_{counter_count};
 };
 
 WEAVE_NAMESPACE_END

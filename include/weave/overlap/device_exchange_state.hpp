@@ -6,6 +6,7 @@
 
 #include "weave/comm/device_status_exchange.hpp"
 #include "weave/core/config.hpp"
+#include "weave/exec/host_mirror.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/capacity.hpp"
@@ -48,10 +49,13 @@ struct device_chunk {
   std::byte *send_fp8 = nullptr, *recv_fp8 = nullptr, *epd_codes = nullptr;
   float* epd_scales = nullptr;
   std::int64_t* quant_status = nullptr;
-  // Dynamic shapes: the counts the all-to-alls read on the host.
-  std::vector<std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
-  std::uint32_t* error = nullptr; // the exchange's own flags (a static slot overflowing)
-  device_status_block status;     // its count exchange with every rank's status
+  // Dynamic shapes: the counts the all-to-alls read on the host (pinned on CUDA: copied there
+  // without blocking the host, which waits for them through the communicator).
+  host_mirror<Space, std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
+  // Where host code runs at enqueue time: recorded after the counts' copies to the host.
+  typename Space::stream_type::event_type counts_ready{};
+  std::uint32_t* error = nullptr;    // the exchange's own flags (a static slot overflowing)
+  device_status_block<Space> status; // its count exchange with every rank's status
 };
 
 // Everything one call needs, reused by the calls of its slot.
@@ -66,7 +70,7 @@ struct device_call_state {
   float* grad_dot = nullptr;
   // A call rejected on the host: its record, sent by the call's count exchanges (`rejected`).
   std::int64_t* reported = nullptr;
-  std::vector<std::int64_t> reported_h = std::vector<std::int64_t>(failure_words, 0);
+  host_mirror<Space, std::int64_t> reported_h{failure_words};
   bool rejected = false;
 
   void construct(const placement& where, const moe_options& o, int rank, std::size_t chunk_tokens,

@@ -258,7 +258,8 @@ class moe_exchange
       s.submit([this, &slot, c] { prepare(slot, c); }); // travels with the count exchange
   }
 
-  void enqueue_dispatch(slot_type& slot, int c, stream_type& s) {
+  // Returns false: nothing waits on the host (the receive layout is planned on the stream).
+  bool enqueue_dispatch(slot_type& slot, int c, stream_type& s) {
     chunk_state& ch = slot.state.chunks[static_cast<std::size_t>(c)];
     if (!slot.backward) {
       exchange_chunk_counts(ch, s);
@@ -271,7 +272,9 @@ class moe_exchange
     row_buffer& recv = fp8 ? ch.recv_fp8 : ch.recv;
     all_to_all_v(*this->comm_, s, send.data(), ch.send_counts, ch.send_displs, recv.data(),
                  ch.recv_counts, ch.recv_displs, send.row_bytes());
+    return false;
   }
+  void complete_dispatch(slot_type&, int, stream_type&) {}
 
   // The count exchange of a chunk (every path's one place), then the receive layout from it.
   void exchange_chunk_counts(chunk_state& ch, stream_type& s) {

@@ -118,7 +118,12 @@ struct moe_slot {
 template <class Comm, class Stream, class Event>
 void wait_or_abort(Comm& comm, Stream& s, const Event& e) {
   if constexpr (host_executor<Stream> && has_abort<Comm>) {
-    s.submit([&comm, e] { abort_peers_on_failure(comm, [&] { e.synchronize(); }); });
+    s.submit([&comm, e] {
+      if (std::exception_ptr failure = e.outcome()) {
+        abort_peers(comm, failure);
+        std::rethrow_exception(failure);
+      }
+    });
   }
 }
 
@@ -179,6 +184,7 @@ class moe_exchange_base {
   handle dispatch(const_token_view x, std::span<const std::int32_t> ids,
                   std::span<const float> weights, stream_arg compute, stream_arg comm,
                   const hooks_type* hooks = nullptr) {
+    flush_dispatch(); // an earlier call's failure surfaces here, on every rank, before this call
     try {
       check_dispatch(x, ids, weights, hooks, compute, comm);
     } catch (...) {
@@ -604,8 +610,7 @@ class moe_exchange_base {
       if (!s.failed_together)
         abort_peers(*comm_, std::current_exception());
       try {
-        load(s.compute).record(s.compute_done);
-        load(s.comm).record(s.comm_done);
+        mark_done(s, load(s.compute));
       } catch (...) {
       }
       s.phase = moe_phase::finished;
@@ -615,6 +620,8 @@ class moe_exchange_base {
 
   void release_slot(int i) noexcept {
     slot_type& s = slot(i);
+    if (pending_.slot == &s)
+      pending_ = {}; // never issued: the abort below tells the peers
     if (s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched) {
       try {
         abort_peers(*comm_,
@@ -625,8 +632,7 @@ class moe_exchange_base {
       } catch (...) {
       }
       try { // the next user of the slot waits for what was queued
-        load(s.compute).record(s.compute_done);
-        load(s.comm).record(s.comm_done);
+        mark_done(s, load(s.compute));
       } catch (...) {
       }
       s.phase = moe_phase::finished;
@@ -637,6 +643,7 @@ class moe_exchange_base {
   // Opens a phase: waits for the slot's earlier work on the other stream, issues the
   // prepare and dispatch of the first two chunks and opens chunk 0's experts.
   void start(int i, bool backward, stream_arg compute, stream_arg comm) {
+    flush_dispatch(); // another call's: a failure it carries is thrown before this call issues
     slot_type& s = slot(i);
     s.backward = backward;
     s.current = 0;
@@ -657,8 +664,13 @@ class moe_exchange_base {
     self().on_start(s, load(s.compute)); // may refuse the call: nothing is issued yet
     s.phase = backward ? moe_phase::gradients_dispatched : moe_phase::dispatched;
     last_pipeline_ = &s.pipeline();
-    load(s.compute).wait(s.comm_done);
-    load(s.comm).wait(s.compute_done);
+    // A captured phase cannot wait for events recorded outside its capture (CUDA:
+    // cudaErrorStreamCaptureIsolation); it needs not: its first comm stage waits for its first
+    // prepare, which follows on the compute stream everything captured or launched before it.
+    if (!s.pipeline().captured()) {
+      load(s.compute).wait(s.comm_done);
+      load(s.comm).wait(s.compute_done);
+    }
     issue_or_end(s, [&] {
       prepare_next(s);
       if (options_.chunks > 1)
@@ -681,12 +693,15 @@ class moe_exchange_base {
     slot_type& s = slot(i);
     if (s.opened || s.current >= options_.chunks)
       return;
+    if (pending_.slot == &s && pending_.chunk == s.current)
+      flush_dispatch();
     s.pipeline().begin_stage(pipeline_stage::experts, s.current, load(s.compute));
     self().enqueue_open_experts(s, s.current, load(s.compute));
     s.opened = true;
   }
 
   void comm_stage(slot_type& s, pipeline_stage stage, int c) {
+    flush_dispatch(); // the layer's collectives stay in issue order
     auto& pipe = s.pipeline();
     stream_type& comm = load(s.comm);
     // A forward dispatch carries a failure before it in its count exchange; the other stages
@@ -694,11 +709,32 @@ class moe_exchange_base {
     if (stage != pipeline_stage::dispatch || s.backward)
       detail::wait_or_abort(*comm_, comm,
                             pipe.ended(chunk_pipeline<stream_type>::dependency(stage), c));
-    pipe.stage(stage, c, comm, [&](stream_type& st) {
-      if (stage == pipeline_stage::dispatch)
-        self().enqueue_dispatch(s, c, st);
-      else
-        self().enqueue_combine(s, c, st);
+    pipe.begin_stage(stage, c, comm);
+    if (stage == pipeline_stage::dispatch) {
+      if (self().enqueue_dispatch(s, c, comm)) { // the rest waits for the counts on the host
+        pending_ = {&s, c};
+        return;
+      }
+    } else {
+      self().enqueue_combine(s, c, comm);
+    }
+    pipe.end_stage(stage, c, comm);
+  }
+
+  // Issues the rest of a deferred dispatch (see `enqueue_dispatch`): the host waits for its
+  // counts, which were exchanged when the dispatch was issued, at the latest step that needs
+  // them: before the layer's next collective, or when the chunk's experts open. So the host
+  // blocks one step later than the count exchange, while the compute stream has the experts
+  // issued in between (with dynamic shapes on CUDA, a combine overlaps the next chunk's
+  // experts). A failure the counts carry ends the pending slot's phase on every rank alike.
+  void flush_dispatch() {
+    if (pending_.slot == nullptr)
+      return;
+    const pending_dispatch p = std::exchange(pending_, {});
+    slot_type& s = *p.slot;
+    issue_or_end(s, [&] {
+      self().complete_dispatch(s, p.chunk, load(s.comm));
+      s.pipeline().end_stage(pipeline_stage::dispatch, p.chunk, load(s.comm));
     });
   }
 
@@ -710,6 +746,7 @@ class moe_exchange_base {
                  errc::invalid_state, "no chunk to advance in phase ", to_string(s.phase));
     WEAVE_EXPECT(s.current < options_.chunks, errc::invalid_state, "all ", options_.chunks,
                  " chunks of the phase are already closed");
+    flush_dispatch(); // before this slot issues anything (it may end another slot's phase)
     const int c = s.current;
     issue_or_end(s, [&] {
       open_slot(i);
@@ -742,9 +779,19 @@ class moe_exchange_base {
                  " has not been computed: iterate chunks(handle) to the end first");
     for (int c = s.finished; c < C; ++c)
       finish_chunk(s, c, compute);
+    mark_done(s, compute);
+    s.phase = next;
+  }
+
+  // Marks the end of the slot's work on both streams for its next phase and for `acquire`. Not in
+  // a capture: those events would be captured ones, which CUDA refuses to query or to wait for
+  // from outside the capture; a captured phase ends with its comm work joined into the compute
+  // stream (its last finish waits for its last combine).
+  void mark_done(slot_type& s, stream_arg compute) {
+    if (s.pipeline().captured())
+      return;
     compute.record(s.compute_done);
     load(s.comm).record(s.comm_done);
-    s.phase = next;
   }
 
   int current_chunk(int i) const { return slot(i).current; }
@@ -753,6 +800,12 @@ class moe_exchange_base {
 
   std::vector<std::unique_ptr<slot_type>> slots_;
   const chunk_pipeline<stream_type>* last_pipeline_ = nullptr;
+  // A dispatch whose data all-to-all waits for its counts on the host (`flush_dispatch`).
+  struct pending_dispatch {
+    slot_type* slot = nullptr;
+    int chunk = -1;
+  };
+  pending_dispatch pending_;
   handle last_; // the callback form's last forward (declared after the slots it holds)
 };
 
