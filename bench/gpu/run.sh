@@ -40,7 +40,7 @@ REBUILD=build/gpu-rebuild   # build tree on the GPU machine, when the carry does
 REBUILT=build/gpu-rebuilt   # its binaries, laid out as the carry
 OUT=${OUT:-$ROOT/build/gpu-results}
 DEADLINE=${WEAVE_GPU_DEADLINE:-540}
-CARRY_LIMIT=$((64 * 1024 * 1024)) # the device tool's limit for the working tree and carry
+CARRY_LIMIT=$((64 * 1024 * 1024)) # what the GPU machine receives: working tree + carried folders
 KERNEL_LABELS="routing exec core"  # tests of kernels: racecheck and synccheck too
 TABLE=bench/gpu/table.py
 mkdir -p "$OUT"
@@ -538,7 +538,7 @@ else:
     binaries_start "$CARRY" ||
       missing+=("carried binaries that start here (core and sanitize will rebuild here)")
   else
-    echo "no carry folder: pass carry=[\"$CARRY\"] to the device tool; core will rebuild here"
+    echo "no carry folder: send $CARRY along with the working tree; core will rebuild here"
     missing+=("the carry folder $CARRY")
     rt=""
   fi
