@@ -12,6 +12,10 @@
 //   the host wait a trainer pays, dynamic against static shapes, 1 and 4 chunks);
 // - decode-sized layers (1, 8, 64, 256 tokens, one-rank NCCL): cuda_decode_exchange eager and
 //   replayed from a CUDA graph against the dynamic cuda_moe_exchange sized for the same batch.
+// Every instance runs a fixed number of iterations once, its setup outside the timed loop
+// (register_benchmarks below). Without a GPU the binary lists its benchmarks
+// (--benchmark_list_tests) and otherwise reports skipped (exit 77). bench/gpu/run.sh runs each
+// instance in its own process and prints the table of ratios.
 #include <benchmark/benchmark.h>
 
 #include <weave/core/cuda_error.hpp>
@@ -36,10 +40,13 @@
 #include <barrier>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -84,8 +91,12 @@ struct dev_buffer {
   explicit dev_buffer(const std::vector<T>& host)
       : bytes(host.size() * sizeof(T)) {
     WEAVE_CUDA_CHECK(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes));
-    if (bytes)
+    if (bytes) {
       WEAVE_CUDA_CHECK(cudaMemcpy(ptr, host.data(), bytes, cudaMemcpyHostToDevice));
+      // A pageable upload may return before its DMA lands, and the benchmarks' streams are
+      // non-blocking (not ordered after the legacy stream): wait for it here.
+      WEAVE_CUDA_CHECK(cudaDeviceSynchronize());
+    }
   }
   ~dev_buffer() { (void)cudaFree(ptr); }
   dev_buffer(const dev_buffer&) = delete;
@@ -706,70 +717,110 @@ void BM_exchange_naive(benchmark::State& state) {
 
 } // namespace
 
-BENCHMARK(BM_d2d_copy)->Arg(16384)->Arg(65536)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_gather)
-    ->Args({16384, 0})
-    ->Args({65536, 0})
-    ->Args({16384, 1})
-    ->Args({65536, 1})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_merge)
-    ->Args({16384, 2})
-    ->Args({65536, 2})
-    ->Args({16384, 8})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
-// Gate (k = 8) and plans: E = 64 and 256, T = 16384 and 65536 tokens.
-void gate_args(benchmark::internal::Benchmark* b) {
-  for (const int E : {64, 256})
-    for (const int T : {16384, 65536})
-      b->Args({E, T});
-  b->UseManualTime()->Unit(benchmark::kMicrosecond);
+namespace {
+
+// Every instance runs a fixed number of iterations, once: Google Benchmark's probing for an
+// iteration count would re-run each function (its buffers, NCCL communicators, exchanges and
+// workspaces included) several times. Setup stays outside the timed loops. An exception (a CUDA
+// or NCCL error) ends the instance as an error in the report, not the process.
+constexpr int bandwidth_iterations = 200, gate_iterations = 100, pipeline_iterations = 10,
+              exchange_iterations = 50, decode_iterations = 100, world_iterations = 3;
+
+template <void (*F)(benchmark::State&)>
+void guarded(benchmark::State& state) {
+  try {
+    F(state);
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
 }
-BENCHMARK(BM_gate)->Apply(gate_args);
-BENCHMARK(BM_gate_plan_weave)->Apply(gate_args);
-BENCHMARK(BM_gate_plan_mask)->Apply(gate_args);
-BENCHMARK(BM_pipeline)
-    ->Arg(1)
-    ->Arg(2)
-    ->Arg(4)
-    ->Arg(8)
-    ->Arg(16)
-    ->UseManualTime()
-    ->Iterations(10)
-    ->Unit(benchmark::kMillisecond);
 
+benchmark::internal::Benchmark* add(const char* name, void (*f)(benchmark::State&),
+                                    int iterations) {
+  return benchmark::RegisterBenchmark(name, f)
+      ->UseManualTime()
+      ->Iterations(iterations)
+      ->Unit(benchmark::kMicrosecond);
+}
+
+void register_benchmarks() {
+  add("BM_d2d_copy", guarded<BM_d2d_copy>, bandwidth_iterations)->Arg(16384)->Arg(65536);
+  add("BM_gather", guarded<BM_gather>, bandwidth_iterations)
+      ->Args({16384, 0})
+      ->Args({65536, 0})
+      ->Args({16384, 1})
+      ->Args({65536, 1});
+  add("BM_merge", guarded<BM_merge>, bandwidth_iterations)
+      ->Args({16384, 2})
+      ->Args({65536, 2})
+      ->Args({16384, 8})
+      ->Args({65536, 8});
+  // Gate (k = 8) and plans: E = 64 and 256, T = 16384 and 65536 tokens.
+  const auto gate_args = [](benchmark::internal::Benchmark* b) {
+    for (const int E : {64, 256})
+      for (const int T : {16384, 65536})
+        b->Args({E, T});
+  };
+  add("BM_gate", guarded<BM_gate>, gate_iterations)->Apply(gate_args);
+  add("BM_gate_plan_weave", guarded<BM_gate_plan_weave>, gate_iterations)->Apply(gate_args);
+  add("BM_gate_plan_mask", guarded<BM_gate_plan_mask>, gate_iterations)->Apply(gate_args);
+  add("BM_pipeline", guarded<BM_pipeline>, pipeline_iterations)
+      ->Arg(1)
+      ->Arg(2)
+      ->Arg(4)
+      ->Arg(8)
+      ->Arg(16)
+      ->Unit(benchmark::kMillisecond);
 #ifdef WEAVE_BENCH_NCCL
-BENCHMARK(BM_exchange_naive)->UseManualTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_exchange)
-    ->ArgNames({"static", "chunks", "graph"})
-    ->Args({0, 1, 0})
-    ->Args({0, 4, 0})
-    ->Args({1, 1, 0})
-    ->Args({1, 4, 0})
-    ->Args({1, 1, 1})
-    ->Args({1, 4, 1})
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_exchange_world)
-    ->ArgNames({"static", "chunks"})
-    ->Args({0, 1})
-    ->Args({0, 4})
-    ->Args({1, 1})
-    ->Args({1, 4})
-    ->UseManualTime()
-    ->Iterations(3)
-    ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_decode)
-    ->ArgNames({"mode", "tokens"})
-    ->Apply([](benchmark::internal::Benchmark* b) {
-      for (int tokens : {1, 8, 64, 256}) // each size's modes next to each other
-        for (int mode : {0, 1, 2})
-          b->Args({mode, tokens});
-    })
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond);
+  add("BM_exchange_naive", guarded<BM_exchange_naive>, exchange_iterations);
+  add("BM_exchange", guarded<BM_exchange>, exchange_iterations)
+      ->ArgNames({"static", "chunks", "graph"})
+      ->Args({0, 1, 0})
+      ->Args({0, 4, 0})
+      ->Args({1, 1, 0})
+      ->Args({1, 4, 0})
+      ->Args({1, 1, 1})
+      ->Args({1, 4, 1});
+  add("BM_exchange_world", guarded<BM_exchange_world>, world_iterations)
+      ->ArgNames({"static", "chunks"})
+      ->Args({0, 1})
+      ->Args({0, 4})
+      ->Args({1, 1})
+      ->Args({1, 4});
+  add("BM_decode", guarded<BM_decode>, decode_iterations)
+      ->ArgNames({"mode", "tokens"})
+      ->Apply([](benchmark::internal::Benchmark* b) {
+        for (int tokens : {1, 8, 64, 256}) // each size's modes next to each other
+          for (int mode : {0, 1, 2})
+            b->Args({mode, tokens});
+      });
 #endif
+}
 
-BENCHMARK_MAIN();
+bool listing(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--benchmark_list_tests" || arg == "--benchmark_list_tests=true" ||
+        arg == "--help")
+      return true;
+  }
+  return false;
+}
+
+} // namespace
+
+// Lists its benchmarks anywhere; runs them only where a GPU is (else reports skipped, exit 77,
+// as the CUDA tests do).
+int main(int argc, char** argv) {
+  register_benchmarks();
+  if (!listing(argc, argv) && weave::cuda_device_count() == 0) {
+    std::printf("skipped: no GPU\n");
+    return 77;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv))
+    return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
