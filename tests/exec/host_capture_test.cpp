@@ -1,10 +1,10 @@
 // Stream capture on host streams refuses what a CUDA graph capture refuses (host_capture.hpp),
-// and `emulated_cuda_space` copies as the CUDA runtime does: pageable copies block or are
+// and `emulated_gpu_space` copies as the CUDA runtime does: pageable copies block or are
 // refused while capturing, pinned ones are stream-ordered.
 #include <doctest/doctest.h>
 
 #include <weave/core/error.hpp>
-#include <weave/exec/emulated_cuda_space.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_mirror.hpp>
 #include <weave/exec/host_stream.hpp>
 
@@ -160,7 +160,7 @@ TEST_CASE("a host task may still wait for a captured point (no CUDA rule applies
   t.synchronize();
 }
 
-TEST_CASE("emulated_cuda_space: a copy to pageable memory blocks until the stream ran it") {
+TEST_CASE("emulated_gpu_space: a copy to pageable memory blocks until the stream ran it") {
   weave::host_stream s("s");
   std::promise<void> gate;
   auto opened = gate.get_future().share();
@@ -173,25 +173,24 @@ TEST_CASE("emulated_cuda_space: a copy to pageable memory blocks until the strea
     std::this_thread::sleep_for(20ms);
     gate.set_value();
   });
-  weave::emulated_cuda_space::copy_to_host(s, &host_word, &device_word, sizeof host_word);
+  weave::emulated_gpu_space::copy_to_host(s, &host_word, &device_word, sizeof host_word);
   CHECK(host_word == 42); // the copy ran before the call returned, after the earlier task
   opener.join();
 }
 
-TEST_CASE("emulated_cuda_space: pinned copies are stream-ordered tasks, pageable ones are "
+TEST_CASE("emulated_gpu_space: pinned copies are stream-ordered tasks, pageable ones are "
           "refused while capturing") {
   weave::host_stream s("s");
-  weave::host_mirror<weave::emulated_cuda_space, std::int64_t> pinned(2);
-  CHECK(weave::emulated_cuda_space::pinned(pinned.data(), 2 * sizeof(std::int64_t)));
-  CHECK_FALSE(weave::emulated_cuda_space::pinned(pinned.data(), 3 * sizeof(std::int64_t)));
+  weave::host_mirror<weave::emulated_gpu_space, std::int64_t> pinned(2);
+  CHECK(weave::emulated_gpu_space::pinned(pinned.data(), 2 * sizeof(std::int64_t)));
+  CHECK_FALSE(weave::emulated_gpu_space::pinned(pinned.data(), 3 * sizeof(std::int64_t)));
   std::int64_t device_word = 5, pageable = 0;
   s.begin_capture();
-  weave::emulated_cuda_space::copy_to_host(s, pinned.data(), &device_word, sizeof device_word);
-  weave::emulated_cuda_space::copy_from_host(s, &device_word, pinned.data() + 1,
-                                             sizeof device_word);
+  weave::emulated_gpu_space::copy_to_host(s, pinned.data(), &device_word, sizeof device_word);
+  weave::emulated_gpu_space::copy_from_host(s, &device_word, pinned.data() + 1, sizeof device_word);
   CHECK(mentions(refusal([&] {
-                   weave::emulated_cuda_space::copy_to_host(s, &pageable, &device_word,
-                                                            sizeof pageable);
+                   weave::emulated_gpu_space::copy_to_host(s, &pageable, &device_word,
+                                                           sizeof pageable);
                  }),
                  "pageable"));
   CHECK_THROWS(s.end_capture());
@@ -200,7 +199,7 @@ TEST_CASE("emulated_cuda_space: pinned copies are stream-ordered tasks, pageable
   CHECK(device_word == 0); // pinned[1] was value-initialised
 }
 
-TEST_CASE("emulated_cuda_space: a copy from pageable memory is staged at once") {
+TEST_CASE("emulated_gpu_space: a copy from pageable memory is staged at once") {
   weave::host_stream s("s");
   std::promise<void> gate;
   auto opened = gate.get_future().share();
@@ -208,7 +207,7 @@ TEST_CASE("emulated_cuda_space: a copy from pageable memory is staged at once") 
   std::int64_t device_word = 0;
   {
     std::int64_t pageable = 9;
-    weave::emulated_cuda_space::copy_from_host(s, &device_word, &pageable, sizeof pageable);
+    weave::emulated_gpu_space::copy_from_host(s, &device_word, &pageable, sizeof pageable);
     pageable = 1; // the caller may reuse its memory on return
   }
   gate.set_value();

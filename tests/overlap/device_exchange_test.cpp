@@ -1,5 +1,5 @@
 // The device exchange (`basic_device_exchange`, the algorithm of `cuda_moe_exchange`) run on host
-// streams over a local_world, in `host_space` and in `emulated_cuda_space` (the control flow of
+// streams over a local_world, in `host_space` and in `emulated_gpu_space` (the control flow of
 // `cuda_space`: host code at enqueue time, blocking host reads, CUDA's copy and capture rules):
 // bitwise equal to `moe_exchange` (itself checked against a dense reference) for dynamic and
 // static shapes, every chunking, capacities, dtypes, forward and backward; its statistics; its
@@ -10,7 +10,7 @@
 #include "moe_test_support.hpp"
 
 #include <weave/comm/local_world.hpp>
-#include <weave/exec/emulated_cuda_space.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/device_exchange.hpp>
@@ -18,7 +18,9 @@
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
+#include <atomic>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <memory>
 #include <new>
@@ -32,7 +34,7 @@ template <class Space>
 using device_exchange = weave::basic_device_exchange<Space, weave::local_communicator>;
 
 // The expert work of a callback: in host_space the callback runs as a task of its stream, in
-// emulated_cuda_space (as with CUDA) when it is issued, and enqueues its work.
+// emulated_gpu_space (as with CUDA) when it is issued, and enqueues its work.
 template <class Space, class F>
 void on_stream(weave::host_stream& s, F f) {
   if constexpr (Space::runs_later)
@@ -176,7 +178,7 @@ void check_against_host(const setup& s, const weave::placement& where) {
 } // namespace
 
 TEST_CASE_TEMPLATE("device exchange on host streams equals moe_exchange: dynamic and static shapes",
-                   Space, weave::host_space, weave::emulated_cuda_space) {
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   for (const bool fixed : {false, true}) {
     CAPTURE(fixed);
     setup s;
@@ -218,7 +220,7 @@ TEST_CASE_TEMPLATE("device exchange on host streams equals moe_exchange: dynamic
 }
 
 TEST_CASE_TEMPLATE("device exchange decides capacity like moe_exchange, for every order", Space,
-                   weave::host_space, weave::emulated_cuda_space) {
+                   weave::host_space, weave::emulated_gpu_space) {
   for (const bool fixed : {false, true})
     for (const auto order :
          {weave::drop_order::position, weave::drop_order::rank_major,
@@ -245,7 +247,7 @@ TEST_CASE_TEMPLATE("device exchange decides capacity like moe_exchange, for ever
 }
 
 TEST_CASE_TEMPLATE("device exchange flags bad ids, bad weights and overflowing static slots", Space,
-                   weave::host_space, weave::emulated_cuda_space) {
+                   weave::host_space, weave::emulated_gpu_space) {
   // Rank 0 passes a bad id, a duplicate or a NaN weight: flagged ids are treated as absent, so
   // every shape stays consistent and nobody hangs; the flags travel with the count exchange, so
   // rank 0 reports the kind and rank 1 a peer_failure naming rank 0 and that kind: with dynamic
@@ -382,11 +384,11 @@ TEST_CASE("device exchange rejects bad arguments") {
 
 // A static-shape call issues nothing a CUDA graph capture refuses (host_capture.hpp): no wait for
 // an event recorded outside the capture, no query of a captured event, no host wait or pageable
-// copy (emulated_cuda_space), and the comm stream is joined back. Captured forwards and backwards
+// copy (emulated_gpu_space), and the comm stream is joined back. Captured forwards and backwards
 // (host streams run them as they are captured) and the eager calls around them give moe_exchange's
 // results; a dynamic-shape call is refused before it issues anything.
 TEST_CASE_TEMPLATE("static-shape calls pass the CUDA capture rules; dynamic ones are refused",
-                   Space, weave::host_space, weave::emulated_cuda_space) {
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   for (const int in_flight : {1, 2})
     for (const int chunks : {1, 3}) {
       CAPTURE(in_flight);
@@ -478,5 +480,54 @@ TEST_CASE_TEMPLATE("static-shape calls pass the CUDA capture rules; dynamic ones
           }) == weave::errc::invalid_state);
     compute.end_capture(); // nothing was issued in it
     CHECK(ex.usable());
+  });
+}
+
+// With dynamic shapes the host reads each chunk's counts, but not before the next chunk's experts
+// are issued: chunk c's expert work (a task here) cannot finish until chunk c + 1's experts have
+// been issued, which the issue order allows only if the host does not wait for chunk c's combine
+// (which waits for chunk c's experts) before issuing chunk c + 1's. A host that waits there
+// would find the gate closed until it times out.
+TEST_CASE("dynamic shapes on the CUDA path issue chunk c + 1's experts before chunk c's finish") {
+  using space = weave::emulated_gpu_space;
+  setup s;
+  s.ranks = 2;
+  s.tokens = {24, 24};
+  const int C = 4;
+  const auto where = weave::placement::contiguous(8, 2);
+  const auto in = inputs<float>(s);
+  const moe_test::linear_experts experts(s.experts, s.hidden, 3);
+  const auto want = run<float, void>(s, where, 1, in, experts);
+  weave::local_world world(2, {std::chrono::seconds(20), {}});
+  world.run([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    weave::moe_options o = options_of(s, weave::dtype::f32, C);
+    o.save_for_backward = false;
+    device_exchange<space> ex(comm, where, o);
+    aligned_buffer ws(ex.workspace_size());
+    weave::host_stream compute("compute"), comm_stream("comm");
+    ex.initialize(ws.ptr, ws.size, compute);
+    std::vector<std::promise<void>> issued(C);
+    std::vector<std::shared_future<void>> gates;
+    for (auto& p : issued)
+      gates.push_back(p.get_future().share());
+    std::atomic<int> timed_out{0};
+    weave::host_matrix<float> y(in[r].x.rows(), s.hidden);
+    ex.forward(
+        in[r].x.view(), in[r].ids, in[r].weights, y.view(),
+        [&](const weave::device_expert_batch<space>& b) {
+          issued[static_cast<std::size_t>(b.chunk)].set_value();
+          compute.submit([&, b] {
+            if (b.chunk + 1 < C && gates[static_cast<std::size_t>(b.chunk + 1)].wait_for(
+                                       std::chrono::seconds(2)) != std::future_status::ready)
+              ++timed_out;
+            experts.operator()<float>(
+                {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
+          });
+        },
+        compute, comm_stream);
+    ex.synchronize(compute, comm_stream);
+    CHECK(timed_out == 0);
+    CHECK(moe_test::bitwise_equal(y, want.y[r]));
   });
 }

@@ -2,7 +2,7 @@
 // with a communicator that fails as NCCL does (an operation whose peer never arrives waits for
 // good; only `synchronize` gives up, after its watch, and aborts), a rank whose peer never shows
 // up ends with a typed error within the watch, not after the world's own (long) timeout. Run in
-// emulated_cuda_space, which blocks the host where cuda_space does: a copy into pageable host
+// emulated_gpu_space, which blocks the host where cuda_space does: a copy into pageable host
 // memory (a host mirror that is not pinned) would wait for the stuck operation outside the
 // watch. Every host read of the device exchange and of the device decode exchange is covered:
 // layer construction (the agreement), a dynamic chunk's count exchange, check_errors and
@@ -14,7 +14,7 @@
 #include "watched_communicator.hpp"
 
 #include <weave/comm/local_world.hpp>
-#include <weave/exec/emulated_cuda_space.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
 #include <weave/overlap/device_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
@@ -31,7 +31,7 @@ using weave_test::watched_communicator;
 
 namespace {
 
-using space = weave::emulated_cuda_space;
+using space = weave::emulated_gpu_space;
 using exchange = weave::basic_device_exchange<space, watched_communicator>;
 using decode = weave::basic_device_decode_exchange<space, watched_communicator, float>;
 

@@ -40,36 +40,44 @@ namespace detail {
 
 // A status word with this bit carries device flags (in the next word), not a failure record.
 inline constexpr std::int64_t device_flags_status = std::int64_t{1} << 17;
-inline constexpr std::size_t status_stride = 1 + failure_words; // per peer: a count, the status
 
-// Per peer j: its count, then this rank's status (a reported record, else its flags).
+// Per peer j: its counts (`width` of them: `counts[j]`, then `second[j]`), then this rank's
+// status (a reported record, else its flags).
 struct pack_status_step {
-  const std::int64_t* counts;
+  const std::int64_t *counts, *second;         // second: null when width is 1
   const std::uint32_t *flags_low, *flags_high; // either may be null
   const std::int64_t* reported;                // failure_words, or null
   std::int64_t flags_tag;                      // (rank + 1) << 32 | device_flags_status
   std::int64_t* send;
+  std::int64_t width;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
-    std::int64_t* block = send + j * static_cast<std::int64_t>(status_stride);
+    std::int64_t* block = send + j * (width + static_cast<std::int64_t>(failure_words));
     block[0] = counts[j];
+    if (width > 1)
+      block[1] = second[j];
+    std::int64_t* status = block + width;
     const std::uint32_t flags =
         (flags_low ? *flags_low : 0u) | (flags_high ? *flags_high << 16 : 0u);
     for (std::size_t i = 0; i < failure_words; ++i)
-      block[1 + i] = reported ? reported[i] : 0;
+      status[i] = reported ? reported[i] : 0;
     if (!reported && flags != 0) {
-      block[1] = flags_tag;
-      block[2] = static_cast<std::int64_t>(flags);
+      status[0] = flags_tag;
+      status[1] = static_cast<std::int64_t>(flags);
     }
   }
 };
 
-// Per peer j: the count it sent.
+// Per peer j: the counts it sent.
 struct unpack_counts_step {
   const std::int64_t* recv;
-  std::int64_t* counts;
+  std::int64_t *counts, *second; // second: null when width is 1
+  std::int64_t width;
   WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
-    counts[j] = recv[j * static_cast<std::int64_t>(status_stride)];
+    const std::int64_t* block = recv + j * (width + static_cast<std::int64_t>(failure_words));
+    counts[j] = block[0];
+    if (width > 1)
+      second[j] = block[1];
   }
 };
 
@@ -97,19 +105,21 @@ class device_counts_with_status {
   using describe_fn = std::function<failure_record(int rank, std::uint32_t flags)>;
 
   //! For rank `rank` of `ranks`; `raise_flags`: fail every rank at the exchange when a rank's
-  //! flags are set (dynamic shapes); `what` names the owner in peers' errors.
+  //! flags are set (dynamic shapes); `what` names the owner in peers' errors; `width`: counts
+  //! per peer (1, or 2 for a second count beside the first).
   device_counts_with_status(int ranks, int rank, bool raise_flags, std::string what,
-                            describe_fn describe)
+                            describe_fn describe, int width = 1)
       : ranks_(ranks)
       , rank_(rank)
+      , width_(width)
       , raise_flags_(raise_flags)
       , what_(std::move(what))
-      , describe_(std::move(describe)) {}
+      , describe_(std::move(describe)) {
+    WEAVE_EXPECT(width == 1 || width == 2, errc::invalid_argument, "counts per peer = ", width);
+  }
 
   //! 64-bit words of each buffer of a block (and of a reported record: `failure_words`).
-  std::size_t words() const noexcept {
-    return static_cast<std::size_t>(ranks_) * detail::status_stride;
-  }
+  std::size_t words() const noexcept { return static_cast<std::size_t>(ranks_) * stride(); }
   //! Sizes `b`'s host copy (allocates: at construction of its owner); `carve` its buffers.
   void size_block(device_status_block<Space>& b) const {
     b.host = host_mirror<Space, std::int64_t>(words());
@@ -125,13 +135,18 @@ class device_counts_with_status {
   //! `recv_counts`, and of every rank's status, through `b`; this rank's flags are the words at
   //! `flags_low` (bits 0-15) and `flags_high` (bits 16-31), either may be null. `reported`
   //! (memory of the space, `failure_words`, or null): a rejected call's record (see `report`),
-  //! sent instead of the flags.
+  //! sent instead of the flags. With a width of 2, `second` (one per peer) arrives in
+  //! `recv_second` too.
   template <communicator Comm>
   void exchange(Comm& comm, stream_arg s, device_status_block<Space>& b, const std::int64_t* counts,
                 std::int64_t* recv_counts, const std::uint32_t* flags_low,
-                const std::uint32_t* flags_high, const std::int64_t* reported) {
+                const std::uint32_t* flags_high, const std::int64_t* reported,
+                const std::int64_t* second = nullptr, std::int64_t* recv_second = nullptr) {
+    WEAVE_EXPECT(width_ == 1 || (second != nullptr && recv_second != nullptr), errc::internal,
+                 "a count exchange of two counts per peer without its second counts");
     device_status_block<Space>* block = &b;
     const auto D = static_cast<std::int64_t>(ranks_);
+    const std::int64_t w = width_;
     const std::span<const std::int64_t> send(b.send, words());
     const std::span<std::int64_t> recv(b.recv, words());
     if constexpr (Space::runs_later) { // host streams: the protocol of `counts_with_status`
@@ -140,13 +155,14 @@ class device_counts_with_status {
         std::int64_t words_of[failure_words];
         encode_failure(pending ? &record : nullptr, words_of);
         const detail::pack_status_step step{
-            counts, flags_low, flags_high, pending ? words_of : nullptr, flags_tag(), block->send};
+            counts,      second,      flags_low, flags_high, pending ? words_of : nullptr,
+            flags_tag(), block->send, w};
         for (std::int64_t j = 0; j < D; ++j)
           step(j);
       };
       const auto decide = [=, this](std::exception_ptr own) {
         for (std::int64_t j = 0; j < D; ++j)
-          detail::unpack_counts_step{block->recv, recv_counts}(j);
+          detail::unpack_counts_step{block->recv, recv_counts, recv_second, w}(j);
         return own ? own : failure_in(std::span<const std::int64_t>(block->recv, words()), true);
       };
       if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
@@ -155,11 +171,11 @@ class device_counts_with_status {
         protocol_.enqueue(
             s, &b.stashed, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
     } else {
-      Space::for_each(
-          s, D,
-          detail::pack_status_step{counts, flags_low, flags_high, reported, flags_tag(), b.send});
+      Space::for_each(s, D,
+                      detail::pack_status_step{counts, second, flags_low, flags_high, reported,
+                                               flags_tag(), b.send, w});
       comm.exchange_counts(s, send, recv);
-      Space::for_each(s, D, detail::unpack_counts_step{b.recv, recv_counts});
+      Space::for_each(s, D, detail::unpack_counts_step{b.recv, recv_counts, recv_second, w});
       if (raise_flags_)
         Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));
     }
@@ -208,8 +224,8 @@ class device_counts_with_status {
   // peer's. Flags count only with raise_flags_ or outside an exchange (`!own`).
   std::exception_ptr failure_in(std::span<const std::int64_t> received, bool own) const {
     const auto status = [&](int r) {
-      return received.subspan(static_cast<std::size_t>(r) * detail::status_stride + 1,
-                              failure_words);
+      return received.subspan(
+          static_cast<std::size_t>(r) * stride() + static_cast<std::size_t>(width_), failure_words);
     };
     const auto flagged = [](std::span<const std::int64_t> w) {
       return (w[0] & detail::device_flags_status) != 0;
@@ -228,11 +244,13 @@ class device_counts_with_status {
     // Peers: failure records always; flags where they count.
     const bool flags_count = raise_flags_ || !own;
     return detail::peer_failure_in(
-        received, 1, ranks_, rank_, what_ + " count exchange", describe,
-        [&](std::span<const std::int64_t> w) { return flags_count || !flagged(w); });
+        received, static_cast<std::size_t>(width_), ranks_, rank_, what_ + " count exchange",
+        describe, [&](std::span<const std::int64_t> w) { return flags_count || !flagged(w); });
   }
 
-  int ranks_ = 0, rank_ = 0;
+  std::size_t stride() const noexcept { return static_cast<std::size_t>(width_) + failure_words; }
+
+  int ranks_ = 0, rank_ = 0, width_ = 1;
   bool raise_flags_ = false;
   std::string what_;
   describe_fn describe_;

@@ -96,6 +96,20 @@ struct cuda_space {
       WEAVE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s.get()));
   }
 
+  //! Stream-ordered device memory (`stream_allocator`'s default): the current device's pool
+  //! (`cudaMallocAsync`); freed with `cudaFreeAsync` on `s`, or `cudaFree` for a null `s`.
+  static void* allocate_async(std::size_t bytes, cuda_stream_ref s) {
+    void* p = nullptr;
+    WEAVE_CUDA_CHECK(cudaMallocAsync(&p, bytes == 0 ? 1 : bytes, s.get()));
+    return p;
+  }
+  static void free_async(void* p, std::size_t /*bytes*/, const cuda_stream_ref* s) noexcept {
+    if (s != nullptr)
+      (void)cudaFreeAsync(p, s->get());
+    else
+      (void)cudaFree(p);
+  }
+
   //! Pinned host memory (`cudaMallocHost`): copies into and out of it are asynchronous, so the
   //! host blocks only where it waits for the stream (see `host_mirror`).
   static void* allocate_host(std::size_t bytes) {

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -91,6 +92,23 @@ struct host_space {
   //! True while `s` belongs to a capture (`host_stream::begin_capture`): the CUDA capture rules
   //! are checked on host streams too.
   static bool is_capturing(stream_arg s) { return s.capturing(); }
+
+  //! Stream-ordered memory of this space (`stream_allocator`'s default): heap memory, aligned to
+  //! 256 bytes; freed by a task of `s` (after the work queued on it), or at once for a null `s`.
+  static void* allocate_async(std::size_t bytes, host_stream& /*s*/) {
+    return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{256});
+  }
+  static void free_async(void* p, std::size_t /*bytes*/, host_stream* s) noexcept {
+    const auto free = [p] { ::operator delete (p, std::align_val_t{256}); };
+    if (s == nullptr) {
+      free();
+      return;
+    }
+    try {
+      s->submit(free);
+    } catch (...) { // no memory for the task: leaking beats freeing under queued work
+    }
+  }
 
   //! Scratch bytes `sort_pairs` and `exclusive_scan` need for n elements (none here).
   static std::size_t sort_temp_bytes(std::int64_t) { return 0; }

@@ -7,6 +7,7 @@
 #include "weave/comm/device_status_exchange.hpp"
 #include "weave/core/config.hpp"
 #include "weave/exec/host_mirror.hpp"
+#include "weave/exec/stream_allocator.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/capacity.hpp"
@@ -25,18 +26,27 @@ namespace detail {
 // One chunk of one call: plans, and where its buffers live in the workspace.
 template <class Space>
 struct device_chunk {
-  device_chunk(const placement& where, int k, int rank, std::size_t tokens, std::size_t recv_rows)
+  device_chunk(const placement& where, int k, int rank, std::size_t tokens, std::size_t recv_rows,
+               std::size_t epd_rows)
       : plan(where, k, rank, tokens)
-      , experts(where.slots_per_device(), k, where.num_devices(), recv_rows)
+      , experts(where.slots_per_device(), k, where.num_devices(), recv_rows, epd_rows)
+      , rows_cap(recv_rows)
+      , epd_cap(experts.max_epd_rows())
       , send_counts_h(static_cast<std::size_t>(where.num_devices()))
       , send_displs_h(static_cast<std::size_t>(where.num_devices()))
       , recv_counts_h(static_cast<std::size_t>(where.num_devices()))
-      , recv_displs_h(static_cast<std::size_t>(where.num_devices())) {}
+      , recv_displs_h(static_cast<std::size_t>(where.num_devices()))
+      , recv_pairs_h(static_cast<std::size_t>(where.num_devices())) {}
 
   device_dispatch_plan<Space> plan;  // sender half (ORI <-> SFD)
   device_expert_plan<Space> experts; // receiver half (SFD <-> EPD)
   std::size_t first = 0, count = 0;  // token range of the chunk
-  std::byte *plan_ws = nullptr, *experts_ws = nullptr;
+  // Receive-side rows and EPD rows the buffers hold; where they are sized at call time, also
+  // what the current call received (counts read on the host) and the block that holds them.
+  std::size_t rows_cap = 0, epd_cap = 0, rows = 0, epd = 0;
+  stream_block<Space> receive;
+  std::byte *plan_ws = nullptr, *experts_ws = nullptr, *experts_rows_ws = nullptr;
+  std::int64_t *send_pairs = nullptr, *recv_pairs = nullptr; // pairs per peer (sized at call)
   std::byte *send = nullptr, *recv = nullptr, *back = nullptr, *returned = nullptr;
   std::byte *epd_in = nullptr, *epd_out = nullptr;
   route_entry *send_routes = nullptr, *recv_routes = nullptr; // send: static shapes only
@@ -51,7 +61,8 @@ struct device_chunk {
   std::int64_t* quant_status = nullptr;
   // Dynamic shapes: the counts the all-to-alls read on the host (pinned on CUDA: copied there
   // without blocking the host, which waits for them through the communicator).
-  host_mirror<Space, std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h;
+  host_mirror<Space, std::int64_t> send_counts_h, send_displs_h, recv_counts_h, recv_displs_h,
+      recv_pairs_h;
   // Where host code runs at enqueue time: recorded after the counts' copies to the host.
   typename Space::stream_type::event_type counts_ready{};
   std::uint32_t* error = nullptr;    // the exchange's own flags (a static slot overflowing)
@@ -68,18 +79,20 @@ struct device_call_state {
   std::int64_t* counters = nullptr; // moe_stats of the forward (device_exchange_counter)
   std::byte *grad_dy = nullptr, *grad_scaled = nullptr;
   float* grad_dot = nullptr;
+  std::size_t grads_cap = 0; // EPD rows the backward's buffers hold
+  stream_block<Space> grads; // where they are sized at call time
   // A call rejected on the host: its record, sent by the call's count exchanges (`rejected`).
   std::int64_t* reported = nullptr;
   host_mirror<Space, std::int64_t> reported_h{failure_words};
   bool rejected = false;
 
   void construct(const placement& where, const moe_options& o, int rank, std::size_t chunk_tokens,
-                 std::size_t recv_rows) {
+                 std::size_t recv_rows, std::size_t epd_rows) {
     if (o.capacity.factor != 0.0)
       filter.emplace(where.num_experts(), o.k, o.max_tokens, o.capacity);
     chunks.reserve(static_cast<std::size_t>(o.chunks));
     for (int c = 0; c < o.chunks; ++c)
-      chunks.emplace_back(where, o.k, rank, chunk_tokens, recv_rows);
+      chunks.emplace_back(where, o.k, rank, chunk_tokens, recv_rows, epd_rows);
   }
 };
 

@@ -235,6 +235,20 @@ struct routed_pairs_step {
   }
 };
 
+// Per destination device j: the (token, expert) pairs this rank sends it (the sum of the loads
+// of its slots), so the receiver learns its expert rows with its counts.
+struct device_pairs_step {
+  const std::int64_t* slot_loads;
+  int spd;
+  std::int64_t* pairs;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
+    std::int64_t total = 0;
+    for (int l = 0; l < spd; ++l)
+      total += slot_loads[j * spd + l];
+    pairs[j] = total;
+  }
+};
+
 // Statistics, once per chunk on the sender: rows sent and rows that stay on this rank.
 struct sent_rows_step {
   const std::int64_t *counts, *offsets;

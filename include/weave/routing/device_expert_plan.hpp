@@ -37,6 +37,7 @@ enum device_expert_error : std::uint32_t {
   device_expert_duplicate = 2,  //!< a row naming one local expert twice
   device_expert_bad_weight = 4, //!< a non-finite gate weight
   device_expert_empty_row = 8,  //!< a received row with no expert (senders never send one)
+  device_expert_overflow = 16,  //!< more (row, local expert) pairs than the plan holds EPD rows
 };
 
 namespace detail {
@@ -110,6 +111,17 @@ struct expert_rows_step {
   }
 };
 
+// One step: flags an EPD total past the plan's EPD rows (pairs beyond them get no row).
+struct expert_capacity_step {
+  const std::int64_t* total;
+  std::int64_t capacity;
+  std::uint32_t* error;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
+    if (*total > capacity)
+      atomic_or(error, device_expert_overflow);
+  }
+};
+
 // Per EPD row j (sorted position j < total): its received row and weight, and the way back.
 struct expert_epd_step {
   const std::int32_t* values; // sorted
@@ -137,14 +149,22 @@ struct expert_epd_step {
 //! allocate `workspace_size()` bytes of memory of the space, `initialize` once, `build` per
 //! chunk (no allocation). Accessors return spans over memory of the space; the EPD row count
 //! is `expert_offsets()[local_experts]`, in memory of the space (`epd_rows_count()`).
+//!
+//! Sized at call time instead (a dynamic-shape exchange, once it knows what it receives): its
+//! fixed part (`fixed_workspace_size`, `initialize_fixed`) once, then the per-row arrays for
+//! `max_rows` rows and `max_epd` EPD rows (`rows_workspace_size`, `attach_rows`) whenever the
+//! rows outgrow them.
 template <execution_space Space>
 class device_expert_plan {
  public:
   using stream_arg = typename Space::stream_arg;
 
   //! Throws `errc::invalid_argument` for non-positive sizes, `errc::out_of_range` when
-  //! max_rows * k exceeds 2^31 - 1.
-  device_expert_plan(int local_experts, int k, int sources, std::size_t max_rows)
+  //! max_rows * k exceeds 2^31 - 1. `max_epd`: the EPD rows to hold, when a bound tighter than
+  //! max_rows * min(k, local_experts) is known (a capacity factor); more are flagged
+  //! (`device_expert_overflow`).
+  device_expert_plan(int local_experts, int k, int sources, std::size_t max_rows,
+                     std::size_t max_epd = static_cast<std::size_t>(-1))
       : L_(local_experts)
       , k_(k)
       , sources_(sources)
@@ -156,47 +176,86 @@ class device_expert_plan {
     WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
                  errc::out_of_range, max_rows, " rows with k = ", k,
                  " exceed 2^31 - 1 entries in a device expert plan");
-    temp_bytes_ = std::max(Space::scan_temp_bytes(L_ + 1),
-                           Space::sort_temp_bytes(static_cast<std::int64_t>(n)));
+    max_epd_ = std::min(max_epd, max_rows * static_cast<std::size_t>(std::min(k_, L_)));
+    temp_bytes_ = temp_bytes_for(n);
   }
 
   //! The most EPD rows a build can produce.
-  std::size_t max_epd_rows() const noexcept {
-    return max_rows_ * static_cast<std::size_t>(std::min(k_, L_));
-  }
+  std::size_t max_epd_rows() const noexcept { return max_epd_; }
   std::size_t max_rows() const noexcept { return max_rows_; }
   int local_experts() const noexcept { return L_; }
   int k() const noexcept { return k_; }
 
   std::size_t workspace_size() const {
     workspace_carver measure;
-    return carve(*this, measure).used();
+    carve_fixed(*this, measure);
+    return carve_rows(*this, measure).used();
   }
 
   void initialize(void* workspace, std::size_t bytes, stream_arg stream) {
     WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
     workspace_carver carver(workspace, bytes);
-    carve(*this, carver);
+    carve_fixed(*this, carver);
+    carve_rows(*this, carver);
     Space::fill(stream, error_, 0, sizeof(std::uint32_t));
     initialized_ = true;
   }
 
+  //! Bytes of the fixed part (error word, per-expert counts): sized at call time, the plan
+  //! takes it once and its per-row arrays from `attach_rows`.
+  std::size_t fixed_workspace_size() const {
+    workspace_carver measure;
+    return carve_fixed(*this, measure).used();
+  }
+  void initialize_fixed(void* workspace, std::size_t bytes, stream_arg stream) {
+    WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
+    workspace_carver carver(workspace, bytes);
+    carve_fixed(*this, carver);
+    Space::fill(stream, error_, 0, sizeof(std::uint32_t));
+  }
+  //! Bytes of the per-row arrays for `max_rows` rows and `max_epd` EPD rows.
+  std::size_t rows_workspace_size(std::size_t max_rows, std::size_t max_epd) const {
+    device_expert_plan sized(*this);
+    sized.resize(max_rows, max_epd);
+    workspace_carver measure;
+    return carve_rows(sized, measure).used();
+  }
+  //! Carves the per-row arrays for `max_rows` rows and `max_epd` EPD rows out of `workspace`
+  //! (after `initialize_fixed`); enqueues nothing. Earlier builds' arrays must not be in use.
+  void attach_rows(void* workspace, std::size_t bytes, std::size_t max_rows, std::size_t max_epd) {
+    WEAVE_EXPECT(error_ != nullptr, errc::invalid_state,
+                 "device expert plan: attach_rows before initialize_fixed");
+    WEAVE_EXPECT(workspace != nullptr || bytes == 0, errc::invalid_argument, "null workspace");
+    resize(max_rows, max_epd);
+    workspace_carver carver(workspace, bytes);
+    carve_rows(*this, carver);
+    initialized_ = true;
+  }
+
   //! Builds the plan on `stream` from `routes` (k per buffer row, max_rows rows) and the
-  //! `sources` counts and displacements in memory of the space. Throws `errc::size_mismatch`
-  //! for a routes span of another length, `errc::invalid_state` before `initialize`.
+  //! `sources` counts and displacements in memory of the space, over the first `rows` buffer
+  //! rows (all by default; the rest are padding). Throws `errc::size_mismatch` for a routes span
+  //! of another length or more rows than the plan holds, `errc::invalid_state` before
+  //! `initialize`.
   void build(stream_arg stream, std::span<const route_entry> routes, const std::int64_t* counts,
-             const std::int64_t* displs) {
+             const std::int64_t* displs, std::size_t rows = static_cast<std::size_t>(-1)) {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device expert plan is not initialised");
-    const std::size_t n = max_rows_ * static_cast<std::size_t>(k_);
-    WEAVE_EXPECT(routes.size() == n, errc::size_mismatch, routes.size(), " route entries for ",
-                 max_rows_, " rows with k = ", k_);
+    if (rows == static_cast<std::size_t>(-1))
+      rows = max_rows_;
+    WEAVE_EXPECT(routes.size() == max_rows_ * static_cast<std::size_t>(k_) && rows <= max_rows_,
+                 errc::size_mismatch, routes.size(), " route entries and ", rows,
+                 " rows for a plan of ", max_rows_, " rows with k = ", k_);
+    const std::size_t n = rows * static_cast<std::size_t>(k_);
     Space::fill(stream, counts_, 0, (static_cast<std::size_t>(L_) + 1) * sizeof(std::int64_t));
     if (n > 0)
-      Space::for_each(stream, static_cast<std::int64_t>(max_rows_),
+      Space::for_each(stream, static_cast<std::int64_t>(rows),
                       detail::expert_rows_step{routes.data(), counts, displs, sources_, k_, L_,
                                                keys_in_, values_in_, counts_, row_epd_, row_weight_,
                                                error_});
     Space::exclusive_scan(stream, counts_, offsets_, L_ + 1, temp_, temp_bytes_);
+    Space::for_each(
+        stream, 1,
+        detail::expert_capacity_step{offsets_ + L_, static_cast<std::int64_t>(max_epd_), error_});
     if (n == 0)
       return;
     Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_,
@@ -248,18 +307,42 @@ class device_expert_plan {
                  "a received row carries a non-finite gate weight");
     WEAVE_EXPECT((flags & device_expert_empty_row) == 0, errc::invalid_argument,
                  "a received row carries no expert (senders never send one)");
+    WEAVE_EXPECT((flags & device_expert_overflow) == 0, errc::size_mismatch,
+                 "the received rows name more (row, local expert) pairs than their senders "
+                 "announced");
   }
 
  private:
+  std::size_t temp_bytes_for(std::size_t entries) const {
+    return std::max(Space::scan_temp_bytes(L_ + 1),
+                    Space::sort_temp_bytes(static_cast<std::int64_t>(entries)));
+  }
+
+  void resize(std::size_t max_rows, std::size_t max_epd) {
+    const std::size_t n = checked_mul(max_rows, static_cast<std::size_t>(k_), "route entries");
+    WEAVE_EXPECT(n <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()),
+                 errc::out_of_range, max_rows, " rows with k = ", k_,
+                 " exceed 2^31 - 1 entries in a device expert plan");
+    max_rows_ = max_rows;
+    max_epd_ = max_epd;
+    temp_bytes_ = temp_bytes_for(n);
+  }
+
   template <class Self>
-  static workspace_carver& carve(Self& self, workspace_carver& c) {
-    const std::size_t n = self.max_rows_ * static_cast<std::size_t>(self.k_);
-    const std::size_t epd = self.max_epd_rows();
+  static workspace_carver& carve_fixed(Self& self, workspace_carver& c) {
     const auto L = static_cast<std::size_t>(self.L_);
     const auto set = carve_into<Self>(c);
     set(self.error_, 1);
     set(self.counts_, L + 1);
     set(self.offsets_, L + 1);
+    return c;
+  }
+
+  template <class Self>
+  static workspace_carver& carve_rows(Self& self, workspace_carver& c) {
+    const std::size_t n = self.max_rows_ * static_cast<std::size_t>(self.k_);
+    const std::size_t epd = self.max_epd_rows();
+    const auto set = carve_into<Self>(c);
     set(self.keys_in_, n);
     set(self.keys_out_, n);
     set(self.values_in_, n);
@@ -273,7 +356,7 @@ class device_expert_plan {
   }
 
   int L_ = 0, k_ = 0, sources_ = 0;
-  std::size_t max_rows_ = 0;
+  std::size_t max_rows_ = 0, max_epd_ = 0;
   std::size_t temp_bytes_ = 0;
   bool initialized_ = false;
   std::uint32_t* error_ = nullptr;

@@ -7,7 +7,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
-#include "weave/exec/emulated_cuda_space.hpp"
+#include "weave/exec/emulated_gpu_space.hpp"
 #include "weave/exec/host_space.hpp"
 #include "weave/routing/quantize.hpp"
 #include "weave/routing/row_moves.hpp"
@@ -77,6 +77,6 @@ struct quant_moves<host_space> {
 
 //! The emulated CUDA space moves rows as host_space does (its streams are host streams).
 template <>
-struct quant_moves<emulated_cuda_space> : quant_moves<host_space> {};
+struct quant_moves<emulated_gpu_space> : quant_moves<host_space> {};
 
 WEAVE_NAMESPACE_END

@@ -7,7 +7,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
-#include "weave/exec/emulated_cuda_space.hpp"
+#include "weave/exec/emulated_gpu_space.hpp"
 #include "weave/exec/host_space.hpp"
 #include "weave/routing/host_row_kernels.hpp"
 #include "weave/routing/kernels_host.hpp"
@@ -65,6 +65,6 @@ struct row_moves<host_space> {
 
 //! The emulated CUDA space moves rows as host_space does (its streams are host streams).
 template <>
-struct row_moves<emulated_cuda_space> : row_moves<host_space> {};
+struct row_moves<emulated_gpu_space> : row_moves<host_space> {};
 
 WEAVE_NAMESPACE_END

@@ -1,5 +1,5 @@
 //! \file
-//! `emulated_cuda_space`: `cuda_space`'s host-side behaviour on host streams, with the CUDA
+//! `emulated_gpu_space`: `cuda_space`'s host-side behaviour on host streams, with the CUDA
 //! runtime's rules checked, so CI runs (and catches regressions in) the control flow that
 //! `cuda_space` takes, without a GPU.
 //!
@@ -37,7 +37,7 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 
-// The host allocations `emulated_cuda_space` treats as pinned: start -> bytes.
+// The host allocations `emulated_gpu_space` treats as pinned: start -> bytes.
 class emulated_pinned_registry {
  public:
   static emulated_pinned_registry& get() {
@@ -72,7 +72,7 @@ class emulated_pinned_registry {
 
 //! Runs device algorithms on host streams with `cuda_space`'s host-side behaviour (see the file
 //! comment).
-struct emulated_cuda_space : host_space {
+struct emulated_gpu_space : host_space {
   //! False: host code runs at enqueue time, as with CUDA.
   static constexpr bool runs_later = false;
 
@@ -123,6 +123,13 @@ struct emulated_cuda_space : host_space {
   //! True while `s` belongs to a capture (`host_stream::begin_capture`).
   static bool is_capturing(stream_arg s) { return s.capturing(); }
 
+  //! Stream-ordered memory, as host_space's; refused while `s` captures (CUDA graphs cannot hold
+  //! an allocation a call sizes on the host).
+  static void* allocate_async(std::size_t bytes, host_stream& s) {
+    s.refuse_while_capturing("cudaErrorStreamCaptureUnsupported", "an allocation");
+    return host_space::allocate_async(bytes, s);
+  }
+
   //! "Pinned" host memory: copies into and out of it do not block (see `host_mirror`).
   static void* allocate_host(std::size_t bytes) {
     void* p = ::operator new(bytes == 0 ? 1 : bytes);
@@ -138,6 +145,6 @@ struct emulated_cuda_space : host_space {
     return detail::emulated_pinned_registry::get().contains(p, bytes);
   }
 };
-static_assert(execution_space<emulated_cuda_space>);
+static_assert(execution_space<emulated_gpu_space>);
 
 WEAVE_NAMESPACE_END

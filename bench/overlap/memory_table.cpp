@@ -1,0 +1,247 @@
+// weave-memory: the bytes an MoE layer's exchange holds per rank at a model's shape, before
+// (every buffer sized for the worst case at construction, as host streams still do) and after
+// (the CUDA path's dynamic shapes size the receive side from each call's counts), beside the
+// bytes of the rows a call really uses. The layers are built for real over an in-process world
+// of `--ranks` ranks (their workspace queries are the layers' own); what a call receives comes
+// from uniformly random top-k routing of `--tokens` tokens per rank, counted exactly, and the
+// sizes a call allocates for it are the layer's own (`receive_bytes_for`, `grown`). Prints a
+// markdown table (one row per layer kind), or fails with a message for bad options.
+#include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
+#include <weave/overlap/device_decode_exchange.hpp>
+#include <weave/overlap/device_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
+#include <weave/routing/host_row_moves.hpp>
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+struct shape {
+  std::string name = "custom";
+  std::size_t hidden = 7168, tokens = 4096;
+  int experts = 256, k = 8, ranks = 64, chunks = 1;
+  double capacity = 0.0;
+  std::uint32_t seed = 1;
+};
+
+[[noreturn]] void fail(const std::string& what) {
+  std::fprintf(stderr, "weave-memory: %s\n", what.c_str());
+  std::exit(2);
+}
+
+template <class T>
+T parse(std::string_view text, T lo, T hi, const char* what) {
+  T v{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc{} || end != text.data() + text.size() || v < lo || v > hi)
+    fail(std::string(what) + " must be a number in [" + std::to_string(lo) + ", " +
+         std::to_string(hi) + "], got '" + std::string(text) + "'");
+  return v;
+}
+
+shape parse_args(int argc, char** argv) {
+  shape s;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    const auto eq = arg.find('=');
+    if (arg.substr(0, 2) != "--" || eq == std::string_view::npos)
+      fail("options are --name=value (see the file comment), got '" + std::string(arg) + "'");
+    const std::string_view key = arg.substr(2, eq - 2), value = arg.substr(eq + 1);
+    if (key == "preset") {
+      if (value == "deepseek-v3")
+        s = shape{"DeepSeek-V3", 7168, 4096, 256, 8, 64, 1, 0.0, s.seed};
+      else if (value == "mixtral")
+        s = shape{"Mixtral-8x7B", 4096, 4096, 8, 2, 8, 1, 0.0, s.seed};
+      else
+        fail("unknown preset '" + std::string(value) + "' (deepseek-v3, mixtral)");
+    } else if (key == "hidden") {
+      s.hidden = parse<std::size_t>(value, 1, 1 << 20, "--hidden");
+    } else if (key == "tokens") {
+      s.tokens = parse<std::size_t>(value, 1, 1 << 20, "--tokens");
+    } else if (key == "experts") {
+      s.experts = parse<int>(value, 1, 1 << 16, "--experts");
+    } else if (key == "k") {
+      s.k = parse<int>(value, 1, 64, "--k");
+    } else if (key == "ranks") {
+      s.ranks = parse<int>(value, 1, 256, "--ranks");
+    } else if (key == "chunks") {
+      s.chunks = parse<int>(value, 1, 64, "--chunks");
+    } else if (key == "capacity") {
+      s.capacity = parse<double>(value, 0.0, 64.0, "--capacity");
+    } else if (key == "seed") {
+      s.seed = parse<std::uint32_t>(value, 0, std::numeric_limits<std::uint32_t>::max(), "--seed");
+    } else {
+      fail("unknown option --" + std::string(key));
+    }
+  }
+  if (s.k > s.experts)
+    fail("--k must not exceed --experts");
+  if (s.experts % s.ranks != 0)
+    fail("--experts must be a multiple of --ranks (one contiguous placement)");
+  return s;
+}
+
+// What one rank receives per chunk under uniformly random routing: rows (one per token and
+// device), EPD rows (one per token and expert); and what it sends (rows) per chunk.
+struct traffic {
+  std::vector<std::vector<std::size_t>> rows, pairs, sent; // [rank][chunk]
+};
+
+traffic route(const shape& s) {
+  const auto R = static_cast<std::size_t>(s.ranks), C = static_cast<std::size_t>(s.chunks);
+  const int spd = s.experts / s.ranks;
+  traffic t{std::vector(R, std::vector<std::size_t>(C)),
+            std::vector(R, std::vector<std::size_t>(C)),
+            std::vector(R, std::vector<std::size_t>(C))};
+  std::mt19937_64 rng(s.seed);
+  std::vector<int> ids(static_cast<std::size_t>(s.experts));
+  std::vector<int> per_device(R);
+  for (std::size_t src = 0; src < R; ++src)
+    for (std::size_t tok = 0; tok < s.tokens; ++tok) {
+      std::size_t c = 0; // the chunk whose range [T c / C, T (c + 1) / C) holds tok
+      while (tok >= s.tokens * (c + 1) / C)
+        ++c;
+      std::iota(ids.begin(), ids.end(), 0);
+      for (int j = 0; j < s.k; ++j) // a partial Fisher-Yates draw: k distinct experts
+        std::swap(
+            ids[static_cast<std::size_t>(j)],
+            ids[static_cast<std::size_t>(j) + rng() % (ids.size() - static_cast<std::size_t>(j))]);
+      std::fill(per_device.begin(), per_device.end(), 0);
+      for (int j = 0; j < s.k; ++j)
+        ++per_device[static_cast<std::size_t>(ids[static_cast<std::size_t>(j)] / spd)];
+      for (std::size_t d = 0; d < R; ++d)
+        if (per_device[d] > 0) {
+          ++t.rows[d][c];
+          t.pairs[d][c] += static_cast<std::size_t>(per_device[d]);
+          ++t.sent[src][c];
+        }
+    }
+  return t;
+}
+
+std::string gib(double bytes) {
+  char b[32];
+  if (bytes >= 1024.0 * 1024.0 * 1024.0)
+    std::snprintf(b, sizeof b, "%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  else
+    std::snprintf(b, sizeof b, "%.1f MiB", bytes / (1024.0 * 1024.0));
+  return b;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  const shape s = parse_args(argc, argv);
+  const traffic t = route(s);
+  weave::moe_options o;
+  o.k = s.k;
+  o.hidden = s.hidden;
+  o.element = weave::dtype::bf16;
+  o.max_tokens = s.tokens;
+  o.chunks = s.chunks;
+  if (s.capacity > 0.0)
+    o.capacity = {s.capacity, weave::drop_order::position, weave::capacity_rounding::ceil};
+  const std::size_t row = s.hidden * 2;
+  const auto where = weave::placement::contiguous(s.experts, s.ranks);
+  struct row_out {
+    std::size_t before = 0, after = 0, fixed = 0, used = 0, sent = 0;
+  };
+  std::vector<row_out> dynamic(static_cast<std::size_t>(s.ranks)),
+      with_backward(static_cast<std::size_t>(s.ranks)), fixed(static_cast<std::size_t>(s.ranks)),
+      fixed_capped(static_cast<std::size_t>(s.ranks));
+  std::vector<std::size_t> decode128(static_cast<std::size_t>(s.ranks)), decode256(decode128);
+  weave::local_world world(s.ranks);
+  world.run([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    for (const bool grads : {false, true}) {
+      weave::moe_options d = o;
+      d.save_for_backward = grads;
+      weave::basic_device_exchange<weave::host_space, weave::local_communicator> before(comm, where,
+                                                                                        d);
+      weave::basic_device_exchange<weave::emulated_gpu_space, weave::local_communicator> after(
+          comm, where, d);
+      row_out& out = grads ? with_backward[r] : dynamic[r];
+      out.before = before.workspace_size();
+      out.after = after.workspace_size();
+      // not rows: the workspace less what a chunk sends and gets back (2 row buffers per chunk)
+      out.fixed =
+          out.after - 2 * after.send_rows_capacity() * static_cast<std::size_t>(s.chunks) * row;
+      std::size_t most_epd = 0;
+      for (std::size_t c = 0; c < static_cast<std::size_t>(s.chunks); ++c) {
+        const std::size_t rows = std::max<std::size_t>(t.rows[r][c], 1);
+        const std::size_t epd = std::max<std::size_t>(t.pairs[r][c], 1);
+        out.after += after.receive_bytes_for(after.grown(rows), after.grown(epd));
+        most_epd = std::max(most_epd, epd);
+        // send + returned, recv + back, expert inputs + outputs (+ the backward's two)
+        out.used += (2 * t.sent[r][c] + 2 * t.rows[r][c] + 2 * t.pairs[r][c]) * row;
+      }
+      if (grads) {
+        out.after += after.backward_bytes_for(after.grown(most_epd));
+        out.used += 2 * most_epd * row;
+      }
+    }
+    for (const bool capped : {false, true}) {
+      weave::moe_options st = o;
+      st.static_shape = true;
+      if (capped)
+        st.capacity = {1.25, weave::drop_order::position, weave::capacity_rounding::ceil};
+      weave::basic_device_exchange<weave::emulated_gpu_space, weave::local_communicator> ex(
+          comm, where, st);
+      row_out& out = capped ? fixed_capped[r] : fixed[r];
+      out.after = ex.workspace_size();
+      out.sent = ex.send_rows_capacity() * static_cast<std::size_t>(s.chunks) * row;
+    }
+    for (const std::size_t m : {std::size_t{128}, std::size_t{256}}) {
+      weave::decode_options dec;
+      dec.k = s.k;
+      dec.hidden = s.hidden;
+      dec.max_tokens_per_rank = m;
+      weave::basic_device_decode_exchange<weave::emulated_gpu_space, weave::local_communicator,
+                                          weave::bfloat16>
+          layer(comm, where, dec);
+      (m == 128 ? decode128 : decode256)[r] = layer.workspace_size();
+    }
+  });
+  const auto worst = [](const std::vector<row_out>& v) {
+    return *std::max_element(v.begin(), v.end(),
+                             [](const row_out& a, const row_out& b) { return a.after < b.after; });
+  };
+  const row_out dyn = worst(dynamic), bwd = worst(with_backward), fix = worst(fixed),
+                fix_capped = worst(fixed_capped);
+  const auto size = [](std::size_t b) { return gib(static_cast<double>(b)); };
+  const auto ratio = [](std::size_t a, std::size_t b) {
+    return static_cast<double>(a) / static_cast<double>(std::max<std::size_t>(b, 1));
+  };
+  std::printf("%s: H = %zu bf16, E = %d, k = %d, %d ranks, %zu tokens per rank, %d chunk%s%s\n\n",
+              s.name.c_str(), s.hidden, s.experts, s.k, s.ranks, s.tokens, s.chunks,
+              s.chunks == 1 ? "" : "s",
+              s.capacity > 0.0 ? (", capacity " + std::to_string(s.capacity)).c_str() : "");
+  std::printf("| layer (the rank holding most) | before: workspace | after: held after a call | "
+              "rows the call used | after / used | after, not rows |\n"
+              "|---|---|---|---|---|---|\n");
+  for (const auto& [what, v] :
+       {std::pair{"dynamic forward", dyn}, std::pair{"dynamic + save_for_backward", bwd}})
+    std::printf("| %s | %s | %s | %s | %.2f | %s |\n", what, size(v.before).c_str(),
+                size(v.after).c_str(), size(v.used).c_str(), ratio(v.after, v.used),
+                size(v.fixed).c_str());
+  for (const auto& [what, v] :
+       {std::pair{"static, dropless", fix}, std::pair{"static, capacity 1.25", fix_capped}})
+    std::printf("| %s (sends %s per call) | | %s | %s | %.2f | |\n", what, size(v.sent).c_str(),
+                size(v.after).c_str(), size(dyn.used).c_str(), ratio(v.after, dyn.used));
+  std::printf("| decode, 128 / 256 tokens per rank | | %s / %s | | | |\n",
+              size(*std::max_element(decode128.begin(), decode128.end())).c_str(),
+              size(*std::max_element(decode256.begin(), decode256.end())).c_str());
+  return 0;
+}
