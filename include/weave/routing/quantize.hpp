@@ -103,22 +103,6 @@ struct fp8_block_scale {
   float scale;
 };
 
-WEAVE_HOST_DEVICE constexpr float fmul_rn(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b); // never contracted into an FMA, whatever the consumer's flags
-#else
-  return a * b;
-#endif
-}
-
-WEAVE_HOST_DEVICE constexpr float fdiv_rn(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b); // IEEE division even under -use_fast_math
-#else
-  return a / b;
-#endif
-}
-
 //! The scale of a block whose finite largest magnitude is `amax`, for an FP8 format of largest
 //! finite value `max_finite`.
 WEAVE_HOST_DEVICE constexpr fp8_block_scale block_scale(float amax, float min_amax,
