@@ -1,4 +1,7 @@
-// The gate's DeepSeek-V3 options on the host:
+// The gate's DeepSeek-V3 options on the host, and the CUDA gate's per-token steps run on the host:
+// - the CUDA gate's group-limit steps (`group_score`, `group_kept`, gate_steps.hpp), run lane by
+//   lane as its warps run them, then a top-k by full sort, choose what the host gate chooses,
+//   on random shapes with many exact ties (equal scores, equal group scores);
 // - `gate_precision::bf16` equals a scalar model of DeepSeek-V3's reference gate in a bf16
 //   model (torch's rounding to bf16 at each step, done with weave::bfloat16), ids and weights
 //   bit for bit, with and without bias and group limit;
@@ -25,6 +28,19 @@ namespace {
 using weave::gate_precision;
 using weave::gate_scoring;
 
+// Indices of the k largest keys, higher key first, ties to the lower index; NaN keys excluded.
+std::vector<int> sorted_top_k(const std::vector<float>& key, int k) {
+  std::vector<int> order;
+  for (int e = 0; e < static_cast<int>(key.size()); ++e)
+    if (!std::isnan(key[static_cast<std::size_t>(e)]))
+      order.push_back(e);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return key[static_cast<std::size_t>(a)] > key[static_cast<std::size_t>(b)];
+  });
+  order.resize(static_cast<std::size_t>(k));
+  return order;
+}
+
 // Logits that are bf16 values (so gate_precision::bf16 does not round them) with many exact
 // ties (`ties`: multiples of 1/4 in [-3, 3]) or few (normal).
 weave::host_matrix<float> bf16_logits(std::size_t T, std::size_t E, std::mt19937& rng, bool ties) {
@@ -37,7 +53,91 @@ weave::host_matrix<float> bf16_logits(std::size_t T, std::size_t E, std::mt19937
   return m;
 }
 
+// Every expert's score per token under `precision`, from the unrestricted f32 gate with k = E
+// (whose weights are its scores: no renormalization, scale 1). The logits are bf16 values, so
+// the bf16 gate's scores are these with sigmoid scores rounded to bf16.
+std::vector<std::vector<float>> scores_of(const weave::host_matrix<float>& logits,
+                                          gate_scoring scoring, gate_precision precision) {
+  const std::size_t T = logits.rows(), E = logits.cols();
+  weave::gate_options o;
+  o.k = static_cast<int>(E);
+  o.scoring = scoring;
+  std::vector<std::int32_t> ids(T * E);
+  std::vector<float> w(T * E);
+  weave::top_k_gate(logits.view(), o, ids, w);
+  std::vector<std::vector<float>> out(T, std::vector<float>(E));
+  for (std::size_t t = 0; t < T; ++t)
+    for (std::size_t i = 0; i < E; ++i) {
+      float s = w[t * E + i];
+      if (precision == gate_precision::bf16 && scoring == gate_scoring::sigmoid)
+        s = static_cast<float>(weave::bfloat16(s));
+      out[t][static_cast<std::size_t>(ids[t * E + i])] = s;
+    }
+  return out;
+}
+
 } // namespace
+
+TEST_CASE("the CUDA gate's group steps, run lane by lane, choose what the host gate chooses") {
+  std::mt19937 rng(61);
+  int tokens = 0, tied_groups = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int G = 1 + static_cast<int>(rng() % 9);
+    const int size = 1 + static_cast<int>(rng() % 6);
+    const int E = G * size;
+    weave::group_limit limit;
+    limit.groups = G;
+    limit.top_groups = 1 + static_cast<int>(rng() % static_cast<unsigned>(G));
+    limit.scores_per_group = rng() % 3 == 0 ? 1 + static_cast<int>(rng() % size) : 0;
+    const int k = 1 + static_cast<int>(rng() % static_cast<unsigned>(limit.top_groups * size));
+    const std::size_t T = 1 + rng() % 40;
+    const bool ties = trial % 3 != 0;
+    const auto logits = bf16_logits(T, static_cast<std::size_t>(E), rng, ties);
+    weave::gate_options o;
+    o.k = k;
+    o.scoring = trial % 2 ? gate_scoring::sigmoid : gate_scoring::softmax;
+    o.precision = trial % 4 < 2 ? gate_precision::bf16 : gate_precision::f32;
+    o.groups = &limit;
+    std::vector<float> bias;
+    if (trial % 5 < 3) // quantized biases keep keys tied; the others break ties
+      for (int e = 0; e < E; ++e)
+        bias.push_back(ties ? 0.25f * static_cast<float>(rng() % 3)
+                            : std::uniform_real_distribution<float>(-0.1f, 0.1f)(rng));
+    o.bias = bias;
+    std::vector<std::int32_t> ids(T * static_cast<std::size_t>(k));
+    std::vector<float> w(ids.size());
+    weave::top_k_gate(logits.view(), o, ids, w);
+    const auto scores = scores_of(logits, o.scoring, o.precision);
+    const int m = weave::detail::group_score_count(limit.scores_per_group, size, !bias.empty());
+    for (std::size_t t = 0; t < T; ++t) {
+      std::vector<float> key = scores[t];
+      for (std::size_t e = 0; e < bias.size(); ++e)
+        key[e] += bias[e];
+      // As the kernel's warp does: phase 1, a lane per group scores it; phase 2, a lane per
+      // group drops its experts unless the group is kept (reading every group score).
+      std::vector<float> group_scores(static_cast<std::size_t>(G));
+      for (int lane = 0; lane < 32; ++lane)
+        for (int g = lane; g < G; g += 32)
+          group_scores[static_cast<std::size_t>(g)] = weave::detail::group_score(
+              key.data() + static_cast<std::ptrdiff_t>(g * size), size, m);
+      for (int lane = 0; lane < 32; ++lane)
+        for (int g = lane; g < G; g += 32)
+          if (!weave::detail::group_kept(group_scores.data(), G, limit.top_groups, g))
+            for (int e = g * size; e < (g + 1) * size; ++e)
+              key[static_cast<std::size_t>(e)] = std::numeric_limits<float>::quiet_NaN();
+      const auto want = sorted_top_k(key, k);
+      for (int i = 0; i < k; ++i)
+        REQUIRE(ids[t * static_cast<std::size_t>(k) + static_cast<std::size_t>(i)] ==
+                want[static_cast<std::size_t>(i)]);
+      std::vector<float> sorted = group_scores;
+      std::sort(sorted.begin(), sorted.end());
+      tied_groups += std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end() ? 1 : 0;
+      ++tokens;
+    }
+  }
+  MESSAGE(tokens, " tokens, ", tied_groups, " with two equal group scores");
+  CHECK(tied_groups > tokens / 10); // the tie rules are exercised
+}
 
 namespace {
 

@@ -1,7 +1,10 @@
 //! \file
 //! Per-token steps of top-k gating written once for the host and the device
-//! (`WEAVE_HOST_DEVICE`): the bf16 rounding of `gate_precision::bf16` and the finishing of a
-//! token's k weights (renormalization, bf16 arithmetic, `route_scale`).
+//! (`WEAVE_HOST_DEVICE`): the bf16 rounding of `gate_precision::bf16`, the finishing of a
+//! token's k weights (renormalization, bf16 arithmetic, `route_scale`), which both gates share,
+//! and the CUDA gate's group-limit steps, which mirror the host's `select_groups` and are
+//! checked against it on the host (`tests/routing/gate_steps_test.cpp`), since the CUDA gate
+//! itself runs only where a GPU is.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -53,6 +56,49 @@ WEAVE_HOST_DEVICE inline void finish_weights(float* w, int k, const gate_weight_
     if (rule.bf16_weights || rule.bf16_output)
       w[i] = round_to_bf16(w[i]);
   }
+}
+
+//! How many of a group's best selection keys its score sums: `scores_per_group` when set, else
+//! DeepSeek-V3's rule: 2 when the gate has a bias (`topk(2).sum`), 1 without (`amax`). A bias
+//! with one expert per group takes that expert's key (the reference's `topk(2)` would fail).
+WEAVE_HOST_DEVICE constexpr int group_score_count(int scores_per_group, int group_size,
+                                                  bool biased) noexcept {
+  return scores_per_group > 0 ? scores_per_group : biased && group_size >= 2 ? 2 : 1;
+}
+
+//! Group score of one token's group: the sum of the `m` highest of its `n` selection keys,
+//! added in descending order starting from 0, as `select_groups` adds them (so the two agree
+//! bit for bit). Keys must be finite. O(m * n) without scratch: each pass takes the best key
+//! after the previous one in the order (higher key, then lower index).
+WEAVE_HOST_DEVICE inline float group_score(const float* key, int n, int m) {
+  float sum = 0.0f;
+  float last = 0.0f;
+  int last_at = -1;
+  for (int i = 0; i < m; ++i) {
+    float best = 0.0f;
+    int best_at = -1;
+    for (int e = 0; e < n; ++e) {
+      const bool after = last_at < 0 || key[e] < last || (key[e] == last && e > last_at);
+      if (after && (best_at < 0 || key[e] > best)) {
+        best = key[e];
+        best_at = e;
+      }
+    }
+    sum += best;
+    last = best;
+    last_at = best_at;
+  }
+  return sum;
+}
+
+//! True when group `g` is among the `top` best of the `groups` scores at `score`: fewer than
+//! `top` groups score higher or score the same with a lower index (ties keep the lower group,
+//! as `select_groups` does).
+WEAVE_HOST_DEVICE inline bool group_kept(const float* score, int groups, int top, int g) {
+  int ahead = 0;
+  for (int h = 0; h < groups; ++h)
+    ahead += score[h] > score[g] || (score[h] == score[g] && h < g) ? 1 : 0;
+  return ahead < top;
 }
 
 } // namespace detail
