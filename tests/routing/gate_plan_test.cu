@@ -216,15 +216,6 @@ TEST_CASE("CUDA top_k_gate flags bad logits and bias, rejects bad arguments") {
   CHECK_THROWS_WITH_AS(weave::top_k_gate(stream.ref(), view, o, ids.span(), w.span()),
                        doctest::Contains("bias in host memory"), weave::error);
   o.bias = {};
-  const weave::group_limit groups{4, 2, 0};
-  o.groups = &groups;
-  try {
-    weave::top_k_gate(stream.ref(), view, o, ids.span(), w.span());
-    FAIL("a group limit was accepted");
-  } catch (const weave::error& e) {
-    CHECK(e.code() == weave::errc::not_supported);
-  }
-  o.groups = nullptr;
   const weave::const_token_view host_view(reinterpret_cast<const std::byte*>(logits.data()), T, E,
                                           weave::dtype::f32);
   CHECK_THROWS_AS(weave::top_k_gate(stream.ref(), host_view, o, ids.span(), w.span()),

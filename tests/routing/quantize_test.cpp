@@ -15,6 +15,7 @@
 #include "fp8_reference.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -256,6 +257,63 @@ TEST_CASE("the packed layout (codes then scales per row) equals separate views")
   }
   const auto odd = weave::quantized_row_layout::of(384);
   CHECK(odd.stride == 400); // 384 + 12 rounded up to 16
+}
+
+// Rows whose length is not a multiple of 4 (or 16): the scales must still start 16-byte aligned
+// in every row (a float load needs 4 bytes of alignment on a GPU, a vector 16), and the packed
+// round trip must equal the brute-force reference bit for bit.
+template <class Fp8, class T>
+void check_packed(std::mt19937& rng, std::size_t rows, std::size_t cols, std::size_t block) {
+  CAPTURE(cols);
+  CAPTURE(block);
+  const block_quantization q{block, scale_rounding::exact, 1e-4f};
+  const auto layout = weave::quantized_row_layout::of(cols, block);
+  CHECK(layout.scale_offset >= cols);
+  CHECK(layout.stride % 16 == 0);
+  CHECK(layout.stride >= layout.scale_offset + cols / block * sizeof(float));
+  const auto src = random_rows<T>(rng, rows, cols, block);
+  // Poisoned, so bytes the views do not cover show up nowhere and rows cannot overlap silently.
+  std::vector<std::byte> packed(rows * layout.stride + 16, std::byte{0xa5});
+  // A 16-byte aligned base: the exchanges' buffers are.
+  auto* base = packed.data() + (16 - reinterpret_cast<std::uintptr_t>(packed.data()) % 16) % 16;
+  const auto [codes, scales] = layout.views(base, rows, weave::dtype_of_v<Fp8>);
+  weave::quantize_rows(src.view(), codes, scales, q);
+  weave::host_matrix<T> back(rows, cols);
+  weave::dequantize_rows(codes, scales, back.view(), q);
+  const fp8_ref::table table(format_of<Fp8>());
+  std::vector<float> x(cols);
+  for (std::size_t r = 0; r < rows; ++r) {
+    CAPTURE(r);
+    REQUIRE(reinterpret_cast<std::uintptr_t>(scales.row(r)) % 16 == 0);
+    for (std::size_t j = 0; j < cols; ++j)
+      x[j] = static_cast<float>(src.row(r)[j]);
+    const auto want = fp8_ref::quantize_row(x.data(), cols, q, table);
+    const auto* got_codes = reinterpret_cast<const std::uint8_t*>(codes.row(r));
+    const auto* got_scales = reinterpret_cast<const float*>(scales.row(r));
+    for (std::size_t b = 0; b < cols / block; ++b)
+      CHECK(std::bit_cast<std::uint32_t>(got_scales[b]) ==
+            std::bit_cast<std::uint32_t>(want.scales[b]));
+    for (std::size_t j = 0; j < cols; ++j) {
+      CHECK(got_codes[j] == want.codes[j]);
+      const T dq(static_cast<float>(fp8_ref::decode(table.f, want.codes[j])) *
+                 want.scales[j / block]);
+      CHECK(std::memcmp(&back.row(r)[j], &dq, sizeof(T)) == 0);
+    }
+  }
+}
+
+TEST_CASE("packed rows of any length: scales 16-byte aligned, round trip equal to the reference") {
+  std::mt19937 rng(13);
+  check_packed<weave::fp8_e4m3, float>(rng, 5, 6, 2);
+  check_packed<weave::fp8_e4m3, weave::bfloat16>(rng, 5, 6, 3);
+  check_packed<weave::fp8_e5m2, float>(rng, 4, 130, 2);
+  check_packed<weave::fp8_e4m3, weave::half>(rng, 3, 10, 5);
+  check_packed<weave::fp8_e4m3, weave::bfloat16>(rng, 3, 7168, 128);
+  // Scales at the next 16-byte boundary, the row padded to 16 bytes.
+  CHECK(weave::quantized_row_layout::of(6, 2).scale_offset == 16);
+  CHECK(weave::quantized_row_layout::of(6, 2).stride == 32);
+  CHECK(weave::quantized_row_layout::of(130, 2).stride == 144 + 260 + 12);
+  CHECK(weave::quantized_row_layout::of(7168).scale_offset == 7168);
 }
 
 TEST_CASE("quant_moves<host_space>: gather-quantise with padding and counts, status, dequantise") {

@@ -42,6 +42,25 @@ WEAVE_HOST_DEVICE constexpr float bits_float(std::uint32_t x) noexcept {
   return __builtin_bit_cast(float, x);
 }
 
+//! a * b rounded once (IEEE f32): on the device never contracted into an FMA, whatever the
+//! consumer's flags, so host and device agree bit for bit.
+WEAVE_HOST_DEVICE constexpr float fmul_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+//! a / b rounded once (IEEE f32), on the device even under -use_fast_math.
+WEAVE_HOST_DEVICE constexpr float fdiv_rn(float a, float b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
 //! `if_true` where `condition` holds, else `if_false`, without a branch.
 WEAVE_HOST_DEVICE constexpr std::uint32_t select_bits(bool condition, std::uint32_t if_true,
                                                       std::uint32_t if_false) noexcept {

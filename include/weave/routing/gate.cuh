@@ -3,14 +3,19 @@
 //! `gate.hpp`, one warp per token.
 //!
 //! Same options and outputs as the host gate (softmax or sigmoid scores, additive selection
-//! bias, highest selection first with ties to the lower expert id, weights = unbiased scores,
-//! optional renormalization in rank order). The softmax sum is a warp tree reduction rather
-//! than the host's sequential sum and `expf` may differ from the host's `std::exp` by an ulp,
-//! so weights agree with the host to about 1e-6 relative (tests allow 1e-5); ids agree exactly
-//! unless two selection scores are within that distance of each other. The optional top score
-//! (largest unbiased score over all E experts) agrees to the same tolerance. Not on the device:
-//! the device and group limits (`options.limit` and `options.groups` must be null), the
-//! auxiliary loss and the `limited` count.
+//! bias, DeepSeek-V3's group limit, highest selection first with ties to the lower expert id,
+//! weights = unbiased scores, optional renormalization in rank order, `route_scale`,
+//! `gate_precision`). The group limit and the weights' finishing are the host's rules written
+//! once for both (`weave/routing/gate_steps.hpp`), so given the same scores the device keeps
+//! the same groups, chooses the same experts and writes the same weights bit for bit. The
+//! scores themselves can differ: the softmax sum is a warp tree reduction rather than the
+//! host's sequential sum and `expf` may differ from the host's `std::exp` by an ulp, so weights
+//! agree with the host to about 1e-6 relative (tests allow 1e-5; with `gate_precision::bf16`, a
+//! bf16 rounding can land one bf16 ulp apart) and ids agree exactly unless two selection (or
+//! group) scores are within that distance of each other. The optional top score (largest
+//! unbiased score over all E experts) agrees to the same tolerance. Not on the device: the
+//! device limit (`options.limit` must be null: it resolves replicas per token through the
+//! placement), the auxiliary loss and the `limited` count.
 //! Logits, bias, ids and weights are device memory.
 #pragma once
 
@@ -21,6 +26,8 @@
 #include "weave/core/tensor.hpp"
 #include "weave/exec/cuda_stream.hpp"
 #include "weave/routing/gate.hpp"
+#include "weave/routing/gate_steps.hpp"
+#include "weave/routing/group_limit.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -60,28 +67,53 @@ __device__ inline bool gate_better(float key, int id, float best, int best_id) {
   return id >= 0 && (best_id < 0 || key > best || (key == best && id < best_id));
 }
 
-// One warp per token (grid-stride over warps). Shared memory: per warp E scores then E
-// selection keys. A taken expert's key becomes NaN, which valid keys never are (scores lie in
-// [0, 1], bias is finite), so it is skipped by later rounds.
+// The launch's arguments (one struct: the kernel's parameter list stays short).
+struct gate_kernel_args {
+  const std::byte* logits = nullptr;
+  std::size_t stride = 0; // bytes between logit rows
+  std::int64_t tokens = 0;
+  int E = 0, k = 0;
+  bool sigmoid = false;
+  bool bf16 = false; // gate_precision::bf16: logits and sigmoid scores rounded to bf16
+  const float* bias = nullptr;
+  int groups = 0; // group limit: 0 for none
+  int top_groups = 0, group_scores = 0;
+  gate_weight_rule weights;
+  std::int32_t* ids = nullptr;
+  float* weight = nullptr;
+  float* top_score = nullptr;
+  std::uint32_t* error = nullptr;
+};
+
+// Floats of shared memory per warp: E scores, E selection keys, then the group scores.
+WEAVE_HOST_DEVICE inline std::size_t gate_smem_floats(int E, int groups) {
+  return 2 * static_cast<std::size_t>(E) + static_cast<std::size_t>(groups);
+}
+
+// One warp per token (grid-stride over warps). A taken expert's key becomes NaN, which valid
+// keys never are (scores lie in [0, 1], bias is finite), so it is skipped by later rounds; so
+// does every expert of a group the token does not keep.
 template <class T>
-__global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, std::int64_t tokens,
-                                  int E, int k, bool sigmoid, bool renormalize, const float* bias,
-                                  std::int32_t* ids, float* weights, float* top_score,
-                                  std::uint32_t* error) {
+__global__ void top_k_gate_kernel(gate_kernel_args a) {
   extern __shared__ float gate_smem[];
+  const int E = a.E, k = a.k;
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int warps = static_cast<int>(blockDim.x / 32);
-  float* score = gate_smem + static_cast<std::size_t>(warp) * 2 * static_cast<std::size_t>(E);
+  float* score = gate_smem + static_cast<std::size_t>(warp) * gate_smem_floats(E, a.groups);
   float* key = score + E;
+  float* group_score_of = key + E;
+  const float* bias = a.bias;
   const float neg_inf = -CUDART_INF_F;
   std::uint32_t flags = 0;
-  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * warps + warp; t < tokens;
+  for (std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * warps + warp; t < a.tokens;
        t += static_cast<std::int64_t>(gridDim.x) * warps) {
-    const T* row = reinterpret_cast<const T*>(logits + static_cast<std::size_t>(t) * stride);
+    const T* row = reinterpret_cast<const T*>(a.logits + static_cast<std::size_t>(t) * a.stride);
     float top = neg_inf;
     for (int e = lane; e < E; e += 32) {
-      const float x = gate_load(row, static_cast<std::size_t>(e));
+      float x = gate_load(row, static_cast<std::size_t>(e));
+      if (a.bf16)
+        x = round_to_bf16(x);
       if (isnan(x) || x == CUDART_INF_F)
         flags |= cuda_gate_bad_logit;
       score[e] = x;
@@ -91,7 +123,7 @@ __global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, s
       const float o = __shfl_xor_sync(0xffffffffu, top, off);
       top = o > top ? o : top;
     }
-    if (!sigmoid) {
+    if (!a.sigmoid) {
       if (top == neg_inf)
         flags |= cuda_gate_empty_row;
       float sum = 0.0f;
@@ -104,8 +136,11 @@ __global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, s
       for (int e = lane; e < E; e += 32)
         score[e] = score[e] / sum;
     } else {
-      for (int e = lane; e < E; e += 32)
+      for (int e = lane; e < E; e += 32) {
         score[e] = 1.0f / (1.0f + expf(-score[e]));
+        if (a.bf16)
+          score[e] = round_to_bf16(score[e]);
+      }
     }
     float best_score = neg_inf;
     for (int e = lane; e < E; e += 32) {
@@ -114,18 +149,30 @@ __global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, s
       key[e] = bias != nullptr ? score[e] + bias[e] : score[e];
       best_score = score[e] > best_score ? score[e] : best_score;
     }
-    if (top_score != nullptr) {
+    if (a.top_score != nullptr) {
       for (int off = 16; off > 0; off /= 2) {
         const float o = __shfl_xor_sync(0xffffffffu, best_score, off);
         best_score = o > best_score ? o : best_score;
       }
       if (lane == 0)
-        top_score[t] = best_score;
+        a.top_score[t] = best_score;
     }
     __syncwarp();
-    std::int32_t* tid = ids + static_cast<std::size_t>(t) * static_cast<std::size_t>(k);
-    float* tw = weights + static_cast<std::size_t>(t) * static_cast<std::size_t>(k);
-    float chosen_sum = 0.0f;
+    if (a.groups > 0) {
+      // The host's group rule (gate_steps.hpp): score every group, then drop every expert of
+      // a group outside the token's best top_groups. A lane per group in both phases.
+      const int size = E / a.groups;
+      for (int g = lane; g < a.groups; g += 32)
+        group_score_of[g] = group_score(key + g * size, size, a.group_scores);
+      __syncwarp();
+      for (int g = lane; g < a.groups; g += 32)
+        if (!group_kept(group_score_of, a.groups, a.top_groups, g))
+          for (int e = g * size; e < (g + 1) * size; ++e)
+            key[e] = CUDART_NAN_F;
+      __syncwarp();
+    }
+    std::int32_t* tid = a.ids + static_cast<std::size_t>(t) * static_cast<std::size_t>(k);
+    float* tw = a.weight + static_cast<std::size_t>(t) * static_cast<std::size_t>(k);
     for (int r = 0; r < k; ++r) {
       float best = neg_inf;
       int best_id = -1;
@@ -150,44 +197,47 @@ __global__ void top_k_gate_kernel(const std::byte* logits, std::size_t stride, s
       if (lane == 0) {
         tid[r] = best_id;
         tw[r] = score[best_id];
-        chosen_sum += score[best_id];
       }
       __syncwarp();
       if (lane == best_id % 32)
         key[best_id] = CUDART_NAN_F;
       __syncwarp();
     }
-    if (lane == 0 && renormalize && chosen_sum > 0.0f)
-      for (int r = 0; r < k; ++r)
-        tw[r] = tw[r] / chosen_sum;
-    __syncwarp(); // the next token reuses this warp's shared arrays
+    if (lane == 0)
+      finish_weights(tw, k, a.weights); // the host's arithmetic, in rank order
+    __syncwarp();                       // the next token reuses this warp's shared arrays
   }
-  if (flags != 0 && error != nullptr)
-    atomicOr(reinterpret_cast<unsigned int*>(error), flags);
+  if (flags != 0 && a.error != nullptr)
+    atomicOr(reinterpret_cast<unsigned int*>(a.error), flags);
 }
 
-// Warps per block for E experts: as many of 4 as fit in 48 KiB of shared memory.
-inline int gate_warps(int E) {
-  const std::size_t per_warp = 2 * sizeof(float) * static_cast<std::size_t>(E);
-  const std::size_t fit = (48 * 1024) / per_warp;
+// Shared memory the device gate can use per block.
+inline constexpr std::size_t gate_smem_limit = 48 * 1024;
+
+// Warps per block: as many of 4 as fit in `gate_smem_limit` (at least one: checked first).
+inline int gate_warps(int E, int groups) {
+  const std::size_t fit = gate_smem_limit / (sizeof(float) * gate_smem_floats(E, groups));
   return fit >= 4 ? 4 : static_cast<int>(fit);
 }
 
 } // namespace detail
 
-//! Largest number of experts the device gate handles (one warp's scores in shared memory).
-inline constexpr int cuda_gate_max_experts = 48 * 1024 / (2 * static_cast<int>(sizeof(float)));
+//! Largest number of experts the device gate handles (one warp's scores in shared memory);
+//! with a group limit, 2 * E + groups must not exceed 2 * `cuda_gate_max_experts`.
+inline constexpr int cuda_gate_max_experts =
+    static_cast<int>(detail::gate_smem_limit / (2 * sizeof(float)));
 
 //! CUDA `top_k_gate` on `stream`: writes k ids and weights per token of `logits` ([T, E], f32,
 //! f16, bf16 or f64, device memory) to `ids` / `weights` (T * k each) and, when `top_score` is
 //! not empty (T values, device memory), each token's top score as the host gate does.
 //! `options.bias`, when given, must be device (or managed) memory too: a host `gate_options`
-//! cannot be reused as it is. Input errors found on the device are OR-ed into `*error`
-//! (`cuda_gate_error` bits; device memory, may be null) and leave that token's outputs
-//! unspecified. Throws `errc::invalid_argument` for k outside 1..E, E above
-//! `cuda_gate_max_experts`, logits not in device memory or of a non-floating type, a bias in
-//! host memory, `errc::not_supported` for a device or group limit, `errc::size_mismatch` as the
-//! host gate does.
+//! cannot be reused as it is (`options.groups` is read on the host). Input errors found on the
+//! device are OR-ed into `*error` (`cuda_gate_error` bits; device memory, may be null) and leave
+//! that token's outputs unspecified. Throws `errc::invalid_argument` for k outside 1..E, E above
+//! `cuda_gate_max_experts` (or 2 * E + groups above twice that), logits not in device memory or
+//! of a non-floating type, a bias in host memory, a group limit or `route_scale` the host gate
+//! refuses (k above the experts of the kept groups among them), `errc::not_supported` for a
+//! device limit, `errc::size_mismatch` as the host gate does.
 inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const gate_options& options,
                        std::span<std::int32_t> ids, std::span<float> weights,
                        std::uint32_t* error = nullptr, std::span<float> top_score = {}) {
@@ -205,8 +255,15 @@ inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const ga
                logits.space(), " memory");
   WEAVE_EXPECT(options.limit == nullptr, errc::not_supported,
                "device-limited routing on the GPU (use the host gate)");
-  WEAVE_EXPECT(options.groups == nullptr, errc::not_supported,
-               "group-limited routing on the GPU (use the host gate)");
+  detail::check_route_scale(options.route_scale);
+  if (options.groups != nullptr) {
+    detail::validate_group_limit(*options.groups, static_cast<int>(E), k);
+    WEAVE_EXPECT(detail::gate_smem_floats(static_cast<int>(E), options.groups->groups) <=
+                     2 * static_cast<std::size_t>(cuda_gate_max_experts),
+                 errc::invalid_argument, "CUDA gate over ", E, " experts in ",
+                 options.groups->groups, " groups (2 * experts + groups up to ",
+                 2 * cuda_gate_max_experts, " supported)");
+  }
   const std::size_t out = checked_mul(T, static_cast<std::size_t>(k), "gate outputs");
   WEAVE_EXPECT(ids.size() == out && weights.size() == out, errc::size_mismatch, "gate outputs of ",
                ids.size(), " ids and ", weights.size(), " weights for ", T, " tokens with k = ", k);
@@ -225,18 +282,35 @@ inline void top_k_gate(cuda_stream_ref stream, const_token_view logits, const ga
                "gate top_score of ", top_score.size(), " values for ", T, " tokens");
   if (T == 0)
     return;
-  const int Ei = static_cast<int>(E);
-  const int warps = detail::gate_warps(Ei);
+  detail::gate_kernel_args a;
+  a.logits = logits.data();
+  a.stride = logits.row_stride();
+  a.tokens = static_cast<std::int64_t>(T);
+  a.E = static_cast<int>(E);
+  a.k = k;
+  a.sigmoid = options.scoring == gate_scoring::sigmoid;
+  a.bf16 = options.precision == gate_precision::bf16;
+  a.bias = options.bias.empty() ? nullptr : options.bias.data();
+  if (options.groups != nullptr) {
+    const group_limit& g = *options.groups;
+    a.groups = g.groups;
+    a.top_groups = g.top_groups;
+    a.group_scores = detail::group_score_count(g.scores_per_group, a.E / g.groups,
+                                               a.bias != nullptr); // as select_groups
+  }
+  a.weights = detail::weight_rule_of(options);
+  a.ids = ids.data();
+  a.weight = weights.data();
+  a.top_score = top_score.empty() ? nullptr : top_score.data();
+  a.error = error;
+  const int warps = detail::gate_warps(a.E, a.groups);
   const auto blocks_needed = (static_cast<std::int64_t>(T) + warps - 1) / warps;
   const auto blocks = static_cast<unsigned>(blocks_needed < 65535 ? blocks_needed : 65535);
-  const std::size_t smem = static_cast<std::size_t>(warps) * 2 * sizeof(float) * E;
-  const float* bias = options.bias.empty() ? nullptr : options.bias.data();
-  const bool sigmoid = options.scoring == gate_scoring::sigmoid;
+  const std::size_t smem =
+      static_cast<std::size_t>(warps) * sizeof(float) * detail::gate_smem_floats(a.E, a.groups);
   auto launch = [&]<class L>(L*) {
-    detail::top_k_gate_kernel<L><<<blocks, static_cast<unsigned>(32 * warps), smem, stream.get()>>>(
-        logits.data(), logits.row_stride(), static_cast<std::int64_t>(T), Ei, k, sigmoid,
-        options.renormalize, bias, ids.data(), weights.data(),
-        top_score.empty() ? nullptr : top_score.data(), error);
+    detail::top_k_gate_kernel<L>
+        <<<blocks, static_cast<unsigned>(32 * warps), smem, stream.get()>>>(a);
   };
   switch (logits.element_type()) {
   case dtype::f32:

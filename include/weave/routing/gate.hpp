@@ -6,12 +6,14 @@
 //! balancing, DeepSeek-V3 style; empty bias = none), highest first, ties to the lower expert id,
 //! optionally restricted to M devices (`device_limit`, by score) and/or to the token's best
 //! expert groups (`group_limit`, DeepSeek-V3; applied first). The weight of a choice is its
-//! unbiased score, optionally renormalized over the token's k choices. Optionally the gate also
-//! writes each token's top score: its largest unbiased score over all E experts (Tutel's
-//! `scores.max(dim=1)`, the priority of its batch-prioritized routing). The GShard/Tutel
-//! load-balancing loss is returned beside: l_aux = E * sum_e mean_t(p[t, e]) * f[e], where
-//! p are the softmax probabilities (sigmoid scores divided by their token's sum) and f[e] the
-//! fraction of tokens whose first choice is e.
+//! unbiased score, optionally renormalized over the token's k choices, then multiplied by
+//! `route_scale` (DeepSeek-V3's `routed_scaling_factor`). `gate_precision::bf16` rounds logits,
+//! scores and weights to bf16 where DeepSeek-V3's reference gate does in a bf16 model (see
+//! `gate_precision`). Optionally the gate also writes each token's top score: its largest
+//! unbiased score over all E experts (Tutel's `scores.max(dim=1)`, the priority of its
+//! batch-prioritized routing). The GShard/Tutel load-balancing loss is returned beside:
+//! l_aux = E * sum_e mean_t(p[t, e]) * f[e], where p are the softmax probabilities (sigmoid
+//! scores divided by their token's sum) and f[e] the fraction of tokens whose first choice is e.
 #pragma once
 
 #include "weave/core/checked.hpp"
@@ -20,6 +22,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/device_limit.hpp"
+#include "weave/routing/gate_steps.hpp"
 #include "weave/routing/group_limit.hpp"
 
 #include <cmath>
@@ -37,6 +40,22 @@ enum class gate_scoring : std::uint8_t {
   sigmoid, //!< p = 1 / (1 + exp(-logit)), per expert
 };
 
+//! The precision of the gate's arithmetic.
+enum class gate_precision : std::uint8_t {
+  //! Logits read as float, every step in f32 (the default).
+  f32,
+  //! DeepSeek-V3's reference inference gate in a bf16 model (`Gate.forward` in its
+  //! inference/model.py, whose logits come out of a bf16 GEMM): each logit is rounded to bf16
+  //! (a no-op for bf16 logits; one that rounds to +inf is rejected as +inf); sigmoid scores are
+  //! rounded to bf16 (torch's bf16 sigmoid), softmax scores stay f32 (the reference asks for an
+  //! f32 softmax); the selection score is the score plus the f32 bias, in f32 (bf16 + f32
+  //! promotes to f32); with sigmoid scores the weights stay bf16: their sum (accumulated in f32
+  //! in rank order) is rounded to bf16, and so is each quotient and the product by
+  //! `route_scale`; the final weights are rounded to bf16 (the reference's `type_as(x)`).
+  //! Group scores, the choice and the tie rules are as in f32.
+  bf16,
+};
+
 //! Parameters of `top_k_gate`.
 struct gate_options {
   int k = 1;                                    //!< choices per token, 1..E
@@ -45,6 +64,10 @@ struct gate_options {
   std::span<const float> bias = {};             //!< per-expert selection bias (E values) or empty
   const device_limit* limit = nullptr;          //!< restrict each token to M devices (by score)
   const group_limit* groups = nullptr;          //!< restrict each token to its best expert groups
+  //! Multiplies every weight after the renormalization (DeepSeek-V3's `routed_scaling_factor`,
+  //! 2.5 for V3); finite and positive. The top score is not scaled.
+  float route_scale = 1.0f;
+  gate_precision precision = gate_precision::f32; //!< see `gate_precision`
 };
 
 //! What `top_k_gate` returns beside the choices.
@@ -65,6 +88,18 @@ struct gate_scratch {
 };
 
 namespace detail {
+
+inline void check_route_scale(float scale) {
+  WEAVE_EXPECT(std::isfinite(scale) && scale > 0.0f, errc::invalid_argument,
+               "route_scale = ", scale, " (need a finite value above 0)");
+}
+
+//! The weights' rule of a call with `options`.
+inline gate_weight_rule weight_rule_of(const gate_options& options) {
+  const bool bf16 = options.precision == gate_precision::bf16;
+  return {options.renormalize, bf16 && options.scoring == gate_scoring::sigmoid, bf16,
+          options.route_scale};
+}
 
 // Keeps the k best (selection, id) pairs sorted: higher selection first, then lower id. Ids
 // arrive ascending, so an equal selection never displaces an earlier (lower) id.
@@ -89,11 +124,12 @@ inline void top_k_insert(std::int32_t* ids, float* keys, int& filled, int k, std
 //! Gates `logits` ([T, E], one row per token): writes k expert ids per token to `ids` and their
 //! weights to `weights` (token-major, rank order = descending selection score) and, when
 //! `top_score` is not empty, each token's largest unbiased score over all E experts (before bias,
-//! device limit and renormalization: the priority of Tutel's batch-prioritized routing).
-//! Throws `errc::invalid_argument` for k outside 1..E, NaN or +inf logits, a row of -inf
-//! logits (softmax), non-finite bias or a non-floating logit type; `errc::size_mismatch` for
-//! output spans that are not T * k long, a `top_score` that is neither empty nor T long, or a
-//! bias that is not E long. Logits are computed in float: f64 logits are narrowed first, so a
+//! device limit, renormalization and route scale: the priority of Tutel's batch-prioritized
+//! routing). Throws `errc::invalid_argument` for k outside 1..E, NaN or +inf logits, a row of
+//! -inf logits (softmax), non-finite bias, a `route_scale` that is not finite and positive, a
+//! group limit k does not fit in, or a non-floating logit type; `errc::size_mismatch` for output
+//! spans that are not T * k long, a `top_score` that is neither empty nor T long, or a bias that
+//! is not E long. Logits are computed in float: f64 logits are narrowed first, so a
 //! finite value above FLT_MAX counts as +inf (rejected) and one below -FLT_MAX as -inf, on the
 //! host and the CUDA gate alike.
 inline gate_summary top_k_gate(const_token_view logits, const gate_options& options,
@@ -121,6 +157,7 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
   for (std::size_t e = 0; e < options.bias.size(); ++e)
     WEAVE_EXPECT(std::isfinite(options.bias[e]), errc::invalid_argument, "bias[", e,
                  "] = ", options.bias[e]);
+  detail::check_route_scale(options.route_scale);
   if (options.limit != nullptr)
     detail::validate_limit(*options.limit, static_cast<int>(E), k);
   if (options.groups != nullptr)
@@ -134,6 +171,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
   scratch.first_choice.assign(E, 0.0);
   float* score = scratch.score.data();
   float* selection = scratch.selection.data();
+  const bool bf16 = options.precision == gate_precision::bf16;
+  const detail::gate_weight_rule rule = detail::weight_rule_of(options);
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   gate_summary summary;
   summary.tokens = T;
@@ -142,7 +181,9 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
     const std::byte* row = logits.row(t);
     float top = neg_inf;
     for (std::size_t e = 0; e < E; ++e) {
-      const float x = load_as_float(row, e, logits.element_type());
+      float x = load_as_float(row, e, logits.element_type());
+      if (bf16)
+        x = detail::round_to_bf16(x);
       WEAVE_EXPECT(!std::isnan(x) && x != std::numeric_limits<float>::infinity(),
                    errc::invalid_argument, "logit[", t, ", ", e, "] = ", x);
       score[e] = x;
@@ -162,6 +203,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
     } else {
       for (std::size_t e = 0; e < E; ++e) {
         score[e] = 1.0f / (1.0f + std::exp(-score[e]));
+        if (bf16)
+          score[e] = detail::round_to_bf16(score[e]);
         prob_sum += score[e];
       }
     }
@@ -202,14 +245,9 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
       for (std::size_t e = 0; e < E; ++e)
         detail::top_k_insert(tid, tw, filled, k, static_cast<std::int32_t>(e), selection[e]);
     }
-    float chosen_sum = 0.0f;
-    for (std::size_t i = 0; i < kk; ++i) {
+    for (std::size_t i = 0; i < kk; ++i)
       tw[i] = score[static_cast<std::size_t>(tid[i])];
-      chosen_sum += tw[i];
-    }
-    if (options.renormalize && chosen_sum > 0.0f)
-      for (std::size_t i = 0; i < kk; ++i)
-        tw[i] /= chosen_sum;
+    detail::finish_weights(tw, k, rule);
     scratch.first_choice[static_cast<std::size_t>(tid[0])] += 1.0;
   }
   if (T > 0) {

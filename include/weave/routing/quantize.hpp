@@ -23,10 +23,11 @@
 //! block (after writing every row), the stream forms (`quant_moves`) lower a status word.
 //!
 //! Scales are a separate f32 view of cols / block columns; views may be strided, so a packed
-//! wire layout (each row's codes followed by its scales, `quantized_row_layout`) is two views
-//! of one buffer.
+//! wire layout (each row's codes, then its scales at the next 16-byte boundary,
+//! `quantized_row_layout`) is two views of one buffer.
 #pragma once
 
+#include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
@@ -57,11 +58,16 @@ struct block_quantization {
   float min_amax = 1e-4f; //!< floor of a block's amax (DeepEP's margin); > 0
 };
 
-//! Bytes of one row's quantised form: codes, then scales, padded to 16 bytes.
+//! Bytes of one row's quantised form: codes, then scales from the next 16-byte boundary, the
+//! row padded to 16 bytes. Rows of a 16-byte aligned buffer thus have 16-byte aligned scales at
+//! any row length: a float access needs 4 (a GPU faults on less) and 16 lets the row kernels
+//! move scales as vectors. For rows of a multiple of 16 elements (every real hidden size) the
+//! scales follow the codes directly.
 struct quantized_row_layout {
-  std::size_t code_bytes = 0;  //!< FP8 codes: cols bytes
-  std::size_t scale_bytes = 0; //!< f32 scales: 4 * cols / block bytes, at offset code_bytes
-  std::size_t stride = 0;      //!< code_bytes + scale_bytes rounded up to 16
+  std::size_t code_bytes = 0;   //!< FP8 codes: cols bytes, at offset 0
+  std::size_t scale_offset = 0; //!< where the f32 scales start: code_bytes rounded up to 16
+  std::size_t scale_bytes = 0;  //!< f32 scales: 4 * cols / block bytes
+  std::size_t stride = 0;       //!< scale_offset + scale_bytes rounded up to 16
 
   //! Layout of a row of `cols` elements; throws `errc::invalid_argument` unless `block` divides
   //! `cols`.
@@ -70,8 +76,10 @@ struct quantized_row_layout {
                  block, " elements does not divide rows of ", cols, " elements");
     quantized_row_layout out;
     out.code_bytes = cols;
+    out.scale_offset = checked_add(cols, std::size_t{15}, "quantized row bytes") / 16 * 16;
     out.scale_bytes = cols / block * sizeof(float);
-    out.stride = (out.code_bytes + out.scale_bytes + 15) / 16 * 16;
+    out.stride =
+        checked_add(out.scale_offset, out.scale_bytes + 15, "quantized row bytes") / 16 * 16;
     return out;
   }
 
@@ -83,7 +91,7 @@ struct quantized_row_layout {
                  " (need e4m3 or e5m2)");
     const std::size_t scales = scale_bytes / sizeof(float);
     return {token_view(base, rows, code_bytes, type, space, device, stride),
-            token_view(base + code_bytes, rows, scales, dtype::f32, space, device, stride)};
+            token_view(base + scale_offset, rows, scales, dtype::f32, space, device, stride)};
   }
 };
 
@@ -94,22 +102,6 @@ struct fp8_block_scale {
   float multiplier;
   float scale;
 };
-
-WEAVE_HOST_DEVICE constexpr float fmul_rn(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b); // never contracted into an FMA, whatever the consumer's flags
-#else
-  return a * b;
-#endif
-}
-
-WEAVE_HOST_DEVICE constexpr float fdiv_rn(float a, float b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b); // IEEE division even under -use_fast_math
-#else
-  return a / b;
-#endif
-}
 
 //! The scale of a block whose finite largest magnitude is `amax`, for an FP8 format of largest
 //! finite value `max_finite`.
