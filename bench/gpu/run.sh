@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# weave's GPU run, split to fit a lent GPU machine (one H200, 16 cores, 600 s per command; no
-# doctest, Google Benchmark or MPI there, NCCL only as pip's nvidia-nccl-cu13, nothing to
-# install). docs/gpu.md, "Running on a GPU", says how to use it.
+# weave's GPU run, split to fit a GPU machine reached one command at a time (one H200, 16 cores,
+# 600 s per command; no doctest, Google Benchmark or MPI there, NCCL only as pip's
+# nvidia-nccl-cu13, nothing to install). docs/gpu.md, "Running on a GPU", says how to use it.
 #
 #   bash bench/gpu/run.sh carry      here: build the CUDA tests and bench_gpu (sm_90) and gather
 #                                    what must travel into build/gpu-carry (size printed)

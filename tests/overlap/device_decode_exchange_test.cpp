@@ -8,6 +8,7 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 
 using local = weave::local_communicator;
 
@@ -218,4 +219,44 @@ TEST_CASE("FP8 decode: a NaN token on one rank fails the call on every rank, in 
     weave::local_world world(ranks);
     world.run([&](local& c) { decode_test::check_fp8_nonfinite(c); });
   }
+}
+
+// A decode call issues nothing a CUDA graph capture refuses (host_capture.hpp): no host wait, no
+// pageable copy (emulated_gpu_space), no wait for an event recorded outside the capture. Eager,
+// captured and eager calls give the naive reference's outputs (host streams run a captured call
+// as it is issued).
+TEST_CASE_TEMPLATE("device decode calls pass the CUDA capture rules", Space, weave::host_space,
+                   weave::emulated_gpu_space) {
+  weave::local_world world(2);
+  world.run([&](local& c) {
+    const auto where = weave::placement::contiguous(decode_test::experts, 2);
+    weave::basic_device_decode_exchange<Space, local, float> ex(c, where, decode_test::options());
+    weave_test::aligned_buffer ws(ex.workspace_size());
+    weave::host_stream s("decode");
+    ex.initialize(ws.ptr, ws.size, s);
+    const moe_test::linear_experts f(decode_test::experts, decode_test::hidden, 5);
+    std::mt19937 rng(static_cast<std::uint32_t>(c.rank()) + 3);
+    const auto in = moe_test::random_input<float>(decode_test::max_tokens, decode_test::hidden,
+                                                  decode_test::experts, decode_test::k, rng);
+    const auto want = decode_test::reference(in, decode_test::k, f);
+    for (const bool captured : {false, true, false}) {
+      CAPTURE(captured);
+      std::vector<float> y(in.x.rows() * decode_test::hidden, -7.0f);
+      if (captured)
+        s.begin_capture();
+      auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+      s.submit([&f, xs = h.experts()] {
+        const auto H = static_cast<std::int64_t>(xs.hidden);
+        for (int l = 0; l < xs.local_experts; ++l)
+          for (std::int64_t r = 0; r < xs.rows[l]; ++r)
+            f.apply(xs.experts[static_cast<std::size_t>(l)], xs.input_of(l) + r * H,
+                    xs.output_of(l) + r * H);
+      });
+      ex.combine(h, std::span<float>(y), s);
+      if (captured)
+        s.end_capture();
+      ex.check_errors(s);
+      CHECK(decode_test::bitwise_equal(y, want));
+    }
+  });
 }
