@@ -8,6 +8,7 @@
 #include "aligned_buffer.hpp"
 #include "block_quant_reference.hpp"
 #include "decode_cases.hpp"
+#include "error_code.hpp"
 
 #include <weave/exec/host_space.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
@@ -29,12 +30,12 @@ template <class Comm, class T>
 struct device_layer {
   device_layer(Comm& comm, const weave::placement& where, weave::host_stream& s,
                weave::decode_options o = options())
-      : ex(comm, where, o)
-      , ws(ex.workspace_size()) {
-    ex.initialize(ws.ptr, ws.size, s);
+      : ex(comm, where, o) {
+    ws = std::make_unique<weave_test::aligned_buffer>(ex.workspace_size());
+    ex.initialize(ws->ptr, ws->size, s);
   }
+  std::unique_ptr<weave_test::aligned_buffer> ws; // declared first: destroyed after the layer
   device_decode<Comm, T> ex;
-  weave_test::aligned_buffer ws;
 };
 
 // One call: dispatch, the linear experts as a task reading the view (no host wait between the
@@ -236,6 +237,35 @@ outcome check_dropped_handle(Comm& comm, Make&& make, Finish&& finish) {
   });
   try {
     s.synchronize(); // nothing queued outlives the layer
+  } catch (const weave::error&) {
+  }
+  return got;
+}
+
+// Rank 0 destroys its layer between a dispatch and its combine, the handle outliving it (it
+// goes stale: using it throws, dropping it does nothing); the destruction aborts the
+// communicator, so rank 1, in the combine, fails with the cause at once.
+template <class Comm, class Make, class Finish>
+outcome check_destroyed_layer(Comm& comm, Make&& make, Finish&& finish, bool& stale) {
+  weave::host_stream s("decode");
+  auto layer = make(comm, s);
+  auto& ex = exchange_of(*layer);
+  using handle = typename std::remove_reference_t<decltype(ex)>::handle;
+  const auto in = input_of(comm.rank(), fault::none);
+  std::vector<float> y(in.x.rows() * hidden);
+  handle h; // outlives the layer on rank 0
+  const outcome got = outcome_of([&] {
+    h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+    if (comm.rank() == 0) {
+      layer.reset(); // waits for its queued work, aborts: its peers wait in the combine
+      stale = weave_test::code_of([&] { (void)h.experts(); }) == weave::errc::invalid_state;
+      return;
+    }
+    ex.combine(h, std::span<float>(y), s);
+    finish(ex, s);
+  });
+  try {
+    s.synchronize();
   } catch (const weave::error&) {
   }
   return got;

@@ -6,6 +6,7 @@
 // NaN outputs, and the next call works; agreement at construction; misuse refused.
 #include "device_decode_cases.hpp"
 
+#include <chrono>
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
@@ -167,6 +168,42 @@ TEST_CASE("a decode handle dropped without its combine aborts the world: the pee
     CHECK(got[0].message.empty()); // dropping is not an error of its own rank
     CHECK(got[1].code == weave::errc::peer_failure);
     CHECK(got[1].message.find("without its combine") != std::string::npos);
+  };
+  SUBCASE("decode_exchange") {
+    check(
+        [](local& c, weave::host_stream&) {
+          return std::make_unique<weave::decode_exchange<local, float>>(
+              c, weave::placement::contiguous(decode_test::experts, c.size()),
+              decode_test::options());
+        },
+        [](auto&, weave::host_stream& s) { s.synchronize(); });
+  }
+  SUBCASE("device decode exchange") {
+    check(
+        [](local& c, weave::host_stream& s) {
+          return std::make_unique<decode_test::device_layer<local, float>>(
+              c, weave::placement::contiguous(decode_test::experts, c.size()), s);
+        },
+        [](auto& ex, weave::host_stream& s) { ex.check_errors(s); });
+  }
+}
+
+TEST_CASE("a decode layer destroyed between a dispatch and its combine aborts the world: the "
+          "peer fails at once, the handle goes stale") {
+  const auto check = [](auto make, auto finish) {
+    weave::local_world world(2); // the default timeout: 60 s
+    std::vector<decode_test::outcome> got(2);
+    bool stale = false;
+    const auto start = std::chrono::steady_clock::now();
+    world.run([&](local& c) {
+      got[static_cast<std::size_t>(c.rank())] =
+          decode_test::check_destroyed_layer(c, make, finish, stale);
+    });
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+    CHECK(got[0].message.empty());
+    CHECK(stale);
+    CHECK(got[1].code == weave::errc::peer_failure);
+    CHECK(got[1].message.find("destroyed between a dispatch and its combine") != std::string::npos);
   };
   SUBCASE("decode_exchange") {
     check(

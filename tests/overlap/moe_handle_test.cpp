@@ -293,60 +293,98 @@ TEST_CASE_TEMPLATE("handles: tensors of any type, and views, at the call site", 
   });
 }
 
-TEST_CASE_TEMPLATE("handles: misuse is a typed error", T, std::false_type, std::true_type) {
+TEST_CASE_TEMPLATE("handles: misuse is a typed error on the culprit, a peer_error on its peers", T,
+                   std::false_type, std::true_type) {
+  // Misuse that issues collectives out of turn leaves the peers waiting for this rank: the
+  // layer aborts its communicator, so rank 0 gets its typed error and rank 1 (calling correctly)
+  // a peer_error naming rank 0 and that error, at once (the world's timeout is 30 s).
   constexpr bool device = T::value;
   setup s;
   s.micro_batches = 1;
   const auto inputs = make_inputs(s);
   const moe_test::linear_experts lin(s.experts, s.hidden, 1);
-  on_every_rank<device>(s, options_of(s, 3, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
-    const auto& in = inputs[static_cast<std::size_t>(comm.rank())][0];
-    weave::host_matrix<float> y(in.x.rows(), s.hidden), dx(in.x.rows(), s.hidden);
-    std::vector<float> dw(in.ids.size());
-    auto h = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
-    CHECK(h.phase() == weave::moe_phase::dispatched);
-    CHECK(h.chunks() == 3);
-    // Chunks 1 and 2 were never iterated: combine cannot run yet.
-    CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
-          weave::errc::invalid_state);
-    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(h, in.x, c, st); }) ==
-          weave::errc::invalid_state);
-    CHECK(moe_test::error_code_of([&] { (void)h.chunk(3); }) == weave::errc::out_of_range);
-    // A third handle exceeds max_in_flight = 2.
-    auto g = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
-    CHECK(l.ex.handles_in_flight() == 2);
-    CHECK(moe_test::error_code_of([&] { (void)l.ex.dispatch(in.x, in.ids, in.weights, c, st); }) ==
-          weave::errc::invalid_state);
-    for (auto* x : {&h, &g}) {
-      handle_test::compute_experts(l.ex, *x, lin, c);
-      l.ex.combine(*x, y, c, st);
-    }
-    CHECK(moe_test::error_code_of([&] { l.ex.combine(h, y, c, st); }) ==
-          weave::errc::invalid_state); // twice
-    // (Rows of the wrong size at combine / combine_backward / dispatch_backward are bad input and
-    // abort the communicator: the fault matrix checks those. The handle misuse here issues
-    // nothing and aborts nothing: the handle stays as it was.)
-    auto moved = std::move(g);
-    CHECK(!g.valid());
-    CHECK(moe_test::error_code_of([&] { l.ex.combine_backward(g, in.x, c, st); }) ==
-          weave::errc::invalid_state);
-    moved.reset(); // a combined handle releases without aborting anything
-    CHECK(l.ex.handles_in_flight() == 1);
-    l.ex.combine_backward(h, in.x, c, st);
-    handle_test::compute_experts(l.ex, h, lin, c, true);
-    l.ex.dispatch_backward(h, dx, dw, c, st);
-    CHECK(h.phase() == weave::moe_phase::finished);
-    // An output given to chunks() is being written: combine must name the same one.
-    weave::host_matrix<float> other(in.x.rows(), s.hidden);
-    auto e = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
-    for (const auto chunk : l.ex.chunks(e, y.view()))
-      (void)chunk; // no expert work: the rows are not checked here
-    CHECK(moe_test::error_code_of([&] { l.ex.combine(e, other, c, st); }) ==
-          weave::errc::invalid_argument);
-    l.ex.combine(e, y, c, st);
-    c.synchronize();
-    st.synchronize();
-  });
+  struct misuse {
+    const char* name;
+    weave::errc code;
+  };
+  const misuse cases[] = {
+      {"combine before every chunk was iterated", weave::errc::invalid_state},
+      {"combine_backward on a dispatched handle", weave::errc::invalid_state},
+      {"combine twice", weave::errc::invalid_state},
+      {"a dispatch past max_in_flight", weave::errc::invalid_state},
+      {"combine with another output than chunks(h, y)", weave::errc::invalid_argument},
+      {"a moved-from handle", weave::errc::invalid_state},
+  };
+  for (int m = 0; m < static_cast<int>(std::size(cases)); ++m) {
+    CAPTURE(cases[m].name);
+    weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
+    std::vector<weave::errc> codes(static_cast<std::size_t>(s.ranks), weave::errc{});
+    std::vector<int> origins(codes.size(), -1);
+    std::vector<weave::errc> origin_codes(codes.size(), weave::errc{});
+    const auto start = std::chrono::steady_clock::now();
+    world.run_collect([&](weave::local_communicator& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      weave::host_stream c("compute"), st("comm");
+      handle_test::layer<weave::local_communicator, device> l(
+          comm, weave::placement::contiguous(s.experts, s.ranks), options_of(s, 3, 2), c);
+      const auto& in = inputs[r][0];
+      weave::host_matrix<float> y(in.x.rows(), s.hidden), other(in.x.rows(), s.hidden);
+      try {
+        auto h = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+        typename std::remove_reference_t<decltype(l.ex)>::handle g;
+        if (m == 3) // every rank holds max_in_flight = 2 handles
+          g = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+        CHECK(h.phase() == weave::moe_phase::dispatched);
+        // A query issues nothing: a typed error (it aborts nothing).
+        CHECK(moe_test::error_code_of([&] { (void)h.chunk(3); }) == weave::errc::out_of_range);
+        if (r == 0) {
+          if (m == 0) {
+            l.ex.combine(h, y, c, st);
+          } else if (m == 1) {
+            l.ex.combine_backward(h, in.x, c, st);
+          } else if (m == 2) {
+            handle_test::compute_experts(l.ex, h, lin, c);
+            l.ex.combine(h, y, c, st);
+            l.ex.combine(h, y, c, st);
+          } else if (m == 3) {
+            auto third = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+          } else if (m == 4) {
+            for (const auto chunk : l.ex.chunks(h, y.view()))
+              (void)chunk;
+            l.ex.combine(h, other, c, st);
+          } else {
+            auto moved = std::move(h);
+            l.ex.combine(h, y, c, st);
+          }
+        }
+        // The correct sequence: this call (and the second), then the next.
+        handle_test::compute_experts(l.ex, h, lin, c);
+        l.ex.combine(h, y, c, st);
+        if (m == 3) {
+          handle_test::compute_experts(l.ex, g, lin, c);
+          l.ex.combine(g, y, c, st);
+          g.reset();
+        }
+        auto next = l.ex.dispatch(in.x, in.ids, in.weights, c, st);
+        handle_test::compute_experts(l.ex, next, lin, c);
+        l.ex.combine(next, y, c, st);
+        l.ex.synchronize(c, st);
+      } catch (const weave::peer_error& e) {
+        codes[r] = e.code();
+        origins[r] = e.origin().rank;
+        origin_codes[r] = e.origin().code;
+      } catch (const weave::error& e) {
+        codes[r] = e.code();
+      }
+      handle_test::drain(c, st);
+      CHECK_FALSE(l.ex.usable());
+    });
+    CHECK(codes[0] == cases[m].code);
+    CHECK(codes[1] == weave::errc::peer_failure);
+    CHECK(origins[1] == 0);
+    CHECK(origin_codes[1] == cases[m].code);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  }
 }
 
 TEST_CASE_TEMPLATE("handles: a failing expert task or a dropped handle fails every rank", T,

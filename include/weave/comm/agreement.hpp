@@ -22,6 +22,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -127,12 +129,40 @@ class config_fingerprint {
 
 //! 64-bit words of a fingerprint's wire form.
 inline constexpr std::size_t fingerprint_words = 2 + config_fingerprint::max_fields;
-//! 64-bit words per rank in an agreement: the fingerprint, then the rank's status.
-inline constexpr std::size_t agreement_words = fingerprint_words + failure_words;
+//! 64-bit words per rank in an agreement: the fingerprint, the object's serial this rank
+//! proposes, then the rank's status.
+inline constexpr std::size_t agreement_words = fingerprint_words + 1 + failure_words;
 
 namespace detail {
 
 inline constexpr std::int64_t fingerprint_tag = 0x77656176650001; // "weave", version 1
+
+// The serials of the collective objects built on each communicator object, so that the ranks of
+// one object name it alike in their call tags: each rank proposes one more than the last it
+// agreed on for its communicator, and the agreement takes the largest proposal (ranks whose
+// histories differ, e.g. a communicator at an address an earlier one had, still agree).
+class object_serials {
+ public:
+  static std::uint32_t propose(const void* comm) {
+    std::lock_guard lock(mutex());
+    return last()[comm] + 1;
+  }
+  static void settle(const void* comm, std::uint32_t serial) {
+    std::lock_guard lock(mutex());
+    std::uint32_t& last_serial = last()[comm];
+    last_serial = std::max(last_serial, serial);
+  }
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<const void*, std::uint32_t>& last() {
+    static std::map<const void*, std::uint32_t> serials;
+    return serials;
+  }
+};
 
 // "0, 2-3": ascending ranks as ranges.
 inline std::string rank_ranges(const std::vector<int>& ranks) {
@@ -284,8 +314,9 @@ std::optional<config_disagreement> find_config_disagreement(C& comm,
 //! rethrows its error and every other rank throws a `peer_error` naming it; else, if the
 //! fingerprints differ, every rank throws `errc::config_mismatch` naming the first field that
 //! differs and each rank's value. Collective: every rank calls it once, at the same point.
+//! Returns the object's serial on `comm`, the same on every rank (`call_tag`'s layer).
 template <communicator C, class Validate>
-void agree_on_config(C& comm, const config_fingerprint& mine, Validate&& validate) {
+std::uint32_t agree_on_config(C& comm, const config_fingerprint& mine, Validate&& validate) {
   std::exception_ptr invalid;
   try {
     std::forward<Validate>(validate)();
@@ -294,24 +325,31 @@ void agree_on_config(C& comm, const config_fingerprint& mine, Validate&& validat
   }
   std::vector<std::int64_t> words = mine.words();
   words.resize(agreement_words, 0);
+  words[fingerprint_words] = detail::object_serials::propose(&comm);
   const failure_record record = invalid ? record_of(invalid, comm.rank()) : failure_record{};
   encode_failure(invalid ? &record : nullptr,
-                 std::span<std::int64_t>(words).subspan(fingerprint_words));
+                 std::span<std::int64_t>(words).subspan(fingerprint_words + 1));
   const std::vector<std::int64_t> all = all_gather_now(comm, std::span<const std::int64_t>(words));
   if (invalid)
     std::rethrow_exception(invalid);
   if (std::exception_ptr peer =
-          detail::peer_failure_in(all, fingerprint_words, comm.size(), comm.rank(),
+          detail::peer_failure_in(all, fingerprint_words + 1, comm.size(), comm.rank(),
                                   mine.what() + " construction", detail::decode_status))
     std::rethrow_exception(peer);
   if (auto disagreement = mine.find_disagreement(all))
     WEAVE_THROW(errc::config_mismatch, disagreement->message);
+  std::int64_t serial = 0;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(comm.size()); ++r)
+    serial = std::max(serial, all[r * agreement_words + fingerprint_words]);
+  const auto agreed = static_cast<std::uint32_t>(serial);
+  detail::object_serials::settle(&comm, agreed);
+  return agreed;
 }
 
 //! As above, with nothing to validate.
 template <communicator C>
-void agree_on_config(C& comm, const config_fingerprint& mine) {
-  agree_on_config(comm, mine, [] {});
+std::uint32_t agree_on_config(C& comm, const config_fingerprint& mine) {
+  return agree_on_config(comm, mine, [] {});
 }
 
 WEAVE_NAMESPACE_END

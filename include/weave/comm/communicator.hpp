@@ -12,6 +12,7 @@
 //! All ranks must enqueue the same collectives in the same order.
 #pragma once
 
+#include "weave/comm/call_tag.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -98,6 +99,17 @@ concept has_deferred_exchange_counts = has_exchange_counts<C> &&
   { c.deferred_exchange_counts(in, out)(failure) } -> std::same_as<std::exception_ptr>;
 };
 
+//! Collectives that carry a `call_tag` (see `call_tag.hpp`): ranks that meet at one with
+//! different tags fail with `errc::call_mismatch`, before any data of it is delivered.
+template <class C>
+concept has_tagged_collectives = has_all_to_all_v<C> && has_exchange_counts<C> &&
+    requires(C& c, typename C::stream_type& s, const void* send, void* recv,
+             std::span<const std::int64_t> v, std::span<const std::int64_t> in,
+             std::span<std::int64_t> out, std::size_t unit, call_tag tag) {
+  c.all_to_all_v(s, send, v, v, recv, v, v, unit, tag);
+  c.exchange_counts(s, in, out, tag);
+};
+
 //! Element-wise reduction of `T` across ranks, result on every rank.
 template <class C, class T>
 concept has_all_reduce = communicator<C> && reducible<T> &&
@@ -165,13 +177,18 @@ inline void fill_transfers(int size, const void* send, std::span<const std::int6
 //! unit `send_displs[j]` of `send` go to rank j, and `recv_counts[j]` units from rank j land at
 //! unit `recv_displs[j]` of `recv`. Uses the communicator's own all_to_all_v, or else builds
 //! it from grouped send/recv (that fallback allocates one transfer list per call).
+//! `tag` names the call it belongs to where the communicator checks tags
+//! (`has_tagged_collectives`); elsewhere it is ignored.
 template <communicator C>
 void all_to_all_v(C& c, typename C::stream_type& s, const void* send,
                   std::span<const std::int64_t> send_counts,
                   std::span<const std::int64_t> send_displs, void* recv,
                   std::span<const std::int64_t> recv_counts,
-                  std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
-  if constexpr (has_all_to_all_v<C>) {
+                  std::span<const std::int64_t> recv_displs, std::size_t unit = 1,
+                  call_tag tag = {}) {
+  if constexpr (has_tagged_collectives<C>) {
+    c.all_to_all_v(s, send, send_counts, send_displs, recv, recv_counts, recv_displs, unit, tag);
+  } else if constexpr (has_all_to_all_v<C>) {
     c.all_to_all_v(s, send, send_counts, send_displs, recv, recv_counts, recv_displs, unit);
   } else {
     static_assert(has_send_recv<C>, "all_to_all_v needs a communicator with all_to_all_v or "
@@ -191,6 +208,17 @@ void all_to_all_v(C& c, typename C::stream_type& s, const void* send,
       c.send_recv(s, std::span<const peer_transfer>(*transfers));
     }
   }
+}
+
+//! `c.exchange_counts(s, send, recv)`, carrying `tag` where the communicator checks tags.
+template <communicator C>
+requires has_exchange_counts<C>
+void exchange_counts(C& c, typename C::stream_type& s, std::span<const std::int64_t> send,
+                     std::span<std::int64_t> recv, call_tag tag = {}) {
+  if constexpr (has_tagged_collectives<C>)
+    c.exchange_counts(s, send, recv, tag);
+  else
+    c.exchange_counts(s, send, recv);
 }
 
 //! Typed-rows form: counts and displacements are in rows of `row_elems` elements of `T`.

@@ -16,6 +16,8 @@
 //! `errc::peer_failure`, a rank that never arrives fails them with `errc::timeout`.
 #pragma once
 
+#include "weave/comm/call_tag.hpp"
+#include "weave/comm/communicator.hpp"
 #include "weave/comm/cuda_all_gather.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
@@ -51,15 +53,17 @@ class cuda_local_communicator {
 
   //! `send_counts[j]` units from unit `send_displs[j]` of `send` go to rank j; `recv_counts[j]`
   //! units from rank j land at unit `recv_displs[j]` of `recv`. Enqueued on `s`.
+  //! Ranks whose `tag`s differ fail with `errc::call_mismatch` before anything is enqueued.
   void all_to_all_v(cuda_stream_ref s, const void* send, std::span<const std::int64_t> send_counts,
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
-                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1);
+                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1,
+                    call_tag tag = {});
 
   //! Sends `send[j * k, (j + 1) * k)` to rank j and receives rank j's k counts into
   //! `recv[j * k, (j + 1) * k)` (device memory, k = send.size() / size()).
   void exchange_counts(cuda_stream_ref s, std::span<const std::int64_t> send,
-                       std::span<std::int64_t> recv);
+                       std::span<std::int64_t> recv, call_tag tag = {});
 
   //! Fails every pending and later collective of the world with `errc::peer_failure`.
   void abort(const std::string& reason);
@@ -138,6 +142,7 @@ class cuda_local_world {
     std::size_t unit = 0;
     const cuda_event* ready = nullptr;
     const cuda_event* done = nullptr;
+    call_tag tag{};
   };
 
   void fail(const std::string& reason) {
@@ -165,7 +170,7 @@ class cuda_local_world {
                 std::span<const std::int64_t> send_counts,
                 std::span<const std::int64_t> send_displs, void* recv,
                 std::span<const std::int64_t> recv_counts,
-                std::span<const std::int64_t> recv_displs, std::size_t unit) {
+                std::span<const std::int64_t> recv_displs, std::size_t unit, call_tag tag) {
     const auto n = comms_.size();
     WEAVE_EXPECT(send_counts.size() == n && send_displs.size() == n && recv_counts.size() == n &&
                      recv_displs.size() == n,
@@ -191,9 +196,20 @@ class cuda_local_world {
     mine.unit = unit;
     mine.ready = &me.ready_;
     mine.done = &me.done_;
+    mine.tag = tag;
     rendezvous(lock, 2 * sequence - 1);
     for (std::size_t j = 0; j < n; ++j) {
       const post& peer = posts_[j];
+      if (peer.sequence == sequence && peer.tag != tag) { // another call: fail every rank
+        try {
+          detail::throw_call_mismatch("cuda_local_world", static_cast<int>(r), tag,
+                                      static_cast<int>(j), peer.tag);
+        } catch (const error& e) {
+          lock.unlock();
+          fail(e.message());
+          throw;
+        }
+      }
       WEAVE_EXPECT(peer.sequence == sequence && peer.unit == unit, errc::invalid_state,
                    "cuda_local_world: rank ", j, " is in another collective than rank ", r);
       WEAVE_EXPECT(peer.send_counts[r] == recv_counts[j], errc::size_mismatch, "rank ", j,
@@ -237,13 +253,14 @@ inline void cuda_local_communicator::all_to_all_v(cuda_stream_ref s, const void*
                                                   void* recv,
                                                   std::span<const std::int64_t> recv_counts,
                                                   std::span<const std::int64_t> recv_displs,
-                                                  std::size_t unit) {
-  world_->exchange(*this, s, send, send_counts, send_displs, recv, recv_counts, recv_displs, unit);
+                                                  std::size_t unit, call_tag tag) {
+  world_->exchange(*this, s, send, send_counts, send_displs, recv, recv_counts, recv_displs, unit,
+                   tag);
 }
 
 inline void cuda_local_communicator::exchange_counts(cuda_stream_ref s,
                                                      std::span<const std::int64_t> send,
-                                                     std::span<std::int64_t> recv) {
+                                                     std::span<std::int64_t> recv, call_tag tag) {
   const auto n = static_cast<std::size_t>(size());
   WEAVE_EXPECT(send.size() % n == 0 && recv.size() == send.size(), errc::size_mismatch,
                "exchange_counts: ", send.size(), " counts to send and ", recv.size(),
@@ -254,7 +271,7 @@ inline void cuda_local_communicator::exchange_counts(cuda_stream_ref s,
   for (std::size_t j = 0; j < n; ++j)
     displs_[j] = static_cast<std::int64_t>(j) * k;
   all_to_all_v(s, send.data(), counts_, displs_, recv.data(), counts_, displs_,
-               sizeof(std::int64_t));
+               sizeof(std::int64_t), tag);
 }
 
 inline void cuda_local_communicator::abort(const std::string& reason) {
@@ -275,5 +292,7 @@ cuda_local_communicator::all_gather_now(std::span<const std::int64_t> mine) {
       },
       [](cuda_stream_ref s) { WEAVE_CUDA_CHECK(cudaStreamSynchronize(s.get())); });
 }
+
+static_assert(has_tagged_collectives<cuda_local_communicator>);
 
 WEAVE_NAMESPACE_END

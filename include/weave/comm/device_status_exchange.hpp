@@ -141,7 +141,8 @@ class device_counts_with_status {
   void exchange(Comm& comm, stream_arg s, device_status_block<Space>& b, const std::int64_t* counts,
                 std::int64_t* recv_counts, const std::uint32_t* flags_low,
                 const std::uint32_t* flags_high, const std::int64_t* reported,
-                const std::int64_t* second = nullptr, std::int64_t* recv_second = nullptr) {
+                const std::int64_t* second = nullptr, std::int64_t* recv_second = nullptr,
+                call_tag tag = {}) {
     WEAVE_EXPECT(width_ == 1 || (second != nullptr && recv_second != nullptr), errc::internal,
                  "a count exchange of two counts per peer without its second counts");
     device_status_block<Space>* block = &b;
@@ -166,15 +167,15 @@ class device_counts_with_status {
         return own ? own : failure_in(std::span<const std::int64_t>(block->recv, words()), true);
       };
       if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
-        protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(send, recv), decide);
+        protocol_.enqueue_deferred(s, pack, detail::deferred_counts(comm, send, recv, tag), decide);
       else
         protocol_.enqueue(
-            s, &b.stashed, pack, [&] { comm.exchange_counts(s, send, recv); }, decide);
+            s, &b.stashed, pack, [&] { weave::exchange_counts(comm, s, send, recv, tag); }, decide);
     } else {
       Space::for_each(s, D,
                       detail::pack_status_step{counts, second, flags_low, flags_high, reported,
                                                flags_tag(), b.send, w});
-      comm.exchange_counts(s, send, recv);
+      weave::exchange_counts(comm, s, send, recv, tag);
       Space::for_each(s, D, detail::unpack_counts_step{b.recv, recv_counts, recv_second, w});
       if (raise_flags_)
         Space::copy_to_host(s, b.host.data(), b.recv, words() * sizeof(std::int64_t));

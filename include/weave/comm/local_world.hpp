@@ -96,6 +96,7 @@ struct local_post {
   std::size_t count = 0;                    // all_reduce elements
   int type = 0;                             // all_reduce element type
   reduce_op reduction = reduce_op::sum;
+  call_tag tag{}; // the call it belongs to (every rank's must be equal)
 };
 
 class local_world_state {
@@ -288,6 +289,8 @@ class local_world_state {
     const auto r = static_cast<std::size_t>(rank);
     for (int peer = 0; peer < size_; ++peer) {
       const local_post& other = posts_[static_cast<std::size_t>(peer)];
+      if (other.tag != post.tag) // another call: nothing of it may be delivered
+        detail::throw_call_mismatch("local_world", rank, post.tag, peer, other.tag);
       WEAVE_EXPECT(other.op == post.op, errc::invalid_state, "local_world: collective #", post.seq,
                    " is ", to_string(post.op), " on rank ", rank, " but ", to_string(other.op),
                    " on rank ", peer);
@@ -450,12 +453,15 @@ class local_communicator {
   //! Number of ranks in the world.
   int size() const noexcept { return state_->size(); }
 
-  //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`).
+  //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`); ranks whose
+  //! `tag`s differ fail with `errc::call_mismatch` before anything is copied.
   void all_to_all_v(host_stream& s, const void* send, std::span<const std::int64_t> send_counts,
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
-                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
+                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1,
+                    call_tag tag = {}) {
     detail::local_post p = make(detail::local_op::all_to_all_v);
+    p.tag = tag;
     p.send = static_cast<const std::byte*>(send);
     p.recv = static_cast<std::byte*>(recv);
     p.send_counts = send_counts;
@@ -478,15 +484,16 @@ class local_communicator {
   //! `recv[j * k, (j + 1) * k)`, where k = send.size() / size(). Ranks disagreeing on k fail
   //! with `errc::size_mismatch`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
-                       std::span<std::int64_t> recv) {
-    s.submit_always(deferred_exchange_counts(send, recv));
+                       std::span<std::int64_t> recv, call_tag tag = {}) {
+    s.submit_always(deferred_exchange_counts(send, recv, tag));
   }
 
   //! `exchange_counts` taken now and run when the returned task is called on the stream thread
   //! (see `has_deferred_exchange_counts`).
   detail::local_task deferred_exchange_counts(std::span<const std::int64_t> send,
-                                              std::span<std::int64_t> recv) {
+                                              std::span<std::int64_t> recv, call_tag tag = {}) {
     detail::local_post p = make(detail::local_op::exchange_counts);
+    p.tag = tag;
     p.send_counts = send;
     p.recv_counts = recv;
     p.recv = reinterpret_cast<std::byte*>(recv.data());
@@ -544,7 +551,7 @@ class local_communicator {
   std::atomic<std::uint64_t> next_order_{0};
 };
 
-static_assert(has_all_to_all_v<local_communicator> && has_send_recv<local_communicator> &&
+static_assert(has_tagged_collectives<local_communicator> && has_send_recv<local_communicator> &&
               has_exchange_counts<local_communicator> &&
               has_deferred_exchange_counts<local_communicator> && has_barrier<local_communicator> &&
               has_all_reduce<local_communicator, double>);

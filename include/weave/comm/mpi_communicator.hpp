@@ -167,21 +167,31 @@ class mpi_communicator {
   //! True once this communicator failed: aborted here, told by a peer, or timed out.
   bool aborted() const noexcept { return failed_flag_.load(std::memory_order_acquire); }
 
-  //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`).
+  //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`). A tagged one
+  //! (`call_tag`) first exchanges a small header with every peer, its tag and the bytes it sends:
+  //! ranks at different calls fail with `errc::call_mismatch`, a size that disagrees with this
+  //! rank's receive with `errc::size_mismatch`, before any data moves (so MPI never truncates).
   void all_to_all_v(host_stream& s, const void* send, std::span<const std::int64_t> send_counts,
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
-                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
+                    std::span<const std::int64_t> recv_displs, std::size_t unit = 1,
+                    call_tag tag = {}) {
     run(s, "all_to_all_v", [=, this] {
+      if (tag.tagged()) {
+        detail::check_layout(size_, send_counts, send_displs, unit, "send");
+        detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
+        check_header(tag, header_all_to_all, send_counts, recv_counts, unit, "all_to_all_v");
+      }
       run_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
                        static_cast<std::byte*>(recv), recv_counts, recv_displs, unit);
     });
   }
 
-  //! Sends `send[j*k .. j*k+k)` to rank j, receives rank j's k counts at `recv[j*k ..)`.
+  //! Sends `send[j*k .. j*k+k)` to rank j, receives rank j's k counts at `recv[j*k ..)`; a tagged
+  //! exchange checks the peers' tags first, as `all_to_all_v`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
-                       std::span<std::int64_t> recv) {
-    s.submit_always(deferred_exchange_counts(send, recv));
+                       std::span<std::int64_t> recv, call_tag tag = {}) {
+    s.submit_always(deferred_exchange_counts(send, recv, tag));
   }
 
   //! The task of a deferred `exchange_counts` (see `has_deferred_exchange_counts`).
@@ -190,8 +200,12 @@ class mpi_communicator {
     std::span<const std::int64_t> send;
     std::span<std::int64_t> recv;
     int k;
+    call_tag tag;
     std::exception_ptr operator()(std::exception_ptr failure) const {
       return self->step("exchange_counts", std::move(failure), [this] {
+        if (tag.tagged())
+          self->check_header(tag, header_counts, {}, {}, static_cast<std::size_t>(k),
+                             "exchange_counts");
         MPI_Request request = MPI_REQUEST_NULL;
         self->check(MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T,
                                   self->comm_, &request),
@@ -204,13 +218,13 @@ class mpi_communicator {
   //! `exchange_counts` run when the returned task is called on the stream thread (see
   //! `has_deferred_exchange_counts`).
   counts_task deferred_exchange_counts(std::span<const std::int64_t> send,
-                                       std::span<std::int64_t> recv) {
+                                       std::span<std::int64_t> recv, call_tag tag = {}) {
     const auto n = static_cast<std::size_t>(size_);
     WEAVE_EXPECT(!send.empty() && send.size() % n == 0 && recv.size() == send.size(),
                  errc::size_mismatch, "exchange_counts: ", send.size(), " send and ", recv.size(),
                  " receive counts for ", size_,
                  " ranks (need the same non-zero multiple of the group size)");
-    return {this, send, recv, checked_cast<int>(send.size() / n, "counts per peer")};
+    return {this, send, recv, checked_cast<int>(send.size() / n, "counts per peer"), tag};
   }
 
   //! Element-wise reduction into `out` on every rank (`in` may equal `out`).
@@ -240,6 +254,58 @@ class mpi_communicator {
 
  private:
   static constexpr int piece_tag = 0x5EA7;
+  // The header of a tagged collective, per peer: a marker, the tag, the kind, and the size the
+  // sender sends (all_to_all_v: bytes to that peer; exchange_counts: counts per peer).
+  static constexpr std::int64_t header_marker = 0x7765617665544147; // "weaveTAG"
+  static constexpr std::int64_t header_all_to_all = 1, header_counts = 2;
+  static constexpr std::size_t header_words = 4;
+
+  // Exchanges the headers of a tagged collective (one small MPI_Ialltoall) and checks every
+  // peer's against this rank's: the same marker, kind and tag, and for an all-to-all the bytes
+  // this rank will receive from it (`recv_counts[j] * unit`; for a count exchange, `unit` is
+  // the counts per peer). A mismatch aborts the communicator (the peers find theirs too) and
+  // throws, so the collective's data is never posted.
+  void check_header(call_tag tag, std::int64_t kind, std::span<const std::int64_t> send_counts,
+                    std::span<const std::int64_t> recv_counts, std::size_t unit, const char* what) {
+    const auto n = static_cast<std::size_t>(size_);
+    header_send_.resize(n * header_words);
+    header_recv_.resize(n * header_words);
+    const auto u = static_cast<std::int64_t>(unit);
+    for (std::size_t j = 0; j < n; ++j) {
+      std::int64_t* h = header_send_.data() + j * header_words;
+      h[0] = header_marker;
+      h[1] = static_cast<std::int64_t>(tag.bits);
+      h[2] = kind;
+      h[3] = kind == header_counts ? u : send_counts[j] * u;
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Ialltoall(header_send_.data(), static_cast<int>(header_words), MPI_INT64_T,
+                        header_recv_.data(), static_cast<int>(header_words), MPI_INT64_T, comm_,
+                        &request),
+          "MPI_Ialltoall", what);
+    wait_all(std::span<MPI_Request>(&request, 1), what);
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::int64_t* h = header_recv_.data() + j * header_words;
+      const int peer = static_cast<int>(j);
+      try {
+        WEAVE_EXPECT(h[0] == header_marker, errc::call_mismatch, "mpi_communicator rank ", rank_,
+                     ": ", what, ": rank ", peer,
+                     " is at a collective that carries no weave call header");
+        const call_tag theirs{static_cast<std::uint64_t>(h[1])};
+        if (theirs != tag || h[2] != kind)
+          detail::throw_call_mismatch("mpi_communicator", rank_, tag, peer, theirs);
+        const std::int64_t expected = kind == header_counts ? u : recv_counts[j] * u;
+        WEAVE_EXPECT(h[3] == expected, errc::size_mismatch, "mpi_communicator rank ", rank_, ": ",
+                     what, " of ", tag.describe(), ": rank ", peer, " sends ", h[3],
+                     kind == header_counts ? " counts per peer" : " bytes",
+                     " where this rank receives ", expected);
+      } catch (...) {
+        abort(record_of(std::current_exception(), rank_));
+        send_notices();
+        throw;
+      }
+    }
+  }
 
   // Runs an operation's task on `s`. On a failed stream it moves nothing but still sends the
   // notices of an abort that waited for this thread. A failed communicator fails at once.
@@ -494,11 +560,12 @@ class mpi_communicator {
   std::atomic<bool> failed_flag_{false};
   bool abandoned_ = false; // a wait gave up on incomplete requests (stream thread only)
   std::vector<int> ints_;  // MPI's int counts and displacements, reused by every call
+  std::vector<std::int64_t> header_send_, header_recv_; // tagged collectives' headers
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;
 };
 
-static_assert(has_all_to_all_v<mpi_communicator> && has_exchange_counts<mpi_communicator> &&
+static_assert(has_tagged_collectives<mpi_communicator> &&
               has_deferred_exchange_counts<mpi_communicator> && has_barrier<mpi_communicator> &&
               has_all_reduce<mpi_communicator, double>);
 

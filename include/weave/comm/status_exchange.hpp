@@ -41,6 +41,16 @@ namespace detail {
 // The protocol around a status-carrying exchange on a host stream, shared by the host and the
 // device (host space) forms: it remembers the last failure every rank learnt, so that later
 // exchanges, which every rank skips alike while its stream holds that failure, move nothing.
+// `comm.deferred_exchange_counts(send, recv)`, carrying `tag` where the communicator checks tags.
+template <class Comm>
+auto deferred_counts(Comm& comm, std::span<const std::int64_t> send, std::span<std::int64_t> recv,
+                     call_tag tag) {
+  if constexpr (has_tagged_collectives<Comm>)
+    return comm.deferred_exchange_counts(send, recv, tag);
+  else
+    return comm.deferred_exchange_counts(send, recv);
+}
+
 class status_protocol {
  public:
   status_protocol()
@@ -86,14 +96,14 @@ class status_protocol {
       return nullptr;
     });
     std::forward<Exchange>(exchange)();
-    s.submit_always([agreed = agreed_, stash,
-                     decide = std::move(decide)](std::exception_ptr failed) mutable {
-      std::exception_ptr own = std::exchange(*stash, nullptr);
-      std::exception_ptr result = failed ? (own ? own : failed) : decide(own);
-      if (result)
-        agreed->set(result);
-      return result;
-    });
+    s.submit_always(
+        [agreed = agreed_, stash, decide = std::move(decide)](std::exception_ptr failed) mutable {
+          std::exception_ptr own = std::exchange(*stash, nullptr);
+          std::exception_ptr result = failed ? (own ? own : failed) : decide(own);
+          if (result)
+            agreed->set(result);
+          return result;
+        });
   }
 
  private:
@@ -150,9 +160,10 @@ class counts_with_status {
   //! of every rank's status, through `b` (which must not be in use by another exchange in
   //! flight). Afterwards `s` holds this rank's own failure if it had one (its peers now know
   //! it), else a `peer_error` if a peer had one, else nothing, on every rank alike. `send` and
-  //! `recv` are read and written when the stream gets there.
+  //! `recv` are read and written when the stream gets there. `tag`: the call it belongs to
+  //! (checked by communicators with tagged collectives).
   void exchange(Comm& comm, stream_type& s, status_block& b, std::span<const std::int64_t> send,
-                std::span<std::int64_t> recv) {
+                std::span<std::int64_t> recv, call_tag tag = {}) {
     WEAVE_EXPECT(send.size() == k_ * std::size_t(ranks_) && recv.size() == send.size() &&
                      b.send.size() == std::size_t(ranks_) * (k_ + failure_words) &&
                      b.recv.size() == b.send.size(),
@@ -164,11 +175,12 @@ class counts_with_status {
     const std::span<const std::int64_t> wire_send(b.send);
     const std::span<std::int64_t> wire_recv(b.recv);
     if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
-      protocol_.enqueue_deferred(s, pack, comm.deferred_exchange_counts(wire_send, wire_recv),
+      protocol_.enqueue_deferred(s, pack, detail::deferred_counts(comm, wire_send, wire_recv, tag),
                                  decide);
     else
       protocol_.enqueue(
-          s, &b.stashed, pack, [&] { comm.exchange_counts(s, wire_send, wire_recv); }, decide);
+          s, &b.stashed, pack, [&] { weave::exchange_counts(comm, s, wire_send, wire_recv, tag); },
+          decide);
   }
 
  private:
@@ -185,8 +197,7 @@ class counts_with_status {
       const failure_record record = pending ? record_of(pending, self->rank_) : failure_record{};
       for (std::size_t j = 0; j < static_cast<std::size_t>(self->ranks_); ++j) {
         const std::span<std::int64_t> to = std::span(b->send).subspan(j * stride(), stride());
-        std::copy_n(send.begin() + static_cast<std::ptrdiff_t>(j * self->k_), self->k_,
-                    to.begin());
+        std::copy_n(send.begin() + static_cast<std::ptrdiff_t>(j * self->k_), self->k_, to.begin());
         encode_failure(pending ? &record : nullptr, to.subspan(self->k_));
       }
     }

@@ -33,6 +33,7 @@ enum class errc : int {
   mpi = 11,             //!< MPI reported an error
   internal = 12,        //!< a weave invariant broke: a bug, please report it
   config_mismatch = 13, //!< ranks built one collective object with different configurations
+  call_mismatch = 14,   //!< ranks issued different calls at one collective (call order broken)
 };
 
 //! Short, stable name of an error code ("invalid_argument", ...).
@@ -64,6 +65,8 @@ constexpr const char* to_string(errc code) noexcept {
     return "internal";
   case errc::config_mismatch:
     return "config_mismatch";
+  case errc::call_mismatch:
+    return "call_mismatch";
   }
   return "unknown";
 }

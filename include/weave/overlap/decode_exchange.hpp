@@ -27,6 +27,7 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
@@ -46,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -72,7 +74,8 @@ class decode_exchange {
   //! field that differs otherwise. Throws `errc::invalid_argument` for bad options or a
   //! placement of another device count (and its peers a `peer_error` naming this rank).
   decode_exchange(Comm& comm, placement where, decode_options options)
-      : comm_(&detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange"))
+      : comm_(&comm)
+      , serial_(detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange"))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
@@ -121,6 +124,25 @@ class decode_exchange {
   decode_exchange(const decode_exchange&) = delete;
   decode_exchange& operator=(const decode_exchange&) = delete;
 
+  //! Waits for the work the layer queued (its buffers must outlive it); with a handle alive
+  //! between its dispatch and its combine, aborts the communicator first: the peers, waiting in
+  //! that combine, fail at once with a `peer_error` naming it. Handles and views that outlive
+  //! the layer are stale (`errc::invalid_state`; releasing a handle does nothing).
+  ~decode_exchange() {
+    if (held_ && !combined_)
+      if constexpr (requires { comm_->abort(std::string()); })
+        if (!communicator_aborted(*comm_))
+          comm_->abort("a decode_exchange was destroyed between a dispatch and its combine");
+    try {
+      if constexpr (requires { last_.outcome(); })
+        (void)last_.outcome(); // host events: a wait no capture rule applies to
+      else
+        last_.synchronize();
+    } catch (...) {
+    }
+    life_->alive.store(false, std::memory_order_release);
+  }
+
   const decode_options& options() const noexcept { return options_; }
   const placement& where() const noexcept { return where_; }
   //! Bytes this rank sends to each peer in a dispatch (FP8 rows with an FP8 dispatch).
@@ -143,7 +165,8 @@ class decode_exchange {
     s.submit([this, x, ids, weights] { pack_dispatch(x, ids, weights); });
     exchange(s, dispatch_);
     s.submit([this, call] { unpack_dispatch(call); });
-    return handle(this, call);
+    s.record(last_);
+    return handle(this, call, life_);
   }
 
   //! Enqueues the combine of `h` on `s`: one all-to-all returns every expert output to its
@@ -158,6 +181,7 @@ class decode_exchange {
     s.submit([this, y, call = h.call_] { pack_combine(y, call); });
     exchange(s, combine_);
     s.submit([this, y] { unpack_combine(y); });
+    s.record(last_);
     h.reset();
   }
 
@@ -165,7 +189,9 @@ class decode_exchange {
   friend handle;
   friend class decode_experts<decode_exchange>;
 
-  decode_experts<decode_exchange> experts_of(std::uint64_t call) const { return {this, call}; }
+  decode_experts<decode_exchange> experts_of(std::uint64_t call) const {
+    return {this, call, life_};
+  }
 
   // Every call runs on the stream of the first: stream order alone keeps a call's queued
   // work off the next call's buffers, and every rank's calls fail or run alike.
@@ -468,6 +494,7 @@ class decode_exchange {
   }
 
   Comm* comm_;
+  std::uint32_t serial_ = 0; // the layer on its communicator (agreed at construction)
   placement where_;
   decode_options options_;
   int rank_ = 0;
@@ -490,7 +517,9 @@ class decode_exchange {
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
   bool held_ = false, combined_ = false;
-  stream_type* stream_ = nullptr; // the stream of every call
+  stream_type* stream_ = nullptr;         // the stream of every call
+  typename stream_type::event_type last_; // the end of the last call's work (destruction waits)
+  std::shared_ptr<detail::layer_life> life_ = std::make_shared<detail::layer_life>();
 };
 
 WEAVE_NAMESPACE_END

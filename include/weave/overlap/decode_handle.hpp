@@ -9,9 +9,11 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
+#include "weave/overlap/layer_life.hpp"
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <utility>
 
@@ -28,50 +30,57 @@ class decode_experts {
   using element_type = typename Exchange::element_type;
 
   //! Local expert slots of this rank.
-  int local_experts() const noexcept { return ex_->where().slots_per_device(); }
+  int local_experts() const { return alive().where().slots_per_device(); }
   //! The logical expert held by local slot `l`.
-  int expert(int l) const { return ex_->expert_of_local(l); }
+  int expert(int l) const { return alive().expert_of_local(l); }
   //! Rows local slot `l` received from `source` (the count in that message's header).
   std::int64_t rows(int l, int source) const {
-    ex_->expect_arrived(call_);
+    alive().expect_arrived(call_);
     return ex_->received_rows(l, source);
   }
   //! Rows local slot `l` received from all sources.
   std::int64_t rows(int l) const {
-    ex_->expect_arrived(call_);
+    alive().expect_arrived(call_);
     return ex_->received_rows(l);
   }
   //! Local slot `l`'s input rows: source 0's, then source 1's, ... (`rows(l)` rows of
   //! `hidden` elements; each source's in its token order). With an FP8 dispatch these are the
   //! dequantised rows, given when `dequantized_inputs` is set (`errc::invalid_state` otherwise).
   std::span<const element_type> input(int l) const {
-    ex_->expect_arrived(call_);
+    alive().expect_arrived(call_);
     return ex_->expert_input(l);
   }
   //! With an FP8 dispatch (`decode_options::fp8_dispatch`): local slot `l`'s inputs as they
   //! arrived, FP8 codes (`rows(l)` x hidden) and their f32 scales (`rows(l)` x hidden / block),
   //! as two strided views of one packed buffer. `errc::invalid_state` without an FP8 dispatch.
   const_token_view input_codes(int l) const {
-    ex_->expect_arrived(call_);
+    alive().expect_arrived(call_);
     return ex_->expert_wire(l).first;
   }
   const_token_view input_scales(int l) const {
-    ex_->expect_arrived(call_);
+    alive().expect_arrived(call_);
     return ex_->expert_wire(l).second;
   }
   //! Where the caller writes local slot `l`'s outputs, one row per input row, before `combine`.
   std::span<element_type> output(int l) const {
-    ex_->expect_arrived(call_);
+    alive().expect_arrived(call_);
     return ex_->expert_output(l);
   }
 
  private:
   friend Exchange;
-  decode_experts(const Exchange* ex, std::uint64_t call) noexcept
+  decode_experts(const Exchange* ex, std::uint64_t call,
+                 std::shared_ptr<const detail::layer_life> life) noexcept
       : ex_(ex)
-      , call_(call) {}
+      , call_(call)
+      , life_(std::move(life)) {}
+  const Exchange& alive() const {
+    detail::layer_life::expect_alive(life_, "a decode_experts view");
+    return *ex_;
+  }
   const Exchange* ex_;
   std::uint64_t call_;
+  std::shared_ptr<const detail::layer_life> life_;
 };
 
 //! The expert rows of a device decode call: pointers into memory of the space, whose contents
@@ -123,12 +132,14 @@ class decode_handle {
   decode_handle() = default;
   decode_handle(decode_handle&& o) noexcept
       : ex_(std::exchange(o.ex_, nullptr))
-      , call_(o.call_) {}
+      , call_(o.call_)
+      , life_(std::move(o.life_)) {}
   decode_handle& operator=(decode_handle&& o) noexcept {
     if (this != &o) {
       reset();
       ex_ = std::exchange(o.ex_, nullptr);
       call_ = o.call_;
+      life_ = std::move(o.life_);
     }
     return *this;
   }
@@ -136,25 +147,31 @@ class decode_handle {
 
   //! True while the handle holds a dispatched call.
   bool valid() const noexcept { return ex_ != nullptr; }
-  //! The call's expert rows (`errc::invalid_state` for an empty handle): a `decode_experts`
-  //! view for `decode_exchange`, a `device_decode_experts` for the device exchange.
+  //! The call's expert rows (`errc::invalid_state` for an empty handle, or one whose exchange
+  //! was destroyed): a `decode_experts` view for `decode_exchange`, a `device_decode_experts`
+  //! for the device exchange.
   auto experts() const {
     WEAVE_EXPECT(ex_ != nullptr, errc::invalid_state, "an empty decode_handle");
+    detail::layer_life::expect_alive(life_, "a decode_handle");
     return ex_->experts_of(call_);
   }
-  //! Releases the call (see the class comment).
+  //! Releases the call (see the class comment); does nothing once the exchange was destroyed.
   void reset() noexcept {
-    if (ex_ != nullptr)
+    if (ex_ != nullptr && detail::layer_life::alive_now(life_))
       std::exchange(ex_, nullptr)->release_handle(call_);
+    ex_ = nullptr;
   }
 
  private:
   friend Exchange;
-  decode_handle(Exchange* ex, std::uint64_t call) noexcept
+  decode_handle(Exchange* ex, std::uint64_t call,
+                std::shared_ptr<const detail::layer_life> life) noexcept
       : ex_(ex)
-      , call_(call) {}
+      , call_(call)
+      , life_(std::move(life)) {}
   Exchange* ex_ = nullptr;
   std::uint64_t call_ = 0;
+  std::shared_ptr<const detail::layer_life> life_;
 };
 
 WEAVE_NAMESPACE_END

@@ -108,10 +108,11 @@ inline decode_header failed_header(int source, errc code, std::string_view what)
 }
 
 //! The construction's agreement of a decode layer named `name` (both decode exchanges): the
-//! options valid on this rank, then the same on every rank (`agree_on_config`). Returns `comm`.
+//! options valid on this rank, then the same on every rank (`agree_on_config`). Returns the
+//! layer's serial on `comm`, agreed by every rank.
 template <class Comm>
-Comm& agree_on_decode(Comm& comm, const placement& where, const decode_options& o, dtype element,
-                      const char* name) {
+std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_options& o,
+                              dtype element, const char* name) {
   config_fingerprint f(name);
   f.add("devices", where.num_devices())
       .add("experts", where.num_experts())
@@ -123,14 +124,13 @@ Comm& agree_on_decode(Comm& comm, const placement& where, const decode_options& 
                  [](std::int64_t v) { return to_string(static_cast<dtype>(v)); })
       .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank));
   add_fp8_dispatch(f, o.fp8_dispatch);
-  agree_on_config(comm, f, [&] {
+  return agree_on_config(comm, f, [&] {
     check_decode_options(o);
     WEAVE_EXPECT(o.k <= where.num_experts(), errc::invalid_argument, "decode_options.k = ", o.k,
                  " exceeds the ", where.num_experts(), " experts");
     WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
                  where.num_devices(), " devices for a world of ", comm.size());
   });
-  return comm;
 }
 
 } // namespace detail

@@ -48,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -75,8 +76,9 @@ class basic_device_decode_exchange {
   //! naming the first field that differs); bad options throw `errc::invalid_argument` here and
   //! a `peer_error` on the peers.
   basic_device_decode_exchange(Comm& comm, placement where, decode_options options)
-      : comm_(
-            &detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "device_decode_exchange"))
+      : comm_(&comm)
+      , serial_(
+            detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "device_decode_exchange"))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
@@ -98,6 +100,28 @@ class basic_device_decode_exchange {
     }
     for (int l = 0; l < at_.spd; ++l)
       local_experts_.push_back(where_.expert_of_slot(rank_ * static_cast<int>(at_.spd) + l));
+  }
+
+  //! Waits for the work the layer queued (its workspace must outlive it); with a handle alive
+  //! between its dispatch and its combine, aborts the communicator first: the peers, waiting in
+  //! that combine, fail at once with a `peer_error` naming it. Handles that outlive the layer are
+  //! stale (`errc::invalid_state`; releasing one does nothing).
+  ~basic_device_decode_exchange() {
+    if (held_ && !combined_ && !communicator_aborted(*comm_))
+      try {
+        abort_peers(*comm_, std::make_exception_ptr(error(errc::invalid_state,
+                                                          "a device_decode_exchange was destroyed "
+                                                          "between a dispatch and its combine")));
+      } catch (...) {
+      }
+    try {
+      if constexpr (requires { last_.outcome(); })
+        (void)last_.outcome(); // host events: a wait no capture rule applies to
+      else
+        last_.synchronize();
+    } catch (...) {
+    }
+    life_->alive.store(false, std::memory_order_release);
   }
 
   basic_device_decode_exchange(const basic_device_decode_exchange&) = delete;
@@ -177,7 +201,8 @@ class basic_device_decode_exchange {
                     detail::decode_expert_index_step{dispatch_at_, source_rows_, source_offsets_,
                                                      expert_rows_, expert_index_});
     receive_rows(s);
-    return handle(this, calls_);
+    note_enqueued(s);
+    return handle(this, calls_, life_);
   }
 
   //! Enqueues the combine of `h` on `s`: one all-to-all returns every expert output to its
@@ -221,6 +246,7 @@ class basic_device_decode_exchange {
                     detail::decode_poison_step{words_ + call_failed,
                                                reinterpret_cast<std::byte*>(y.data()),
                                                static_cast<std::int64_t>(y.size_bytes())});
+    note_enqueued(s);
     h.reset();
   }
 
@@ -273,6 +299,16 @@ class basic_device_decode_exchange {
     v.source_offsets = source_offsets_;
     v.experts = local_experts_;
     return v;
+  }
+
+  // Marks the end of a call's work for the layer's destruction (not while capturing: the
+  // captured work runs when the graph is launched, and captured events cannot be waited for).
+  void note_enqueued(stream_arg s) {
+    if constexpr (requires { Space::is_capturing(s); })
+      if (Space::is_capturing(s))
+        return;
+    typename Space::stream_type& st = s;
+    st.record(last_);
   }
 
   void begin_call(stream_arg s) {
@@ -436,6 +472,7 @@ class basic_device_decode_exchange {
   }
 
   Comm* comm_;
+  std::uint32_t serial_ = 0; // the layer on its communicator (agreed at construction)
   placement where_;
   decode_options options_;
   int rank_ = 0;
@@ -469,6 +506,8 @@ class basic_device_decode_exchange {
   std::exception_ptr pending_; // this rank's first refused call since the last check
   std::uint64_t calls_ = 0;
   const void* stream_ = nullptr;
+  typename Space::stream_type::event_type last_{}; // the end of the last call's work
+  std::shared_ptr<detail::layer_life> life_ = std::make_shared<detail::layer_life>();
 };
 
 WEAVE_NAMESPACE_END

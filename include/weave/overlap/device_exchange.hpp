@@ -127,6 +127,11 @@ class basic_device_exchange
     last_forward_ = this->slots().front().get();
   }
 
+  //! Waits for the work the layer queued (its state and workspace must outlive it); with calls
+  //! in flight (half issued, or a backward due), aborts the communicator first so the peers fail
+  //! at once with a `peer_error` naming it. Handles that outlive the layer are stale.
+  ~basic_device_exchange() { this->shutdown(); }
+
   bool static_shape() const noexcept { return this->options_.static_shape; }
   //! Rows of each peer's slot per chunk (static shapes; 0 otherwise).
   std::size_t slot_rows() const noexcept { return layout_.slot_rows(); }
@@ -484,7 +489,7 @@ class basic_device_exchange
   // The count exchange of a chunk (every path's one place), carrying this rank's status.
   // Static shapes keep the counts in memory of the space; dynamic ones copy them to the host
   // (pinned mirrors on CUDA), for `read_counts`.
-  void exchange_chunk_counts(slot_type& s, chunk_state& ch, stream_type& st);
+  void exchange_chunk_counts(slot_type& s, chunk_state& ch, stream_type& st, call_tag tag);
 
   // Dynamic shapes, once the counts are on the host (a wait through the communicator where host
   // code runs at enqueue time): every rank fails alike if a rank's status says so; else the
@@ -502,7 +507,7 @@ class basic_device_exchange
 
   // The all-to-all back: the receive layout returns to the send layout.
   void exchange_back(chunk_state& ch, stream_type& s, std::byte* from, std::byte* to,
-                     std::size_t unit);
+                     std::size_t unit, call_tag tag = {});
 
   const std::int64_t* receive_displs(const chunk_state& ch) const {
     return this->options_.static_shape ? static_displs_ : ch.recv_displs;

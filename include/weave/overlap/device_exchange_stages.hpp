@@ -120,7 +120,7 @@ requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &
 bool basic_device_exchange<Space, Comm>::enqueue_dispatch(slot_type& s, int c, stream_type& st) {
   chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
   if (!s.backward) {
-    exchange_chunk_counts(s, ch, st);
+    exchange_chunk_counts(s, ch, st, this->tag_of(s, c, false)); // the stage's first collective
 #ifndef WEAVE_EAGER_COUNT_READS // (defined only to measure the order before the deferral)
     if (!Space::runs_later && !this->options_.static_shape)
       return true;
@@ -153,24 +153,26 @@ void basic_device_exchange<Space, Comm>::complete_dispatch(slot_type& s, int c, 
                    ch.send_displs_h, ch.recv_routes, ch.recv_counts_h, ch.recv_displs_h,
                    static_cast<std::size_t>(k_) * 8);
   }
+  // The backward's dispatch has no count exchange: its rows carry the stage's call tag.
+  const call_tag tag = s.backward ? this->tag_of(s, c, false) : call_tag{};
   if (fixed)
     all_to_all_v(*this->comm_, st, send, uniform_counts_, uniform_displs_, recv, uniform_counts_,
-                 uniform_displs_, row);
+                 uniform_displs_, row, tag);
   else
     all_to_all_v(*this->comm_, st, send, ch.send_counts_h, ch.send_displs_h, recv, ch.recv_counts_h,
-                 ch.recv_displs_h, row);
+                 ch.recv_displs_h, row, tag);
 }
 
 template <execution_space Space, communicator Comm>
 requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
     has_exchange_counts<Comm> && has_all_to_all_v<Comm>
 void basic_device_exchange<Space, Comm>::exchange_chunk_counts(slot_type& s, chunk_state& ch,
-                                                               stream_type& st) {
+                                                               stream_type& st, call_tag tag) {
   const auto D = static_cast<std::size_t>(D_);
   const std::int64_t* reported = s.state.rejected ? s.state.reported : nullptr;
   if (this->options_.static_shape) {
     status_.exchange(*this->comm_, st, ch.status, ch.slot_counts, ch.recv_counts,
-                     ch.plan.error_word(), ch.error, reported);
+                     ch.plan.error_word(), ch.error, reported, nullptr, nullptr, tag);
     return;
   }
   if (sized_at_call()) { // the pairs each peer sends size the expert rows
@@ -178,11 +180,11 @@ void basic_device_exchange<Space, Comm>::exchange_chunk_counts(slot_type& s, chu
                     detail::device_pairs_step{ch.plan.slot_loads().data(),
                                               this->placement_.slots_per_device(), ch.send_pairs});
     status_.exchange(*this->comm_, st, ch.status, ch.plan.send_counts().data(), ch.recv_counts,
-                     ch.plan.error_word(), ch.error, reported, ch.send_pairs, ch.recv_pairs);
+                     ch.plan.error_word(), ch.error, reported, ch.send_pairs, ch.recv_pairs, tag);
     Space::copy_to_host(st, ch.recv_pairs_h.data(), ch.recv_pairs, D * 8);
   } else {
     status_.exchange(*this->comm_, st, ch.status, ch.plan.send_counts().data(), ch.recv_counts,
-                     ch.plan.error_word(), ch.error, reported);
+                     ch.plan.error_word(), ch.error, reported, nullptr, nullptr, tag);
   }
   Space::copy_to_host(st, ch.send_counts_h.data(), ch.plan.send_counts().data(), D * 8);
   Space::copy_to_host(st, ch.send_displs_h.data(), ch.plan.send_offsets().data(), D * 8);
@@ -199,6 +201,15 @@ void basic_device_exchange<Space, Comm>::read_counts(slot_type& s, chunk_state& 
   const auto decide = [this, &ch, &s] {
     if (std::exception_ptr failed = status_.failure(ch.status)) {
       s.failed_together = true; // every rank raises it here
+      if constexpr (!Space::runs_later) {
+        // The call ends here, reported: its sender flags must not fail the slot's next call
+        // (host streams clear them at `synchronize`, where they surface). On the compute
+        // stream, after the chunk plans that set them.
+        for (chunk_state& c : s.state.chunks) {
+          Space::fill(this->load(s.compute), c.plan.error_word(), 0, sizeof(std::uint32_t));
+          Space::fill(this->load(s.compute), c.error, 0, sizeof(std::uint32_t));
+        }
+      }
       std::rethrow_exception(failed);
     }
     abort_peers_on_failure(*this->comm_, [&] { plan_receive(ch); });
@@ -258,13 +269,13 @@ requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &
     has_exchange_counts<Comm> && has_all_to_all_v<Comm>
 void basic_device_exchange<Space, Comm>::exchange_back(chunk_state& ch, stream_type& s,
                                                        std::byte* from, std::byte* to,
-                                                       std::size_t unit) {
+                                                       std::size_t unit, call_tag tag) {
   if (this->options_.static_shape)
     all_to_all_v(*this->comm_, s, from, uniform_counts_, uniform_displs_, to, uniform_counts_,
-                 uniform_displs_, unit);
+                 uniform_displs_, unit, tag);
   else
     all_to_all_v(*this->comm_, s, from, ch.recv_counts_h, ch.recv_displs_h, to, ch.send_counts_h,
-                 ch.send_displs_h, unit);
+                 ch.send_displs_h, unit, tag);
 }
 
 template <execution_space Space, communicator Comm>
@@ -359,7 +370,8 @@ requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &
 void basic_device_exchange<Space, Comm>::enqueue_combine(slot_type& s, int c, stream_type& st) {
   chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
   exchange_back(ch, st, ch.back, ch.returned,
-                this->options_.hidden * size_of(this->options_.element));
+                this->options_.hidden * size_of(this->options_.element),
+                this->tag_of(s, c, true)); // the stage's first collective carries its tag
   if (s.backward)
     exchange_back(ch, st, reinterpret_cast<std::byte*>(ch.send_dw),
                   reinterpret_cast<std::byte*>(ch.returned_dw),

@@ -95,10 +95,11 @@ inline config_fingerprint layer_fingerprint(const std::string& kind, const place
 //! `peer_error` naming it; if all are valid but differ, every rank throws
 //! `errc::config_mismatch` naming the first field that differs and each rank's value. Every
 //! rank calls it once, when it constructs the layer, before anything else that may throw.
+//! Returns the layer's serial on `comm`, agreed by every rank (its `call_tag`s' layer).
 template <communicator C, class Validate>
-C& agree_on_layer(C& comm, const std::string& kind, const placement& where, const moe_options& o,
-                  Validate&& validate) {
-  agree_on_config(comm, layer_fingerprint(kind, where, o), [&] {
+std::uint32_t agree_on_layer(C& comm, const std::string& kind, const placement& where,
+                             const moe_options& o, Validate&& validate) {
+  return agree_on_config(comm, layer_fingerprint(kind, where, o), [&] {
     detail::check_moe_options(o);
     WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
                  where.num_devices(), " devices for a world of ", comm.size());
@@ -106,7 +107,6 @@ C& agree_on_layer(C& comm, const std::string& kind, const placement& where, cons
                  where.num_experts(), " experts");
     std::forward<Validate>(validate)();
   });
-  return comm;
 }
 
 WEAVE_NAMESPACE_END

@@ -118,6 +118,11 @@ class moe_exchange
     }
   }
 
+  //! Waits for the work the layer queued (its state must outlive it); with calls in flight
+  //! (half issued, or a backward due), aborts the communicator first so the peers fail at once
+  //! with a `peer_error` naming it. Handles that outlive the layer are stale.
+  ~moe_exchange() { this->shutdown(); }
+
   //! What the last completed forward moved (read after synchronizing its streams).
   moe_stats stats() const {
     std::lock_guard lock(stats_mutex_);
@@ -261,8 +266,11 @@ class moe_exchange
   // Returns false: nothing waits on the host (the receive layout is planned on the stream).
   bool enqueue_dispatch(slot_type& slot, int c, stream_type& s) {
     chunk_state& ch = slot.state.chunks[static_cast<std::size_t>(c)];
+    // The stage's first collective carries its call tag (the forward's count exchange, the
+    // backward's rows); the ones after it in the stage follow on every rank alike.
+    const call_tag tag = this->tag_of(slot, c, false);
     if (!slot.backward) {
-      exchange_chunk_counts(ch, s);
+      exchange_chunk_counts(ch, s, tag);
       all_to_all_v(*this->comm_, s, ch.send_routes.data(), ch.send_counts, ch.send_displs,
                    ch.recv_routes.data(), ch.recv_counts, ch.recv_displs,
                    static_cast<std::size_t>(this->options_.k) * sizeof(route_entry));
@@ -271,14 +279,15 @@ class moe_exchange
     row_buffer& send = fp8 ? ch.send_fp8 : ch.send;
     row_buffer& recv = fp8 ? ch.recv_fp8 : ch.recv;
     all_to_all_v(*this->comm_, s, send.data(), ch.send_counts, ch.send_displs, recv.data(),
-                 ch.recv_counts, ch.recv_displs, send.row_bytes());
+                 ch.recv_counts, ch.recv_displs, send.row_bytes(),
+                 slot.backward ? tag : call_tag{});
     return false;
   }
   void complete_dispatch(slot_type&, int, stream_type&) {}
 
   // The count exchange of a chunk (every path's one place), then the receive layout from it.
-  void exchange_chunk_counts(chunk_state& ch, stream_type& s) {
-    status_.exchange(*this->comm_, s, ch.status, ch.send_counts, ch.recv_counts);
+  void exchange_chunk_counts(chunk_state& ch, stream_type& s, call_tag tag) {
+    status_.exchange(*this->comm_, s, ch.status, ch.send_counts, ch.recv_counts, tag);
     task(s, [this, &ch] { plan_receive(ch); });
   }
 
@@ -311,7 +320,8 @@ class moe_exchange
   void enqueue_combine(slot_type& slot, int c, stream_type& s) {
     chunk_state& ch = slot.state.chunks[static_cast<std::size_t>(c)];
     all_to_all_v(*this->comm_, s, ch.back.data(), ch.recv_counts, ch.recv_displs,
-                 ch.returned.data(), ch.send_counts, ch.send_displs, ch.back.row_bytes());
+                 ch.returned.data(), ch.send_counts, ch.send_displs, ch.back.row_bytes(),
+                 this->tag_of(slot, c, true));
     if (slot.backward)
       all_to_all_v(*this->comm_, s, ch.send_dw.data(), ch.recv_counts, ch.recv_displs,
                    ch.returned_dw.data(), ch.send_counts, ch.send_displs,

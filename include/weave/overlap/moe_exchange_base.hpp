@@ -32,6 +32,7 @@
 //! the one wait that reports the root cause; `usable()` says whether the layer can go on.
 #pragma once
 
+#include "weave/comm/call_tag.hpp"
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
@@ -94,7 +95,10 @@ struct moe_slot {
   arguments args;
   chunk_pipeline<stream_type> pipelines[2]; // forward, backward: each phase records its own
   typename stream_type::event_type compute_done, comm_done; // the slot's last work per stream
-  stream_store compute{}, comm{};                           // of the phase being issued
+  // The end of what the slot's latest call step enqueued, per stream (what the layer's
+  // destruction waits for when a phase is half issued).
+  typename stream_type::event_type compute_last, comm_last;
+  stream_store compute{}, comm{}; // of the phase being issued
   // The compute stream of each direction's last phase: read by its chunks' work when it runs,
   // while the issuing thread may already start the next phase.
   stream_store phase_compute[2]{};
@@ -110,6 +114,7 @@ struct moe_slot {
   // count exchange read on the host): the phase ends there on every rank, nothing to abort.
   bool failed_together = false;
   std::size_t tokens = 0;
+  std::uint64_t call = 0; // the layer's call this slot holds (1, 2, ...: one per dispatch)
 };
 
 // A comm-stream stage waits for a compute-stream stage that may include the caller's work (its
@@ -191,7 +196,9 @@ class moe_exchange_base {
       reject(std::current_exception(), compute, comm);
       throw;
     }
-    handle h = acquire(x.rows());
+    // No free slot on this rank: its peers would wait for this call's collectives.
+    handle h;
+    abort_peers_on_failure(*comm_, [&] { h = acquire(x.rows()); });
     const int i = slot_of(h);
     slot_type& s = slot(i);
     s.args.x = x;
@@ -206,7 +213,7 @@ class moe_exchange_base {
   //! The expert chunks of `h`'s current phase, in pipeline order (see `moe_chunk_range`):
   //! `for (auto chunk : layer.chunks(h)) enqueue the experts of chunk.experts() on compute`.
   moe_chunk_range<Derived> chunks(handle& h) {
-    return detail::moe_access::make_range(self(), slot_of(h));
+    return detail::moe_access::make_range(self(), slot_for_call(h));
   }
 
   //! `chunks(h)` of a forward whose output `y` is given now: chunk c's finish (its rows of `y`,
@@ -214,11 +221,13 @@ class moe_exchange_base {
   //! next combine instead of after the last chunk (what Lancet's partitioning of the consumer
   //! needs). `combine(h, y, ...)` must then name the same `y`.
   moe_chunk_range<Derived> chunks(handle& h, token_view y) {
-    const int i = slot_of(h);
+    const int i = slot_for_call(h);
     slot_type& s = slot(i);
-    expect_phase(s, moe_phase::dispatched, "chunks with an output");
-    check_rows(y, "output", s.tokens);
-    check_same_output(s, s.args.y, y, "chunks");
+    abort_peers_on_failure(*comm_, [&] {
+      expect_phase(s, moe_phase::dispatched, "chunks with an output");
+      check_rows(y, "output", s.tokens);
+      check_same_output(s, s.args.y, y, "chunks");
+    });
     if (!s.output_known) // once given, finishes on the stream may be reading it
       s.args.y = y;
     s.output_known = true;
@@ -228,11 +237,13 @@ class moe_exchange_base {
   //! `chunks(h)` of a backward whose outputs `dx`, `dw` are given now (see the forward form);
   //! `dispatch_backward` must then name the same ones.
   moe_chunk_range<Derived> chunks(handle& h, token_view dx, std::span<float> dw) {
-    const int i = slot_of(h);
+    const int i = slot_for_call(h);
     slot_type& s = slot(i);
-    expect_phase(s, moe_phase::gradients_dispatched, "chunks with outputs");
-    check_backward_outputs(s, dx, dw);
-    check_same_output(s, s.args.dx, dx, "chunks");
+    abort_peers_on_failure(*comm_, [&] {
+      expect_phase(s, moe_phase::gradients_dispatched, "chunks with outputs");
+      check_backward_outputs(s, dx, dw);
+      check_same_output(s, s.args.dx, dx, "chunks");
+    });
     if (!s.output_known) { // once given, finishes on the stream may be reading them
       s.args.dx = dx;
       s.args.dw = dw;
@@ -247,13 +258,16 @@ class moe_exchange_base {
   //! `errc::invalid_state` otherwise or in another phase, `errc::size_mismatch` for a `y` of
   //! other rows.
   void combine(handle& h, token_view y, stream_arg compute, stream_arg comm) {
-    const int i = slot_of(h);
+    const int i = slot_for_call(h);
     slot_type& s = slot(i);
-    expect_phase(s, moe_phase::dispatched, "combine");
-    check_comm(s, comm, "combine");
-    check_same_output(s, s.args.y, y, "combine");
-    // A bad output is bad input: the peers, waiting in this call's collectives, learn it.
-    abort_peers_on_failure(*comm_, [&] { check_rows(y, "output", s.tokens); });
+    // Misuse, or a bad output (bad input): the peers, waiting in this call's collectives, learn
+    // it at once.
+    abort_peers_on_failure(*comm_, [&] {
+      expect_phase(s, moe_phase::dispatched, "combine");
+      check_comm(s, comm, "combine");
+      check_same_output(s, s.args.y, y, "combine");
+      check_rows(y, "output", s.tokens);
+    });
     if (!s.output_known) // one given to `chunks` is already read by finishes on the stream
       s.args.y = y;
     finish_phase(i, compute, moe_phase::combined);
@@ -265,13 +279,18 @@ class moe_exchange_base {
   //! gradients. Needs `save_for_backward` and a combined handle (`errc::invalid_state`). Bad
   //! arguments abort the communicator (no count exchange carries them).
   void combine_backward(handle& h, const_token_view dy, stream_arg compute, stream_arg comm) {
-    WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                 "the backward needs moe_options.save_for_backward");
-    const int i = slot_of(h);
+    abort_peers_on_failure(*comm_, [&] {
+      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
+                   "the backward needs moe_options.save_for_backward");
+    });
+    const int i = slot_for_call(h);
     slot_type& s = slot(i);
-    expect_phase(s, moe_phase::combined, "combine_backward");
-    // The backward has no count exchange to carry a bad argument: the peers learn it by abort.
-    abort_peers_on_failure(*comm_, [&] { check_rows(dy, "output gradient", s.tokens); });
+    // The backward has no count exchange to carry a bad argument or a misuse: the peers learn it
+    // by abort.
+    abort_peers_on_failure(*comm_, [&] {
+      expect_phase(s, moe_phase::combined, "combine_backward");
+      check_rows(dy, "output gradient", s.tokens);
+    });
     s.args.dy = dy;
     start(i, true, compute, comm);
   }
@@ -281,14 +300,16 @@ class moe_exchange_base {
   //! choices). Every chunk must have been iterated, as for `combine`.
   void dispatch_backward(handle& h, token_view dx, std::span<float> dw, stream_arg compute,
                          stream_arg comm) {
-    const int i = slot_of(h);
+    const int i = slot_for_call(h);
     slot_type& s = slot(i);
-    expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
-    check_comm(s, comm, "dispatch_backward");
-    check_same_output(s, s.args.dx, dx, "dispatch_backward");
-    WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
-                 "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
-    abort_peers_on_failure(*comm_, [&] { check_backward_outputs(s, dx, dw); });
+    abort_peers_on_failure(*comm_, [&] {
+      expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
+      check_comm(s, comm, "dispatch_backward");
+      check_same_output(s, s.args.dx, dx, "dispatch_backward");
+      WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
+                   "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
+      check_backward_outputs(s, dx, dw);
+    });
     if (!s.output_known) { // ones given to `chunks` are already read by finishes on the stream
       s.args.dx = dx;
       s.args.dw = dw;
@@ -349,7 +370,18 @@ class moe_exchange_base {
   //! rethrows the root cause of a failure: this rank's own error, else a peer's failure naming
   //! its rank, code and message. Observes the failures of both streams. The device exchange
   //! also checks its device flags (`check_errors`).
-  void synchronize(stream_arg compute, stream_arg comm) { self().synchronize_layer(compute, comm); }
+  //! After a failure that left the layer usable (an in-band one), every call that was in flight
+  //! is over on every rank: their slots are free and their handles stale (their uses throw
+  //! `errc::invalid_state`, releasing them does nothing), so the next call works at once.
+  void synchronize(stream_arg compute, stream_arg comm) {
+    try {
+      self().synchronize_layer(compute, comm);
+    } catch (...) {
+      if (usable())
+        end_calls_in_flight();
+      throw;
+    }
+  }
 
   //! False once the communicator was aborted (a failure after a dispatch, a timeout, a
   //! half-issued handle released): every later call fails; rebuild the communicator and the
@@ -445,7 +477,8 @@ class moe_exchange_base {
   template <class Validate>
   moe_exchange_base(comm_type& comm, placement where, moe_options options, const std::string& kind,
                     Validate&& validate)
-      : comm_(&agree_on_layer(comm, kind, where, options, std::forward<Validate>(validate)))
+      : comm_(&comm)
+      , layer_serial_(agree_on_layer(comm, kind, where, options, std::forward<Validate>(validate)))
       , placement_(std::move(where))
       , options_(options) {
     rank_ = comm.rank();
@@ -456,11 +489,36 @@ class moe_exchange_base {
 
   ~moe_exchange_base() = default;
 
+  //! What the derived exchange's destructor calls first (its state must outlive the work queued
+  //! on it): a call whose collectives are half issued (or whose backward is expected) aborts the
+  //! communicator, so the peers fail at once with a `peer_error` naming this cause instead of
+  //! waiting out their timeout; then it waits for everything the layer queued, on streams alive
+  //! or not (through events), and marks the layer dead for the handles that outlive it.
+  void shutdown() noexcept;
+
   slot_type& slot(int i) noexcept { return *slots_[static_cast<std::size_t>(i)]; }
   const slot_type& slot(int i) const noexcept { return *slots_[static_cast<std::size_t>(i)]; }
   std::span<const std::unique_ptr<slot_type>> slots() const noexcept { return slots_; }
 
   int slot_of(const handle& h) const { return detail::moe_access::slot_of(h, self()); }
+
+  // The slot of a call that is about to issue work. A handle whose call failed together on
+  // every rank (stale) throws and aborts nothing: every rank's call failed alike. Any other
+  // misuse (an empty handle, another exchange's) aborts the communicator: the peers would wait
+  // for this rank's collectives.
+  int slot_for_call(const handle& h) {
+    if (detail::moe_access::stale(h, self()))
+      return slot_of(h); // throws
+    int i = -1;
+    abort_peers_on_failure(*comm_, [&] { i = slot_of(h); });
+    return i;
+  }
+
+  //! True while slot `i` holds call `call` (a handle's call: see `moe_handle`).
+  bool slot_holds(int i, std::uint64_t call) const noexcept {
+    return i >= 0 && i < max_in_flight() && slot(i).held && slot(i).call == call;
+  }
+  std::uint64_t slot_call(int i) const noexcept { return slot(i).call; }
 
   static stream_type& load(typename slot_type::stream_store& s) { return *s; }
   //! A stored stream as it is passed (a reference to a host stream, a CUDA stream by value).
@@ -472,7 +530,18 @@ class moe_exchange_base {
     return {tokens * i / C, tokens * (i + 1) / C - tokens * i / C};
   }
 
+  //! The tag of chunk `c`'s dispatch (`combine` false) or combine of `s`'s current phase: every
+  //! collective of the stage carries it, so ranks at different calls fail with
+  //! `errc::call_mismatch` instead of exchanging one call's rows for another's.
+  call_tag tag_of(const slot_type& s, int c, bool combine) const noexcept {
+    const call_stage stage =
+        s.backward ? (combine ? call_stage::backward_combine : call_stage::backward_dispatch)
+                   : (combine ? call_stage::combine : call_stage::dispatch);
+    return call_tag::of(layer_serial_, s.call, stage, c);
+  }
+
   comm_type* comm_;
+  std::uint32_t layer_serial_ = 0; // this layer on `comm_`, the same on every rank
   placement placement_;
   moe_options options_;
   int rank_ = 0;
@@ -552,6 +621,8 @@ class moe_exchange_base {
   void issue_or_end(slot_type& s, F&& f);
 
   void release_slot(int i) noexcept;
+  void end_calls_in_flight() noexcept;
+  void note_enqueued(slot_type& s);
 
   // Opens a phase: waits for the slot's earlier work on the other stream, issues the
   // prepare and dispatch of the first two chunks and opens chunk 0's experts.
@@ -596,6 +667,9 @@ class moe_exchange_base {
 
   std::vector<std::unique_ptr<slot_type>> slots_;
   const chunk_pipeline<stream_type>* last_pipeline_ = nullptr;
+  std::uint64_t calls_ = 0; // dispatches so far (the call of a slot's `call_tag`s)
+  // Whether this exchange is alive, for handles, chunks and ranges that outlive it.
+  std::shared_ptr<detail::layer_life> life_ = std::make_shared<detail::layer_life>();
   // A dispatch whose data all-to-all waits for its counts on the host (`flush_dispatch`).
   struct pending_dispatch {
     slot_type* slot = nullptr;

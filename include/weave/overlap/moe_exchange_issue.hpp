@@ -39,6 +39,7 @@ auto moe_exchange_base<Derived, Traits>::acquire(std::size_t tokens) -> handle {
   s.held = true;
   s.phase = moe_phase::finished; // nothing issued yet: releasing it now aborts nothing
   s.tokens = tokens;
+  s.call = ++calls_; // every rank counts its dispatches (a rejected one too) alike
   s.args = {};
   return detail::moe_access::make_handle(self(), pick);
 }
@@ -88,7 +89,66 @@ void moe_exchange_base<Derived, Traits>::issue_or_end(slot_type& s, F&& f) {
     } catch (...) {
     }
     s.phase = moe_phase::finished;
+    // A failure every rank raised here ends the call on every rank: its slot is free for the
+    // next call, and its handle stale (its uses throw, releasing it does nothing).
+    if (s.failed_together && pending_.slot != &s)
+      s.held = false;
     throw;
+  }
+}
+
+template <class Derived, class Traits>
+void moe_exchange_base<Derived, Traits>::shutdown() noexcept {
+  int in_flight = pending_.slot != nullptr ? 1 : 0;
+  for (int i = 0; i < max_in_flight(); ++i) {
+    const slot_type& s = slot(i);
+    const bool half_issued =
+        s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched;
+    const bool backward_due = s.phase == moe_phase::combined && options_.save_for_backward &&
+                              !(last_.valid() && last_.slot() == i); // forward-only: eval mode
+    in_flight += s.held && (half_issued || backward_due) ? 1 : 0;
+  }
+  if (in_flight > 0 && !communicator_aborted(*comm_)) {
+    try {
+      abort_peers(*comm_, std::make_exception_ptr(
+                              error(errc::invalid_state,
+                                    detail::concat("a moe layer was destroyed with ", in_flight,
+                                                   " call(s) in flight (half issued, or a backward "
+                                                   "due): its peers would wait for them"))));
+    } catch (...) {
+    }
+  }
+  for (int i = 0; i < max_in_flight(); ++i) {
+    slot_type& s = slot(i);
+    for (auto* e : {&s.compute_done, &s.comm_done, &s.compute_last, &s.comm_last}) {
+      try {
+        if constexpr (requires { e->outcome(); })
+          (void)e->outcome(); // host events: a wait no capture rule applies to
+        else
+          e->synchronize();
+      } catch (...) {
+      }
+    }
+  }
+  life_->alive.store(false, std::memory_order_release);
+}
+
+template <class Derived, class Traits>
+void moe_exchange_base<Derived, Traits>::note_enqueued(slot_type& s) {
+  if (s.pipeline().captured() || !s.compute || !s.comm)
+    return; // captured work runs when the graph is launched; its events cannot be waited for
+  load(s.compute).record(s.compute_last);
+  load(s.comm).record(s.comm_last);
+}
+
+template <class Derived, class Traits>
+void moe_exchange_base<Derived, Traits>::end_calls_in_flight() noexcept {
+  for (int i = 0; i < max_in_flight(); ++i) {
+    slot_type& s = slot(i);
+    if (pending_.slot == &s)
+      pending_ = {};
+    s.phase = moe_phase::finished;
+    s.held = false;
   }
 }
 
@@ -150,6 +210,7 @@ void moe_exchange_base<Derived, Traits>::start(int i, bool backward, stream_arg 
     prepare_next(s);
     if (options_.chunks > 1)
       prepare_next(s);
+    note_enqueued(s);
   });
 }
 
@@ -172,6 +233,7 @@ void moe_exchange_base<Derived, Traits>::open_slot(int i) {
   s.pipeline().begin_stage(pipeline_stage::experts, s.current, load(s.compute));
   self().enqueue_open_experts(s, s.current, load(s.compute));
   s.opened = true;
+  note_enqueued(s);
 }
 
 template <class Derived, class Traits>
@@ -205,16 +267,19 @@ void moe_exchange_base<Derived, Traits>::flush_dispatch() {
   issue_or_end(s, [&] {
     self().complete_dispatch(s, p.chunk, load(s.comm));
     s.pipeline().end_stage(pipeline_stage::dispatch, p.chunk, load(s.comm));
+    note_enqueued(s);
   });
 }
 
 template <class Derived, class Traits>
 void moe_exchange_base<Derived, Traits>::advance_slot(int i) {
   slot_type& s = slot(i);
-  WEAVE_EXPECT(s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched,
-               errc::invalid_state, "no chunk to advance in phase ", to_string(s.phase));
-  WEAVE_EXPECT(s.current < options_.chunks, errc::invalid_state, "all ", options_.chunks,
-               " chunks of the phase are already closed");
+  abort_peers_on_failure(*comm_, [&] { // misuse: the peers would wait for this rank
+    WEAVE_EXPECT(s.phase == moe_phase::dispatched || s.phase == moe_phase::gradients_dispatched,
+                 errc::invalid_state, "no chunk to advance in phase ", to_string(s.phase));
+    WEAVE_EXPECT(s.current < options_.chunks, errc::invalid_state, "all ", options_.chunks,
+                 " chunks of the phase are already closed");
+  });
   flush_dispatch(); // before this slot issues anything (it may end another slot's phase)
   const int c = s.current;
   issue_or_end(s, [&] {
@@ -229,6 +294,7 @@ void moe_exchange_base<Derived, Traits>::advance_slot(int i) {
     finish_chunk(s, c - 1, load(s.compute));
   ++s.current;
   s.opened = false;
+  note_enqueued(s);
 }
 
 template <class Derived, class Traits>
@@ -244,8 +310,10 @@ void moe_exchange_base<Derived, Traits>::finish_phase(int i, stream_arg compute,
   const int C = options_.chunks;
   if (s.current == C - 1 && s.opened)
     advance_slot(i);
-  WEAVE_EXPECT(s.current == C, errc::invalid_state, "chunk ", s.current, " of ", C,
-               " has not been computed: iterate chunks(handle) to the end first");
+  abort_peers_on_failure(*comm_, [&] { // misuse: the peers would wait for this rank
+    WEAVE_EXPECT(s.current == C, errc::invalid_state, "chunk ", s.current, " of ", C,
+                 " has not been computed: iterate chunks(handle) to the end first");
+  });
   for (int c = s.finished; c < C; ++c)
     finish_chunk(s, c, compute);
   mark_done(s, compute);

@@ -21,10 +21,12 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/overlap/layer_life.hpp"
 
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <span>
 #include <utility>
 
@@ -68,34 +70,52 @@ template <class Exchange>
 class moe_chunk_range;
 
 namespace detail {
+
+template <class Ex>
+struct moe_ref;
+
 // The exchanges' internals a handle, a chunk and a chunk range reach, and their private
 // constructors (the exchanges and these classes befriend it; nothing here is public API).
 struct moe_access {
   template <class Ex>
-  static moe_handle<Ex> make_handle(Ex& ex, int slot) {
-    return moe_handle<Ex>(&ex, slot);
+  static moe_ref<Ex> ref(Ex& ex, int slot) {
+    return {&ex, slot, ex.slot_call(slot), ex.life_};
   }
   template <class Ex>
-  static moe_chunk<Ex> make_chunk(const Ex& ex, int slot, int c) {
-    return moe_chunk<Ex>(&ex, slot, c);
+  static bool holds(const Ex& ex, int slot, std::uint64_t call) {
+    return ex.slot_holds(slot, call);
+  }
+  template <class Ex>
+  static moe_handle<Ex> make_handle(Ex& ex, int slot) {
+    return moe_handle<Ex>(ref(ex, slot));
+  }
+  template <class Ex>
+  static moe_chunk<Ex> make_chunk(const moe_ref<Ex>& r, int c) {
+    return moe_chunk<Ex>(r, c);
   }
   template <class Ex>
   static moe_chunk_range<Ex> make_range(Ex& ex, int slot) {
-    return moe_chunk_range<Ex>(&ex, slot);
+    return moe_chunk_range<Ex>(ref(ex, slot));
   }
-  // The slot `h` holds, checking that it is a live handle of `ex`.
+  // The slot `h` holds, checking that it is a live handle of `ex` (the exchange alive, the
+  // slot still holding its call).
   template <class Ex>
   static int slot_of(const moe_handle<Ex>& h, const Ex& ex) {
-    WEAVE_EXPECT(h.owner_ != nullptr, errc::invalid_state,
-                 "empty moe handle (moved from, reset, "
-                 "or never dispatched)");
-    WEAVE_EXPECT(h.owner_ == &ex, errc::invalid_argument,
+    WEAVE_EXPECT(h.ref_.owner == nullptr || h.ref_.owner == &ex, errc::invalid_argument,
                  "the moe handle belongs to another exchange");
-    return h.slot_;
+    h.ref_.checked();
+    return h.ref_.slot;
+  }
+  // True when `h` is `ex`'s and its call ended in a failure that released its slot.
+  template <class Ex>
+  static bool stale(const moe_handle<Ex>& h, const Ex& ex) {
+    const moe_ref<Ex>& r = h.ref_;
+    return r.owner == &ex && layer_life::alive_now(r.life) && !holds(ex, r.slot, r.call);
   }
   template <class Ex>
-  static void release(Ex& ex, int slot) noexcept {
-    ex.release_slot(slot);
+  static void release(const moe_ref<Ex>& r) noexcept {
+    if (layer_life::alive_now(r.life) && holds(*r.owner, r.slot, r.call))
+      r.owner->release_slot(r.slot);
   }
   template <class Ex>
   static void advance(Ex& ex, int slot) {
@@ -130,6 +150,34 @@ struct moe_access {
     return ex.slot_tokens(slot);
   }
 };
+
+// Where a handle, a chunk or a chunk range points: the exchange, its slot, and the call that
+// held the slot when it was made (a slot freed after its call failed serves later calls).
+template <class Ex>
+struct moe_ref {
+  Ex* owner = nullptr;
+  int slot = -1;
+  std::uint64_t call = 0;
+  std::shared_ptr<const layer_life> life;
+
+  // The exchange, checking that it is alive.
+  Ex& alive() const {
+    WEAVE_EXPECT(owner != nullptr, errc::invalid_state,
+                 "empty moe handle (moved from, reset, or never dispatched)");
+    layer_life::expect_alive(life, "a moe handle, chunk or chunk range");
+    return *owner;
+  }
+  // The exchange, checking that it is alive and that the slot still holds this call (on the
+  // thread that issues the layer's calls).
+  Ex& checked() const {
+    alive();
+    WEAVE_EXPECT(moe_access::holds(*owner, slot, call), errc::invalid_state,
+                 "the moe handle's call ", call,
+                 " ended in a failure and its slot was released: the handle is stale (drop it; "
+                 "the layer's next call works if the layer is usable())");
+    return *owner;
+  }
+};
 } // namespace detail
 
 //! Chunk `index()` of a handle's call: the expert-major rows one grouped GEMM computes.
@@ -146,23 +194,27 @@ class moe_chunk {
   int index() const noexcept { return chunk_; }
   //! The forward's expert rows of the chunk (input to read, output to write), grouped by local
   //! expert: `expert_batch` (host) or `device_expert_batch<Space>` (device).
-  auto experts() const { return detail::moe_access::experts(*owner_, slot_, chunk_); }
+  auto experts() const {
+    return detail::moe_access::experts(std::as_const(ref_.alive()), ref_.slot, chunk_);
+  }
   //! The backward's rows of the chunk: saved inputs, gate-scaled output gradients to read and
   //! input gradients to write.
-  auto experts_grad() const { return detail::moe_access::experts_grad(*owner_, slot_, chunk_); }
+  auto experts_grad() const {
+    return detail::moe_access::experts_grad(std::as_const(ref_.alive()), ref_.slot, chunk_);
+  }
   //! For each (token, choice) of the chunk (k per token, token-major): the pair's row in this
   //! device's expert layout (`experts().input`), or an `expert_row_mark`. On one device every
   //! kept pair has its row (Megatron's permutation map). Valid as `experts()`.
-  auto expert_rows() const { return detail::moe_access::expert_rows(*owner_, slot_, chunk_); }
+  auto expert_rows() const {
+    return detail::moe_access::expert_rows(std::as_const(ref_.alive()), ref_.slot, chunk_);
+  }
 
  private:
   friend struct detail::moe_access;
-  moe_chunk(const Exchange* owner, int slot, int chunk)
-      : owner_(owner)
-      , slot_(slot)
+  moe_chunk(detail::moe_ref<Exchange> ref, int chunk)
+      : ref_(std::move(ref))
       , chunk_(chunk) {}
-  const Exchange* owner_ = nullptr;
-  int slot_ = -1;
+  detail::moe_ref<Exchange> ref_;
   int chunk_ = 0;
 };
 
@@ -170,7 +222,9 @@ class moe_chunk {
 //! exchange) on destruction or `reset()`. Releasing a handle whose collectives are half
 //! enqueued (dispatched but not combined, or gradients dispatched but not dispatched back)
 //! aborts the communicator where it can be aborted, since the peers would wait for them forever.
-//! A handle must not outlive its exchange.
+//! A handle is stale once its call ended in a failure the layer recovered from (its slot was
+//! released, see docs/faults.md) or its exchange was destroyed: every use then throws
+//! `errc::invalid_state`, and releasing it does nothing.
 template <class Exchange>
 class moe_handle {
  public:
@@ -178,53 +232,50 @@ class moe_handle {
   moe_handle(const moe_handle&) = delete;
   moe_handle& operator=(const moe_handle&) = delete;
   moe_handle(moe_handle&& other) noexcept
-      : owner_(std::exchange(other.owner_, nullptr))
-      , slot_(std::exchange(other.slot_, -1)) {}
+      : ref_(std::exchange(other.ref_, {})) {}
   moe_handle& operator=(moe_handle&& other) noexcept {
     if (this != &other) {
       reset();
-      owner_ = std::exchange(other.owner_, nullptr);
-      slot_ = std::exchange(other.slot_, -1);
+      ref_ = std::exchange(other.ref_, {});
     }
     return *this;
   }
   ~moe_handle() { reset(); }
 
-  //! True while the handle holds a slot.
-  bool valid() const noexcept { return owner_ != nullptr; }
+  //! True while the handle refers to a call (it may be stale: see the class comment).
+  bool valid() const noexcept { return ref_.owner != nullptr; }
   explicit operator bool() const noexcept { return valid(); }
 
-  //! Releases the slot (see the class comment); a no-op on an empty handle.
+  //! Releases the slot (see the class comment); a no-op on an empty or stale handle.
   void reset() noexcept {
-    if (owner_ != nullptr)
-      detail::moe_access::release(*std::exchange(owner_, nullptr), std::exchange(slot_, -1));
+    if (ref_.owner != nullptr)
+      detail::moe_access::release(std::exchange(ref_, {}));
   }
 
-  //! Where the call stands. Throws `errc::invalid_state` on an empty handle.
-  moe_phase phase() const { return detail::moe_access::phase(owner(), slot_); }
+  //! Where the call stands. Throws `errc::invalid_state` on an empty or stale handle.
+  moe_phase phase() const { return detail::moe_access::phase(std::as_const(owner()), ref_.slot); }
   //! Tokens of the call on this rank.
-  std::size_t tokens() const { return detail::moe_access::tokens(owner(), slot_); }
+  std::size_t tokens() const {
+    return detail::moe_access::tokens(std::as_const(owner()), ref_.slot);
+  }
   //! Chunks of the call (`moe_options::chunks`).
   int chunks() const { return owner().options().chunks; }
   //! Chunk `c` of the call (`errc::out_of_range` outside [0, chunks())).
   moe_chunk<Exchange> chunk(int c) const {
     WEAVE_EXPECT(c >= 0 && c < chunks(), errc::out_of_range, "chunk ", c, " of ", chunks());
-    return detail::moe_access::make_chunk(owner(), slot_, c);
+    return detail::moe_access::make_chunk(ref_, c);
   }
   //! The slot the handle holds (for diagnostics).
-  int slot() const noexcept { return slot_; }
+  int slot() const noexcept { return ref_.slot; }
+  //! The layer's call it is (1 for the layer's first dispatch; for diagnostics).
+  std::uint64_t call() const noexcept { return ref_.call; }
 
  private:
   friend struct detail::moe_access;
-  moe_handle(Exchange* owner, int slot)
-      : owner_(owner)
-      , slot_(slot) {}
-  const Exchange& owner() const {
-    WEAVE_EXPECT(owner_ != nullptr, errc::invalid_state, "empty moe handle");
-    return *owner_;
-  }
-  Exchange* owner_ = nullptr;
-  int slot_ = -1;
+  explicit moe_handle(detail::moe_ref<Exchange> ref)
+      : ref_(std::move(ref)) {}
+  Exchange& owner() const { return ref_.checked(); }
+  detail::moe_ref<Exchange> ref_;
 };
 
 //! The expert chunks of a handle's current phase, in pipeline order (`exchange.chunks(h)`).
@@ -247,38 +298,39 @@ class moe_chunk_range {
     iterator() = default;
     //! The current chunk, its experts stage opened (issued) on first access.
     value_type operator*() const {
-      detail::moe_access::open(*owner_, slot_);
-      return detail::moe_access::make_chunk(*owner_, slot_,
-                                            detail::moe_access::current(*owner_, slot_));
+      Exchange& ex = ref_.checked();
+      detail::moe_access::open(ex, ref_.slot);
+      return detail::moe_access::make_chunk(ref_, detail::moe_access::current(ex, ref_.slot));
     }
     iterator& operator++() {
-      detail::moe_access::advance(*owner_, slot_);
+      detail::moe_access::advance(ref_.checked(), ref_.slot);
       return *this;
     }
     void operator++(int) { ++*this; }
+    //! The end once every chunk is closed, or once the call ended otherwise (a failure).
     friend bool operator==(const iterator& it, sentinel) {
-      return detail::moe_access::current(*it.owner_, it.slot_) >= it.owner_->options().chunks;
+      const detail::moe_ref<Exchange>& r = it.ref_;
+      if (!detail::layer_life::alive_now(r.life) ||
+          !detail::moe_access::holds(*r.owner, r.slot, r.call))
+        return true;
+      return detail::moe_access::current(*r.owner, r.slot) >= r.owner->options().chunks;
     }
 
    private:
     friend moe_chunk_range;
-    iterator(Exchange* owner, int slot)
-        : owner_(owner)
-        , slot_(slot) {}
-    Exchange* owner_ = nullptr;
-    int slot_ = -1;
+    explicit iterator(detail::moe_ref<Exchange> ref)
+        : ref_(std::move(ref)) {}
+    detail::moe_ref<Exchange> ref_;
   };
 
-  iterator begin() const { return {owner_, slot_}; }
+  iterator begin() const { return iterator(ref_); }
   sentinel end() const { return {}; }
 
  private:
   friend struct detail::moe_access;
-  moe_chunk_range(Exchange* owner, int slot)
-      : owner_(owner)
-      , slot_(slot) {}
-  Exchange* owner_ = nullptr;
-  int slot_ = -1;
+  explicit moe_chunk_range(detail::moe_ref<Exchange> ref)
+      : ref_(std::move(ref)) {}
+  detail::moe_ref<Exchange> ref_;
 };
 
 WEAVE_NAMESPACE_END
