@@ -18,6 +18,15 @@
 
 #include <cstdint>
 
+//! 1 when this translation unit is compiled to assume that no value is a NaN or an infinity
+//! (GCC's and Clang's `-ffinite-math-only`, implied by `-ffast-math`), else 0. Hot loops keep a
+//! plain `v != v` (one vector compare, where the bit test takes three) unless it is 1.
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#define WEAVE_FINITE_MATH_ONLY 1
+#else
+#define WEAVE_FINITE_MATH_ONLY 0
+#endif
+
 WEAVE_NAMESPACE_BEGIN
 
 //! The bit layout of an IEEE-style binary floating-point type `T`: `bits_type` (an unsigned
