@@ -27,7 +27,7 @@ using weave::errc;
 
 TEST_CASE("non-finite: planner, simulator, placement and tracing options refuse NaN and inf") {
   for (const auto& s : f64_nonfinite) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     const double v = value(s);
     const auto refused = [](auto&& f) { return outcome_of(f).code == errc::invalid_argument; };
     CHECK(refused([&] { weave::plan::a2a_cost::from_bandwidth(1.0, v); }));
@@ -62,7 +62,7 @@ TEST_CASE("non-finite: planner, simulator, placement and tracing options refuse 
   }
   // Trace files: "nan" and "inf" parse as floats, and are refused as scores.
   for (const char* field : {"nan", "-nan", "inf", "-inf", "infinity"}) {
-    CAPTURE(field);
+    INFO("field: ", std::string(field));
     CHECK(outcome_of([&] { weave::detail::trace_score(field, 3); }).code == errc::invalid_argument);
   }
   // Finite extremes pass (negative ones are refused by the sign checks, not here).

@@ -209,8 +209,8 @@ void check_fail_stop(const call_result& r, errc own, const std::string& message)
 TEST_CASE("non-finite: a NaN or infinite gate weight fails every rank of every exchange") {
   for (const layer which : every_layer)
     for (const auto& s : f32_nonfinite) {
-      CAPTURE(name_of(which));
-      CAPTURE(s.name);
+      INFO("layer: ", std::string(name_of(which)));
+      INFO("value: ", std::string(s.name));
       const auto r = call(which, false, [&](rank_input& in) { in.weights[5] = value(s); });
       check_fail_stop(r, errc::invalid_argument, "weight");
     }
@@ -219,8 +219,8 @@ TEST_CASE("non-finite: a NaN or infinite gate weight fails every rank of every e
     for (const auto order :
          {weave::drop_order::batch_prioritized, weave::drop_order::priority_token_major})
       for (const auto& s : f32_nonfinite) {
-        CAPTURE(name_of(which));
-        CAPTURE(s.name);
+        INFO("layer: ", std::string(name_of(which)));
+        INFO("value: ", std::string(s.name));
         const auto r = call(which, false, [&](rank_input& in) { in.weights[5] = value(s); },
                             {1.0, order, weave::capacity_rounding::ceil});
         check_fail_stop(r, errc::invalid_argument, "weight");
@@ -230,8 +230,8 @@ TEST_CASE("non-finite: a NaN or infinite gate weight fails every rank of every e
 TEST_CASE("non-finite: finite extreme gate weights pass every exchange") {
   for (const layer which : every_layer)
     for (const auto& s : f32_extremes) {
-      CAPTURE(name_of(which));
-      CAPTURE(s.name);
+      INFO("layer: ", std::string(name_of(which)));
+      INFO("value: ", std::string(s.name));
       const auto r = call(which, false, [&](rank_input& in) { in.weights[5] = value(s); });
       CHECK(r.got[0].code == errc{});
       CHECK(r.got[1].code == errc{});
@@ -241,8 +241,8 @@ TEST_CASE("non-finite: finite extreme gate weights pass every exchange") {
 TEST_CASE("non-finite: an FP8 dispatch of a NaN or infinite token fails every rank") {
   for (const layer which : every_layer)
     for (const auto& s : f32_nonfinite) {
-      CAPTURE(name_of(which));
-      CAPTURE(s.name);
+      INFO("layer: ", std::string(name_of(which)));
+      INFO("value: ", std::string(s.name));
       const auto r = call(which, true, [&](rank_input& in) { in.x(4, 200) = value(s); });
       if (which != layer::device) {
         check_fail_stop(r, errc::invalid_argument, "NaN or an infinity");
@@ -258,8 +258,8 @@ TEST_CASE("non-finite: an FP8 dispatch of a NaN or infinite token fails every ra
     }
   for (const layer which : every_layer)
     for (const auto& s : f32_extremes) {
-      CAPTURE(name_of(which));
-      CAPTURE(s.name);
+      INFO("layer: ", std::string(name_of(which)));
+      INFO("value: ", std::string(s.name));
       const auto r = call(which, true, [&](rank_input& in) { in.x(4, 200) = value(s); });
       CHECK(r.got[0].code == errc{});
       CHECK(r.got[1].code == errc{});
@@ -273,8 +273,8 @@ TEST_CASE("non-finite: a NaN activation reaches the combined output as a NaN") {
     for (const auto& s : f32_nonfinite) {
       if (!nan_bits(s.bits))
         continue;
-      CAPTURE(name_of(which));
-      CAPTURE(s.name);
+      INFO("layer: ", std::string(name_of(which)));
+      INFO("value: ", std::string(s.name));
       const auto r = call(which, false, [&](rank_input& in) { in.x(4, 200) = value(s); });
       REQUIRE(r.got[1].code == errc{});
       for (std::size_t c = 0; c < hidden; ++c)

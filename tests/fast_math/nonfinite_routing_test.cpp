@@ -54,7 +54,7 @@ std::vector<std::pair<S, bool>> both(const S (&specials)[N], const S (&extremes)
 
 TEST_CASE("non-finite: conversions keep a NaN a NaN and saturate or keep infinities") {
   for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     const float x = value(s);
     const std::uint32_t sign = s.bits & 0x80000000u;
     const bool nan = nan_bits(s.bits);
@@ -91,7 +91,7 @@ TEST_CASE("non-finite: conversions keep a NaN a NaN and saturate or keep infinit
     CHECK(finite_bits(bits(back)) == finite_bits(static_cast<std::uint32_t>(b) << 16));
   }
   for (const auto& s : half_nonfinite) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     const float x = static_cast<float>(weave::half::from_bits(s.bits));
     CHECK(!finite_bits(bits(x)));
     CHECK(nan_bits(bits(x)) == ((s.bits & 0x3ffu) != 0));
@@ -141,7 +141,7 @@ void check_quantize(const std::vector<std::pair<S, bool>>& cases, Assign assign,
   const auto clean = quantize<Fp8>(clean_rows, q);
   REQUIRE(clean.result.code == errc{});
   for (const auto& [s, finite] : cases) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     auto src = clean_rows;
     assign(src(1, 130), s.bits);
     const auto got = quantize<Fp8>(src, q);
@@ -187,7 +187,7 @@ TEST_CASE("non-finite: block quantisation reports every NaN or infinite block") 
   const std::vector<std::int32_t> ids = {0, 2, 1, 3, 3, -1};
   plan.build(ids, std::vector<float>(6, 0.5f));
   for (const auto& s : f32_nonfinite) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     auto ori = rows_of<float>(3, 128, 9);
     ori(2, 7) = value(s);
     weave::host_matrix<weave::fp8_e4m3> codes(static_cast<std::size_t>(plan.rows()), 128);
@@ -247,7 +247,7 @@ TEST_CASE("non-finite: the gate rejects NaN and +inf logits, and masks -inf ones
       o.scoring = scoring;
       o.precision = precision;
       for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
-        CAPTURE(s.name);
+        INFO("value: ", std::string(s.name));
         auto logits = logits_of<float>();
         logits(1, 6) = value(s);
         const auto g = gate(logits.view(), o);
@@ -293,7 +293,7 @@ TEST_CASE("non-finite: the gate checks f64, bf16 and f16 logits, the bias and ro
   weave::gate_options o;
   o.k = 2;
   for (const auto& s : f64_nonfinite) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     auto logits = logits_of<double>();
     logits(0, 3) = value(s);
     const bool refused = nan_bits64(s.bits) || s.bits == 0x7ff0000000000000u;
@@ -305,14 +305,14 @@ TEST_CASE("non-finite: the gate checks f64, bf16 and f16 logits, the bias and ro
     CHECK(gate(logits.view(), o).result.code == (big > 0 ? errc::invalid_argument : errc{}));
   }
   for (const auto& [s, finite] : both(bf16_nonfinite, bf16_extremes)) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     auto logits = logits_of<weave::bfloat16>();
     logits(2, 0).bits = s.bits;
     const bool refused = !finite && s.bits != 0xff80u;
     CHECK(gate(logits.view(), o).result.code == (refused ? errc::invalid_argument : errc{}));
   }
   for (const auto& [s, finite] : both(half_nonfinite, half_extremes)) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     auto logits = logits_of<weave::half>();
     logits(2, 0).bits = s.bits;
     const bool refused = !finite && s.bits != 0xfc00u;
@@ -320,7 +320,7 @@ TEST_CASE("non-finite: the gate checks f64, bf16 and f16 logits, the bias and ro
   }
   const auto logits = logits_of<float>();
   for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     std::vector<float> bias(8, 0.25f);
     bias[5] = value(s);
     weave::gate_options b = o;
@@ -342,7 +342,7 @@ TEST_CASE("non-finite: the gate checks f64, bf16 and f16 logits, the bias and ro
 
 TEST_CASE("non-finite: capacity rejects non-finite factors and NaN priorities") {
   for (const auto& s : f64_nonfinite) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     CHECK(outcome_of([&] { (void)weave::expert_capacity(value(s), 64, 2, 8); }).code ==
           errc::invalid_argument);
     weave::capacity_policy p;
@@ -410,7 +410,7 @@ TEST_CASE("non-finite: the device capacity filter ranks tokens by their best fin
   for (const auto& s : f32_nonfinite) {
     if (!nan_bits(s.bits))
       continue;
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     const std::vector<float> weights = {0.25f, 0.1f, value(s), 0.9f, 0.5f, 0.3f, 0.125f, 0.2f};
     weave::device_capacity_filter<weave::host_space> dev(2, 2, 4, p);
     weave_test::aligned_buffer ws(dev.workspace_size());
@@ -436,7 +436,7 @@ TEST_CASE("non-finite: dispatch and expert plans reject non-finite gate weights"
   const std::vector<std::int32_t> ids = {0, 5, 2, 7, 1, 3, 6, 4};
   const std::vector<std::int64_t> counts = {2}, displs = {0};
   for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     std::vector<float> weights(8, 0.5f);
     weights[5] = value(s);
     const auto want = finite ? errc{} : errc::invalid_argument;
@@ -471,7 +471,7 @@ TEST_CASE("non-finite: similarity pruning rejects a NaN similarity") {
   limit.where = &where;
   limit.max_devices = 1;
   for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
-    CAPTURE(s.name);
+    INFO("value: ", std::string(s.name));
     std::vector<float> similarity(16, 0.5f);
     similarity[2 * 4 + 1] = value(s); // expert 2 (device 1) -> candidate 1 (device 0)
     std::vector<std::int32_t> ids = {0, 2};
