@@ -6,6 +6,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -27,8 +28,9 @@ struct emulated_link {
   //! Wall time a message of `bytes` bytes takes on this link.
   std::chrono::nanoseconds transfer_time(std::int64_t bytes) const {
     WEAVE_EXPECT(bytes >= 0, errc::invalid_argument, "emulated_link: negative size ", bytes);
-    WEAVE_EXPECT(bytes_per_second >= 0 && std::isfinite(bytes_per_second), errc::invalid_argument,
-                 "emulated_link: bandwidth must be finite and >= 0, got ", bytes_per_second);
+    WEAVE_EXPECT(bytes_per_second >= 0 && weave::detail::is_finite(bytes_per_second),
+                 errc::invalid_argument, "emulated_link: bandwidth must be finite and >= 0, got ",
+                 bytes_per_second);
     std::chrono::nanoseconds t = latency;
     if (bytes_per_second > 0)
       t += std::chrono::nanoseconds(static_cast<std::int64_t>(

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/fp8.hpp"
 
 #include <bit>
@@ -186,6 +187,20 @@ struct half {
 };
 
 static_assert(sizeof(bfloat16) == 2 && sizeof(half) == 2);
+
+template <>
+struct ieee_format<bfloat16> {
+  using bits_type = std::uint16_t;
+  static constexpr int exponent_bits = 8;
+  static constexpr int mantissa_bits = 7;
+};
+
+template <>
+struct ieee_format<half> {
+  using bits_type = std::uint16_t;
+  static constexpr int exponent_bits = 5;
+  static constexpr int mantissa_bits = 10;
+};
 
 //! Maps a C++ element type to its `dtype`. Specialise it for other element types; CUDA's
 //! `__half` and `__nv_bfloat16` are mapped by `weave/core/cuda_dtype.hpp`.

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <cstdint>
 
@@ -32,15 +33,6 @@ enum class fp8_overflow : std::uint8_t {
 };
 
 namespace detail {
-
-// std::bit_cast's builtin: constexpr in host and device code alike (GCC, Clang, nvcc, MSVC).
-WEAVE_HOST_DEVICE constexpr std::uint32_t float_bits(float x) noexcept {
-  return __builtin_bit_cast(std::uint32_t, x);
-}
-
-WEAVE_HOST_DEVICE constexpr float bits_float(std::uint32_t x) noexcept {
-  return __builtin_bit_cast(float, x);
-}
 
 //! a * b rounded once (IEEE f32): on the device never contracted into an FMA, whatever the
 //! consumer's flags, so host and device agree bit for bit.

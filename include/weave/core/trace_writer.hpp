@@ -8,6 +8,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -40,9 +41,9 @@ class trace_writer {
  public:
   //! Adds an event. Throws `errc::invalid_argument` for a non-finite time or negative duration.
   void add(trace_event e) {
-    WEAVE_EXPECT(std::isfinite(e.ts_us), errc::invalid_argument, "trace event '", e.name,
+    WEAVE_EXPECT(weave::detail::is_finite(e.ts_us), errc::invalid_argument, "trace event '", e.name,
                  "': ts = ", e.ts_us);
-    WEAVE_EXPECT(std::isfinite(e.dur_us) && e.dur_us >= 0.0, errc::invalid_argument,
+    WEAVE_EXPECT(weave::detail::is_finite(e.dur_us) && e.dur_us >= 0.0, errc::invalid_argument,
                  "trace event '", e.name, "': dur = ", e.dur_us);
     events_.push_back(std::move(e));
   }

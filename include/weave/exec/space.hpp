@@ -14,6 +14,7 @@
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/float_bits.hpp" // detail::is_finite and the other checks of the steps
 #include "weave/core/memory.hpp"
 
 #include <cmath>
@@ -42,14 +43,6 @@ WEAVE_HOST_DEVICE inline void atomic_or(std::uint32_t* p, std::uint32_t v) {
   atomicOr(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(v));
 #else
   *p |= v;
-#endif
-}
-
-WEAVE_HOST_DEVICE inline bool is_finite(float x) {
-#ifdef __CUDA_ARCH__
-  return isfinite(x);
-#else
-  return std::isfinite(x);
 #endif
 }
 

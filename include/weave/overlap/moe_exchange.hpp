@@ -36,6 +36,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/moe_exchange_base.hpp"
@@ -391,10 +392,14 @@ class moe_exchange
       return; // decided chunk by chunk
     st.priority.resize(T);
     for (std::size_t t = 0; t < T; ++t) {
+      // A NaN weight (refused by the plan later) is skipped on its bits: under fast math
+      // std::max may return it, and the filter would name the priority, not the weight.
       float best = -std::numeric_limits<float>::infinity();
-      for (std::size_t j = 0; j < k; ++j)
-        if (slot.args.ids[t * k + j] >= 0)
-          best = std::max(best, slot.args.weights[t * k + j]);
+      for (std::size_t j = 0; j < k; ++j) {
+        const float w = slot.args.weights[t * k + j];
+        if (slot.args.ids[t * k + j] >= 0 && !detail::is_nan(w))
+          best = std::max(best, w);
+      }
       st.priority[t] = best;
     }
     st.filter.decide(slot.args.ids, st.priority, std::span(st.keep).first(T * k));

@@ -15,6 +15,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/placement/policies.hpp"
 #include "weave/placement/statistics.hpp"
@@ -273,7 +274,7 @@ inline placement place_collaborative(const expert_statistics& stats, const topol
                                      const collaboration_options& options = {}) {
   const int E = stats.num_experts();
   detail::expect_even_split(E, topo);
-  WEAVE_EXPECT(std::isfinite(options.load_weight) && options.load_weight >= 0,
+  WEAVE_EXPECT(weave::detail::is_finite(options.load_weight) && options.load_weight >= 0,
                errc::invalid_argument, "load_weight = ", options.load_weight);
   WEAVE_EXPECT(options.max_passes >= 0, errc::invalid_argument,
                "max_passes = ", options.max_passes);

@@ -6,6 +6,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <cmath>
 #include <cstddef>
@@ -23,8 +24,8 @@ inline std::vector<int> max_weight_assignment(std::span<const double> weights, i
                    weights.size() == static_cast<std::size_t>(n) * static_cast<std::size_t>(n),
                errc::size_mismatch, weights.size(), " weights for a ", n, "x", n, " assignment");
   for (std::size_t i = 0; i < weights.size(); ++i)
-    WEAVE_EXPECT(std::isfinite(weights[i]), errc::invalid_argument, "assignment weight ", i, " is ",
-                 weights[i]);
+    WEAVE_EXPECT(weave::detail::is_finite(weights[i]), errc::invalid_argument, "assignment weight ",
+                 i, " is ", weights[i]);
   const auto N = static_cast<std::size_t>(n);
   const double inf = std::numeric_limits<double>::infinity();
   // Minimise cost = -weight. 1-based potentials u (rows), v (columns); way/match per column.

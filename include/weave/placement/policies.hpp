@@ -7,6 +7,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/placement/statistics.hpp"
 #include "weave/placement/topology.hpp"
@@ -33,8 +34,8 @@ inline void expect_even_split(int num_experts, const topology& topo) {
 //! Throws unless every load is finite and non-negative.
 inline void expect_loads(std::span<const double> loads) {
   for (std::size_t e = 0; e < loads.size(); ++e)
-    WEAVE_EXPECT(std::isfinite(loads[e]) && loads[e] >= 0.0, errc::invalid_argument, "load ",
-                 loads[e], " of expert ", e, " is not a finite non-negative number");
+    WEAVE_EXPECT(weave::detail::is_finite(loads[e]) && loads[e] >= 0.0, errc::invalid_argument,
+                 "load ", loads[e], " of expert ", e, " is not a finite non-negative number");
 }
 
 //! A placement from the experts of each device; each device's experts sorted ascending so the

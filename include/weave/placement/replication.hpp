@@ -32,6 +32,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/hungarian.hpp"
 #include "weave/placement/migration.hpp"
 #include "weave/placement/placement.hpp"
@@ -121,7 +122,7 @@ inline placement place_replicated(std::span<const double> loads, std::span<const
   const int D = topo.num_devices();
   WEAVE_EXPECT(E > 0, errc::invalid_argument, "no experts to place");
   const std::vector<int> caps = device_capacities(E, D, options);
-  WEAVE_EXPECT(std::isfinite(options.keep_tolerance) && options.keep_tolerance >= 0,
+  WEAVE_EXPECT(weave::detail::is_finite(options.keep_tolerance) && options.keep_tolerance >= 0,
                errc::invalid_argument, "keep_tolerance = ", options.keep_tolerance);
   detail::expect_loads(loads);
   const int S = caps[0];

@@ -7,6 +7,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -114,7 +115,8 @@ inline synthetic_trace generate_trace(const trace_options& o) {
                "clusters = ", o.clusters, " outside [1, ", o.num_experts, "]");
   WEAVE_EXPECT(o.affinity >= 0 && o.affinity <= 1, errc::invalid_argument,
                "affinity = ", o.affinity, " outside [0, 1]");
-  WEAVE_EXPECT(std::isfinite(o.zipf) && o.zipf >= 0, errc::invalid_argument, "zipf = ", o.zipf);
+  WEAVE_EXPECT(weave::detail::is_finite(o.zipf) && o.zipf >= 0, errc::invalid_argument,
+               "zipf = ", o.zipf);
   const auto E = static_cast<std::size_t>(o.num_experts);
   const auto C = static_cast<std::size_t>(o.clusters);
   const auto K = static_cast<std::size_t>(o.k);

@@ -32,6 +32,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/trace.hpp"
 
 #include <algorithm>
@@ -93,9 +94,9 @@ inline long long trace_integer(std::string_view field, std::size_t number) {
 inline float trace_score(std::string_view field, std::size_t number) {
   float v = 0;
   const auto r = std::from_chars(field.data(), field.data() + field.size(), v);
-  WEAVE_EXPECT(r.ec == std::errc{} && r.ptr == field.data() + field.size() && std::isfinite(v),
-               errc::invalid_argument, "trace line ", number, ": '", field,
-               "' is not a finite score");
+  WEAVE_EXPECT(
+      r.ec == std::errc{} && r.ptr == field.data() + field.size() && weave::detail::is_finite(v),
+      errc::invalid_argument, "trace line ", number, ": '", field, "' is not a finite score");
   return v;
 }
 
@@ -172,8 +173,9 @@ inline void check_trace_layers(const layered_trace& trace) {
     WEAVE_EXPECT(sc.size() == t.ids.size(), errc::size_mismatch, sc.size(), " scores for ",
                  t.ids.size(), " ids in trace layer ", l);
     for (std::size_t i = 0; i < sc.size(); ++i)
-      WEAVE_EXPECT(std::isfinite(sc[i]), errc::invalid_argument, "score ", sc[i], " of token ",
-                   i / static_cast<std::size_t>(t.k), " in trace layer ", l, " is not finite");
+      WEAVE_EXPECT(weave::detail::is_finite(sc[i]), errc::invalid_argument, "score ", sc[i],
+                   " of token ", i / static_cast<std::size_t>(t.k), " in trace layer ", l,
+                   " is not finite");
   }
 }
 

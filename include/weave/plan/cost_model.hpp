@@ -7,6 +7,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <cmath>
 #include <cstddef>
@@ -26,10 +27,10 @@ struct a2a_cost {
 
   //! The model for a link of `gigabytes_per_s` (1e9 bytes/s) with `alpha_us` latency.
   static a2a_cost from_bandwidth(double alpha_us, double gigabytes_per_s) {
-    WEAVE_EXPECT(std::isfinite(gigabytes_per_s) && gigabytes_per_s > 0.0, errc::invalid_argument,
-                 "bandwidth ", gigabytes_per_s, " GB/s is not positive");
-    WEAVE_EXPECT(std::isfinite(alpha_us) && alpha_us >= 0.0, errc::invalid_argument, "alpha ",
-                 alpha_us, " us is negative or not finite");
+    WEAVE_EXPECT(weave::detail::is_finite(gigabytes_per_s) && gigabytes_per_s > 0.0,
+                 errc::invalid_argument, "bandwidth ", gigabytes_per_s, " GB/s is not positive");
+    WEAVE_EXPECT(weave::detail::is_finite(alpha_us) && alpha_us >= 0.0, errc::invalid_argument,
+                 "alpha ", alpha_us, " us is negative or not finite");
     return {alpha_us, 1e-3 / gigabytes_per_s};
   }
 };
@@ -61,8 +62,9 @@ inline line_fit fit_line(std::span<const double> x, std::span<const double> y) {
   const double n = static_cast<double>(x.size());
   double mean_x = 0.0, mean_y = 0.0;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    WEAVE_EXPECT(std::isfinite(x[i]) && std::isfinite(y[i]), errc::invalid_argument, "measurement ",
-                 i, " is not finite (x = ", x[i], ", y = ", y[i], ")");
+    WEAVE_EXPECT(weave::detail::is_finite(x[i]) && weave::detail::is_finite(y[i]),
+                 errc::invalid_argument, "measurement ", i, " is not finite (x = ", x[i],
+                 ", y = ", y[i], ")");
     mean_x += x[i];
     mean_y += y[i];
   }

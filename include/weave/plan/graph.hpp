@@ -12,6 +12,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/plan/cost_model.hpp"
 
 #include <cmath>
@@ -99,8 +100,8 @@ class graph {
   //! Adds an all-to-all moving `bytes` per rank at full batch, priced by `model`.
   op_id add_a2a(std::string name, double bytes, const a2a_cost& model, std::vector<op_id> deps = {},
                 bool partitionable = true) {
-    WEAVE_EXPECT(std::isfinite(bytes) && bytes >= 0.0, errc::invalid_argument, "a2a '", name,
-                 "': bytes = ", bytes);
+    WEAVE_EXPECT(weave::detail::is_finite(bytes) && bytes >= 0.0, errc::invalid_argument, "a2a '",
+                 name, "': bytes = ", bytes);
     return add(std::move(name), op_kind::a2a, op_cost::from_a2a(model, bytes), bytes, partitionable,
                std::move(deps));
   }
@@ -108,8 +109,8 @@ class graph {
   //! Adds an all-to-all with an explicit cost (measured, or from another model).
   op_id add_a2a(std::string name, double bytes, op_cost cost, std::vector<op_id> deps = {},
                 bool partitionable = true) {
-    WEAVE_EXPECT(std::isfinite(bytes) && bytes >= 0.0, errc::invalid_argument, "a2a '", name,
-                 "': bytes = ", bytes);
+    WEAVE_EXPECT(weave::detail::is_finite(bytes) && bytes >= 0.0, errc::invalid_argument, "a2a '",
+                 name, "': bytes = ", bytes);
     return add(std::move(name), op_kind::a2a, cost, bytes, partitionable, std::move(deps));
   }
 
@@ -179,10 +180,12 @@ class graph {
 
   op_id add(std::string name, op_kind kind, op_cost cost, double bytes, bool partitionable,
             std::vector<op_id> deps) {
-    WEAVE_EXPECT(std::isfinite(cost.fixed_us) && cost.fixed_us >= 0.0, errc::invalid_argument,
-                 "op '", name, "': fixed cost ", cost.fixed_us, " us is negative or not finite");
-    WEAVE_EXPECT(std::isfinite(cost.scaled_us) && cost.scaled_us >= 0.0, errc::invalid_argument,
-                 "op '", name, "': scaled cost ", cost.scaled_us, " us is negative or not finite");
+    WEAVE_EXPECT(weave::detail::is_finite(cost.fixed_us) && cost.fixed_us >= 0.0,
+                 errc::invalid_argument, "op '", name, "': fixed cost ", cost.fixed_us,
+                 " us is negative or not finite");
+    WEAVE_EXPECT(weave::detail::is_finite(cost.scaled_us) && cost.scaled_us >= 0.0,
+                 errc::invalid_argument, "op '", name, "': scaled cost ", cost.scaled_us,
+                 " us is negative or not finite");
     const op_id id = ops_.size();
     for (op_id d : deps)
       WEAVE_EXPECT(d < id, errc::out_of_range, "op '", name, "' depends on op ", d,

@@ -14,6 +14,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/plan/graph.hpp"
 #include "weave/plan/schedule.hpp"
 
@@ -42,7 +43,8 @@ struct partition_options {
 inline partition_plan plan_partitions_in_order(const graph& g, std::vector<op_id> order,
                                                const partition_options& options = {}) {
   WEAVE_EXPECT(options.max_parts >= 1, errc::invalid_argument, "max_parts = ", options.max_parts);
-  WEAVE_EXPECT(std::isfinite(options.chunk_overhead_us) && options.chunk_overhead_us >= 0.0,
+  WEAVE_EXPECT(weave::detail::is_finite(options.chunk_overhead_us) &&
+                   options.chunk_overhead_us >= 0.0,
                errc::invalid_argument, "chunk overhead ", options.chunk_overhead_us, " us");
   const std::size_t n = g.size();
   partition_plan unchecked;

@@ -15,6 +15,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/plan/graph.hpp"
 
 #include <cmath>
@@ -127,8 +128,8 @@ class schedule {
                    num_ops);
       WEAVE_EXPECT(t.chunks >= 1 && t.chunk >= 0 && t.chunk < t.chunks, errc::invalid_argument,
                    "task ", i, ": chunk ", t.chunk, " of ", t.chunks);
-      WEAVE_EXPECT(std::isfinite(t.predicted_us) && t.predicted_us >= 0.0, errc::invalid_argument,
-                   "task ", i, ": predicted time ", t.predicted_us);
+      WEAVE_EXPECT(weave::detail::is_finite(t.predicted_us) && t.predicted_us >= 0.0,
+                   errc::invalid_argument, "task ", i, ": predicted time ", t.predicted_us);
       for (std::size_t d : t.deps)
         WEAVE_EXPECT(d < i, errc::invalid_argument, "task ", i, " depends on task ", d,
                      ", which is not issued before it");
@@ -160,7 +161,7 @@ inline void check_plan(const graph& g, const partition_plan& p) {
   const std::size_t n = g.size();
   WEAVE_EXPECT(p.order.size() == n, errc::size_mismatch, "plan orders ", p.order.size(),
                " ops, the graph has ", n);
-  WEAVE_EXPECT(std::isfinite(p.chunk_overhead_us) && p.chunk_overhead_us >= 0.0,
+  WEAVE_EXPECT(weave::detail::is_finite(p.chunk_overhead_us) && p.chunk_overhead_us >= 0.0,
                errc::invalid_argument, "chunk overhead ", p.chunk_overhead_us, " us");
   std::vector<std::size_t> pos(n, std::numeric_limits<std::size_t>::max());
   for (std::size_t i = 0; i < n; ++i) {

@@ -12,6 +12,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/plan/schedule.hpp"
 
 #include <algorithm>
@@ -165,8 +166,8 @@ timeline simulate(const plan::schedule& s, std::size_t ranks, Duration&& duratio
     };
     auto length_on = [&](std::size_t r) {
       const double d = static_cast<double>(duration_us(r, i));
-      WEAVE_EXPECT(std::isfinite(d) && d >= 0.0, errc::invalid_argument, "task ", i, " on rank ", r,
-                   " lasts ", d, " us");
+      WEAVE_EXPECT(weave::detail::is_finite(d) && d >= 0.0, errc::invalid_argument, "task ", i,
+                   " on rank ", r, " lasts ", d, " us");
       return d;
     };
     if (task.stream == plan::stream_kind::comm) {

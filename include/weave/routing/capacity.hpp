@@ -29,6 +29,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -66,7 +67,7 @@ struct capacity_policy {
 //! a non-finite factor or k, E < 1, and `errc::size_overflow` if the bound exceeds 63 bits.
 inline std::int64_t expert_capacity(double factor, std::size_t batch_tokens, int k, int num_experts,
                                     capacity_rounding rounding = capacity_rounding::ceil) {
-  WEAVE_EXPECT(std::isfinite(factor), errc::invalid_argument, "capacity factor ", factor);
+  WEAVE_EXPECT(detail::is_finite(factor), errc::invalid_argument, "capacity factor ", factor);
   WEAVE_EXPECT(k >= 1 && num_experts >= 1, errc::invalid_argument, "capacity for k = ", k, " and ",
                num_experts, " experts");
   WEAVE_EXPECT(rounding == capacity_rounding::ceil || rounding == capacity_rounding::tutel,
@@ -195,7 +196,7 @@ class capacity_filter {
     WEAVE_EXPECT(priority.size() == batch_tokens_, errc::size_mismatch, priority.size(),
                  " priorities for ", batch_tokens_, " tokens");
     for (std::size_t t = 0; t < priority.size(); ++t)
-      WEAVE_EXPECT(!std::isnan(priority[t]), errc::invalid_argument, "priority of token ", t,
+      WEAVE_EXPECT(!detail::is_nan(priority[t]), errc::invalid_argument, "priority of token ", t,
                    " is NaN");
     order_.resize(batch_tokens_);
     std::iota(order_.begin(), order_.end(), std::size_t{0});

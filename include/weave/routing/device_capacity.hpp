@@ -31,19 +31,18 @@ WEAVE_NAMESPACE_BEGIN
 namespace detail {
 
 // A sort key whose ascending order is the descending order of `p` (-0 counts as +0, NaN last).
+// Decided on the bits alone: fast math may fold `p != p` and drop the -0 -> +0 step.
 WEAVE_HOST_DEVICE inline std::uint32_t descending_key(float p) {
-  if (p != p)
+  if (is_nan(p))
     return 0xffffffffu;
-  if (p == 0.0f)
-    p = 0.0f;
-  std::uint32_t bits = 0;
-  memcpy(&bits, &p, sizeof(bits));
+  const std::uint32_t bits = is_zero(p) ? 0u : float_bits(p);
   const std::uint32_t ordered = (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
   return ~ordered;
 }
 
 // Per token: its priority key (the given priority, or else the best weight over its valid
-// choices, -inf without any).
+// choices, -inf without any; a NaN weight is skipped, on its bits, as `w > best` skips it
+// without fast math).
 struct priority_step {
   const std::int32_t* ids;
   const float* weights;
@@ -64,7 +63,7 @@ struct priority_step {
     for (int j = 0; j < k; ++j) {
       const std::int32_t e = ids[t * k + j];
       const float w = weights[t * k + j];
-      if (e >= 0 && e < E && w > best)
+      if (e >= 0 && e < E && !is_nan(w) && w > best)
         best = w;
     }
     keys[t] = descending_key(best);

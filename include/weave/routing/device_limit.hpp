@@ -16,6 +16,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/placement.hpp"
 
 #include <algorithm>
@@ -102,7 +103,7 @@ inline void select_devices(const device_limit& limit, std::span<const float> sel
     const int d = detail::routed_device(limit, e, token);
     s.device_of[static_cast<std::size_t>(e)] = d;
     const float x = selection[static_cast<std::size_t>(e)];
-    if (x == -std::numeric_limits<float>::infinity())
+    if (detail::is_negative_inf(x)) // masked (select_groups)
       continue;
     // Keep the device's g best scores sorted descending (insertion; g is small).
     float* best = s.best.data() + static_cast<std::size_t>(d) * static_cast<std::size_t>(g);
@@ -141,9 +142,8 @@ inline void select_devices(const device_limit& limit, std::span<const float> sel
   }
   int available = 0;
   for (int e = 0; e < E; ++e) {
-    const bool ok =
-        s.allowed[static_cast<std::size_t>(s.device_of[static_cast<std::size_t>(e)])] &&
-        selection[static_cast<std::size_t>(e)] != -std::numeric_limits<float>::infinity();
+    const bool ok = s.allowed[static_cast<std::size_t>(s.device_of[static_cast<std::size_t>(e)])] &&
+                    !detail::is_negative_inf(selection[static_cast<std::size_t>(e)]);
     allowed_expert[static_cast<std::size_t>(e)] = ok ? 1 : 0;
     available += ok ? 1 : 0;
   }
@@ -206,7 +206,7 @@ inline std::int64_t prune_by_similarity(std::span<std::int32_t> ids, int k,
           continue;
         const float sim = similarity[static_cast<std::size_t>(e) * static_cast<std::size_t>(E) +
                                      static_cast<std::size_t>(c)];
-        WEAVE_EXPECT(!std::isnan(sim), errc::invalid_argument, "similarity(", e, ", ", c,
+        WEAVE_EXPECT(!detail::is_nan(sim), errc::invalid_argument, "similarity(", e, ", ", c,
                      ") is NaN");
         if (best < 0 || sim > similarity[static_cast<std::size_t>(e) * static_cast<std::size_t>(E) +
                                          static_cast<std::size_t>(best)])

@@ -18,6 +18,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/placement.hpp"
 
 #include <cmath>
@@ -105,7 +106,7 @@ class dispatch_plan {
         for (std::size_t j = 0; j < i; ++j)
           WEAVE_EXPECT(ids[t * kk + j] != e, errc::invalid_argument, "token ", token_offset + t,
                        " chooses expert ", e, " twice");
-        WEAVE_EXPECT(std::isfinite(weights[p]), errc::invalid_argument, "weight ", weights[p],
+        WEAVE_EXPECT(detail::is_finite(weights[p]), errc::invalid_argument, "weight ", weights[p],
                      " of token ", token_offset + t, " for expert ", e);
         if (!keep.empty() && keep[p] == 0) {
           dropped_.push_back(

@@ -16,6 +16,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/routing/dispatch_plan.hpp"
 
 #include <cmath>
@@ -70,7 +71,7 @@ class expert_plan {
           continue;
         WEAVE_EXPECT(l >= 0 && l < local_, errc::out_of_range, "received row ", r,
                      " names local expert ", l, " outside [-1, ", local_, ")");
-        WEAVE_EXPECT(std::isfinite(row[i].weight), errc::invalid_argument, "received row ", r,
+        WEAVE_EXPECT(detail::is_finite(row[i].weight), errc::invalid_argument, "received row ", r,
                      " carries weight ", row[i].weight);
         for (std::size_t j = 0; j < i; ++j)
           WEAVE_EXPECT(row[j].local != l, errc::invalid_argument, "received row ", r,

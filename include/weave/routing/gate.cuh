@@ -23,6 +23,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_dtype.hpp"
 #include "weave/core/cuda_error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/cuda_stream.hpp"
 #include "weave/routing/gate.hpp"
@@ -114,7 +115,7 @@ __global__ void top_k_gate_kernel(gate_kernel_args a) {
       float x = gate_load(row, static_cast<std::size_t>(e));
       if (a.bf16)
         x = round_to_bf16(x);
-      if (isnan(x) || x == CUDART_INF_F)
+      if (is_nan(x) || is_positive_inf(x)) // bits: no flag may fold these away
         flags |= cuda_gate_bad_logit;
       score[e] = x;
       top = x > top ? x : top;
@@ -124,11 +125,11 @@ __global__ void top_k_gate_kernel(gate_kernel_args a) {
       top = o > top ? o : top;
     }
     if (!a.sigmoid) {
-      if (top == neg_inf)
+      if (is_negative_inf(top))
         flags |= cuda_gate_empty_row;
       float sum = 0.0f;
-      for (int e = lane; e < E; e += 32) {
-        score[e] = expf(score[e] - top);
+      for (int e = lane; e < E; e += 32) { // a -inf logit scores 0 on its bits (host gate)
+        score[e] = is_negative_inf(score[e]) ? 0.0f : expf(score[e] - top);
         sum += score[e];
       }
       for (int off = 16; off > 0; off /= 2)
@@ -137,14 +138,14 @@ __global__ void top_k_gate_kernel(gate_kernel_args a) {
         score[e] = score[e] / sum;
     } else {
       for (int e = lane; e < E; e += 32) {
-        score[e] = 1.0f / (1.0f + expf(-score[e]));
+        score[e] = is_negative_inf(score[e]) ? 0.0f : 1.0f / (1.0f + expf(-score[e]));
         if (a.bf16)
           score[e] = round_to_bf16(score[e]);
       }
     }
     float best_score = neg_inf;
     for (int e = lane; e < E; e += 32) {
-      if (bias != nullptr && !isfinite(bias[e]))
+      if (bias != nullptr && !is_finite(bias[e]))
         flags |= cuda_gate_bad_bias;
       key[e] = bias != nullptr ? score[e] + bias[e] : score[e];
       best_score = score[e] > best_score ? score[e] : best_score;
@@ -177,7 +178,7 @@ __global__ void top_k_gate_kernel(gate_kernel_args a) {
       float best = neg_inf;
       int best_id = -1;
       for (int e = lane; e < E; e += 32)
-        if (!isnan(key[e]) && gate_better(key[e], e, best, best_id)) {
+        if (!is_nan(key[e]) && gate_better(key[e], e, best, best_id)) {
           best = key[e];
           best_id = e;
         }

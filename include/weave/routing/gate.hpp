@@ -20,6 +20,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/device_limit.hpp"
 #include "weave/routing/gate_steps.hpp"
@@ -90,8 +91,8 @@ struct gate_scratch {
 namespace detail {
 
 inline void check_route_scale(float scale) {
-  WEAVE_EXPECT(std::isfinite(scale) && scale > 0.0f, errc::invalid_argument,
-               "route_scale = ", scale, " (need a finite value above 0)");
+  WEAVE_EXPECT(is_finite(scale) && scale > 0.0f, errc::invalid_argument, "route_scale = ", scale,
+               " (need a finite value above 0)");
 }
 
 //! The weights' rule of a call with `options`.
@@ -155,7 +156,7 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
   WEAVE_EXPECT(options.bias.empty() || options.bias.size() == E, errc::size_mismatch, "bias of ",
                options.bias.size(), " values for ", E, " experts");
   for (std::size_t e = 0; e < options.bias.size(); ++e)
-    WEAVE_EXPECT(std::isfinite(options.bias[e]), errc::invalid_argument, "bias[", e,
+    WEAVE_EXPECT(detail::is_finite(options.bias[e]), errc::invalid_argument, "bias[", e,
                  "] = ", options.bias[e]);
   detail::check_route_scale(options.route_scale);
   if (options.limit != nullptr)
@@ -184,17 +185,20 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
       float x = load_as_float(row, e, logits.element_type());
       if (bf16)
         x = detail::round_to_bf16(x);
-      WEAVE_EXPECT(!std::isnan(x) && x != std::numeric_limits<float>::infinity(),
-                   errc::invalid_argument, "logit[", t, ", ", e, "] = ", x);
+      // NaN or +inf, from the bits (see weave/core/float_bits.hpp: fast math folds isnan).
+      WEAVE_EXPECT(!detail::is_nan(x) && !detail::is_positive_inf(x), errc::invalid_argument,
+                   "logit[", t, ", ", e, "] = ", x);
       score[e] = x;
       top = x > top ? x : top;
     }
     float prob_sum = 0.0f;
     if (options.scoring == gate_scoring::softmax) {
-      WEAVE_EXPECT(top != neg_inf, errc::invalid_argument, "token ", t,
+      WEAVE_EXPECT(!detail::is_negative_inf(top), errc::invalid_argument, "token ", t,
                    " has only -inf logits: softmax is undefined");
+      // A -inf logit (a masked expert) scores exactly 0, as exp(-inf) is, decided from its
+      // bits: under fast math the arithmetic on infinities is unspecified (NaN, say).
       for (std::size_t e = 0; e < E; ++e) {
-        score[e] = std::exp(score[e] - top);
+        score[e] = detail::is_negative_inf(score[e]) ? 0.0f : std::exp(score[e] - top);
         prob_sum += score[e];
       }
       for (std::size_t e = 0; e < E; ++e)
@@ -202,7 +206,8 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
       prob_sum = 1.0f;
     } else {
       for (std::size_t e = 0; e < E; ++e) {
-        score[e] = 1.0f / (1.0f + std::exp(-score[e]));
+        score[e] = detail::is_negative_inf(score[e]) ? 0.0f // as in softmax
+                                                     : 1.0f / (1.0f + std::exp(-score[e]));
         if (bf16)
           score[e] = detail::round_to_bf16(score[e]);
         prob_sum += score[e];
@@ -233,7 +238,7 @@ inline gate_summary top_k_gate(const_token_view logits, const gate_options& opti
         select_devices(*options.limit, scratch.selection, k, t, scratch.devices, scratch.allowed);
       else
         for (std::size_t e = 0; e < E; ++e)
-          scratch.allowed[e] = selection[e] != neg_inf ? 1 : 0;
+          scratch.allowed[e] = detail::is_negative_inf(selection[e]) ? 0 : 1;
       for (std::size_t e = 0; e < E; ++e)
         if (scratch.allowed[e])
           detail::top_k_insert(tid, tw, filled, k, static_cast<std::int32_t>(e), selection[e]);

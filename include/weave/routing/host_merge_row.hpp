@@ -7,6 +7,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/host_row_copy.hpp"
 
@@ -33,12 +34,18 @@ WEAVE_ALWAYS_INLINE float load_f32(const half* p) noexcept {
 WEAVE_ALWAYS_INLINE void store_f32(float* p, float v) noexcept {
   *p = v;
 }
-// bfloat16(v) in the high half of a word, low half zero: nearest even, a NaN kept a NaN.
+// bfloat16(v) in the high half of a word, low half zero: nearest even, a NaN kept a NaN (the
+// rounding could carry a NaN into an infinity or a zero). Under fast math, which folds `v != v`,
+// the NaN is told by its bits.
 WEAVE_ALWAYS_INLINE std::uint32_t bf16_rounded_high(float v) noexcept {
   const auto x = std::bit_cast<std::uint32_t>(v);
   const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
   const std::uint32_t quiet = (x & 0xffff0000u) | 0x400000u;
+#if WEAVE_FINITE_MATH_ONLY
+  return is_nan(v) ? quiet : rounded;
+#else
   return v != v ? quiet : rounded;
+#endif
 }
 WEAVE_ALWAYS_INLINE void store_f32(bfloat16* p, float v) noexcept {
   p->bits = static_cast<std::uint16_t>(bf16_rounded_high(v) >> 16);

@@ -31,6 +31,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/fp8.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/routing/kernels_host.hpp"
@@ -131,11 +132,13 @@ WEAVE_HOST_DEVICE constexpr std::uint32_t magnitude_bits(float x) noexcept {
   return float_bits(x) & 0x7fffffffu;
 }
 
-//! Quantises one block of `n` elements into `out`; returns its scale (NaN for a non-finite
-//! block, whose codes are all NaN). Two passes over the block (amax, then codes), both
-//! vectorisable.
+//! Quantises one block of `n` elements into `out` and its scale into `*scale`; returns false for
+//! a non-finite block (scale and codes NaN). Two passes over the block (amax, then codes), both
+//! vectorisable. Whether the block is finite is decided from the bits of its elements (their
+//! largest magnitude), never from a float result, so the consumer's fast math cannot drop it.
 template <class Fp8, class T>
-float quantize_block(const T* in, Fp8* out, std::size_t n, const block_quantization& q) {
+bool quantize_block(const T* in, Fp8* out, float* scale, std::size_t n,
+                    const block_quantization& q) {
   std::uint32_t amax_bits = 0;
   for (std::size_t j = 0; j < n; ++j) {
     const std::uint32_t m = magnitude_bits(static_cast<float>(in[j]));
@@ -144,7 +147,8 @@ float quantize_block(const T* in, Fp8* out, std::size_t n, const block_quantizat
   if (amax_bits >= 0x7f800000u) {
     for (std::size_t j = 0; j < n; ++j)
       out[j] = Fp8::from_bits(0x7f);
-    return std::numeric_limits<float>::quiet_NaN();
+    *scale = bits_float(0x7fc00000u); // a quiet NaN
+    return false;
   }
   const fp8_block_scale s = block_scale(bits_float(amax_bits), q.min_amax, q.rounding,
                                         fp8_traits<Fp8>::max_finite, fp8_traits<Fp8>::inverse_max);
@@ -152,7 +156,8 @@ float quantize_block(const T* in, Fp8* out, std::size_t n, const block_quantizat
   for (std::size_t j = 0; j < n; ++j)
     out[j] = Fp8::from_bits(
         fp8_encode_in_range<typename Fp8::format>(static_cast<float>(in[j]) * s.multiplier));
-  return s.scale;
+  *scale = s.scale;
+  return true;
 }
 
 //! Every code's value: on the host a table lookup beats decoding with baseline x86-64 vectors
@@ -191,7 +196,7 @@ inline void check_quantization(std::size_t cols, dtype format, const block_quant
   WEAVE_EXPECT(is_fp8(format), errc::invalid_argument, what, ": FP8 rows of ", format,
                " (need e4m3 or e5m2)");
   visit_fp8(format, what, [&]<class Fp8>(Fp8*) {
-    WEAVE_EXPECT(std::isfinite(q.min_amax) &&
+    WEAVE_EXPECT(is_finite(q.min_amax) &&
                      q.min_amax * fp8_traits<Fp8>::inverse_max >= std::numeric_limits<float>::min(),
                  errc::invalid_argument, what, ": min_amax = ", q.min_amax,
                  " (need a finite value with min_amax / ", Fp8::max_finite, " a normal float)");
@@ -230,8 +235,7 @@ bool quantize_row(const T* src, Fp8* dst, float* scales, std::size_t cols,
                   const block_quantization& q, std::size_t& bad_block) {
   bool finite = true;
   for (std::size_t b = 0; b * q.block < cols; ++b) {
-    scales[b] = quantize_block(src + b * q.block, dst + b * q.block, q.block, q);
-    if (finite && std::isnan(scales[b])) {
+    if (!quantize_block(src + b * q.block, dst + b * q.block, scales + b, q.block, q) && finite) {
       finite = false;
       bad_block = b;
     }

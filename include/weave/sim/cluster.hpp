@@ -18,6 +18,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/placement/topology.hpp"
 #include "weave/plan/cost_model.hpp"
 
@@ -74,15 +75,15 @@ struct cluster {
     weave::topology{nodes, gpus_per_node}.validated();
     for (const auto* l : {&intra, &inter}) {
       const char* which = l == &intra ? "intra" : "inter";
-      WEAVE_EXPECT(std::isfinite(l->gbytes_per_s) && l->gbytes_per_s > 0, errc::invalid_argument,
-                   "cluster '", name, "': ", which, " bandwidth ", l->gbytes_per_s,
-                   " GB/s is not positive");
-      WEAVE_EXPECT(std::isfinite(l->latency_us) && l->latency_us >= 0, errc::invalid_argument,
-                   "cluster '", name, "': ", which, " latency ", l->latency_us,
-                   " us is negative or not finite");
+      WEAVE_EXPECT(weave::detail::is_finite(l->gbytes_per_s) && l->gbytes_per_s > 0,
+                   errc::invalid_argument, "cluster '", name, "': ", which, " bandwidth ",
+                   l->gbytes_per_s, " GB/s is not positive");
+      WEAVE_EXPECT(weave::detail::is_finite(l->latency_us) && l->latency_us >= 0,
+                   errc::invalid_argument, "cluster '", name, "': ", which, " latency ",
+                   l->latency_us, " us is negative or not finite");
     }
-    WEAVE_EXPECT(std::isfinite(tflops) && tflops > 0, errc::invalid_argument, "cluster '", name,
-                 "': tflops = ", tflops);
+    WEAVE_EXPECT(weave::detail::is_finite(tflops) && tflops > 0, errc::invalid_argument,
+                 "cluster '", name, "': tflops = ", tflops);
     return *this;
   }
 
@@ -142,7 +143,8 @@ inline std::vector<std::string_view> cluster_fields(std::string_view line) {
 inline double cluster_number(std::string_view field, std::size_t number) {
   double v = 0;
   const auto r = std::from_chars(field.data(), field.data() + field.size(), v);
-  WEAVE_EXPECT(r.ec == std::errc{} && r.ptr == field.data() + field.size() && std::isfinite(v),
+  WEAVE_EXPECT(r.ec == std::errc{} && r.ptr == field.data() + field.size() &&
+                   weave::detail::is_finite(v),
                errc::invalid_argument, "cluster line ", number, ": '", field, "' is not a number");
   return v;
 }

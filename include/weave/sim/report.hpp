@@ -6,6 +6,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/float_bits.hpp"
 #include "weave/core/trace_writer.hpp"
 #include "weave/sim/cluster.hpp"
 #include "weave/sim/cluster_sim.hpp"
@@ -24,7 +25,7 @@ namespace detail {
 
 inline void json_number(std::ostream& out, double v) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", std::isfinite(v) ? v : 0.0);
+  std::snprintf(buf, sizeof buf, "%.6g", weave::detail::is_finite(v) ? v : 0.0);
   out << buf;
 }
 
