@@ -11,8 +11,9 @@
 // A bad command line throws `cli::bad_option`, whose message is one line naming the option.
 // `cli::run_main` wraps a program's body: a `bad_option` becomes "<program>: <message>" on
 // stderr and exit status 2; any other exception (a `weave::error` included) the same line and
-// status 1. So a program never crashes, aborts or lets an exception escape on bad input. The
-// parser itself never exits or prints, so it can be driven by tests and fuzzers.
+// status 1. So a program never crashes, aborts or lets an exception escape on bad input. (Under
+// mpirun only rank 0 needs to say it: `first_or_only_process`.) The parser itself never exits
+// or prints, so it can be driven by tests and fuzzers.
 //
 // Not part of weave's public API: a helper of this repository's programs (header-only, no
 // dependency on weave).
@@ -22,6 +23,7 @@
 #include <charconv>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -315,34 +317,62 @@ class options {
 
 namespace detail {
 
-// Writes "<program>: <message>\n" to stderr without allocating, control characters of the
-// message as spaces, so the report is one line even when the message has several.
+// Writes "<program>: <message>\n" to stderr in one write, without allocating: control
+// characters of the message as spaces (so the report is one line even when the message has
+// several), cut at 2000 characters. One write keeps the line whole when processes share stderr.
 inline void report(std::string_view program, const char* message) noexcept {
-  std::fwrite(program.data(), 1, program.size(), stderr);
-  std::fputs(": ", stderr);
+  char line[2048];
+  std::size_t n = 0;
+  const auto put = [&](char c) {
+    if (n < sizeof line - 5)
+      line[n++] = c;
+  };
+  for (const char c : program)
+    put(c);
+  put(':');
+  put(' ');
   for (const char* p = message; *p != '\0'; ++p)
-    std::fputc(static_cast<unsigned char>(*p) < 0x20 ? ' ' : *p, stderr);
-  std::fputc('\n', stderr);
+    put(static_cast<unsigned char>(*p) < 0x20 ? ' ' : *p);
+  if (n == sizeof line - 5)
+    for (const char c : {'.', '.', '.'})
+      line[n++] = c;
+  line[n++] = '\n';
+  std::fwrite(line, 1, n, stderr);
 }
 
 } // namespace detail
 
 //! Runs `body` (returning the exit status) so that nothing escapes: a `bad_option` becomes one
-//! line on stderr and status 2, any other exception one line and status 1.
+//! line on stderr and status 2, any other exception one line and status 1. With `report` false
+//! the line is not written (e.g. on all ranks of an MPI job but one, which all see the same bad
+//! option).
 template <class F>
-int run_main(std::string_view program, F&& body) noexcept {
+int run_main(std::string_view program, F&& body, bool report = true) noexcept {
   try {
     return std::forward<F>(body)();
   } catch (const bad_option& e) {
-    detail::report(program, e.what());
+    if (report)
+      detail::report(program, e.what());
     return 2;
   } catch (const std::exception& e) {
-    detail::report(program, e.what());
+    if (report)
+      detail::report(program, e.what());
     return 1;
   } catch (...) {
-    detail::report(program, "an exception of unknown type");
+    if (report)
+      detail::report(program, "an exception of unknown type");
     return 1;
   }
+}
+
+//! False in the processes of an MPI job (started by mpirun, as Open MPI and PMI-based launchers
+//! say in the environment) other than rank 0: where a tool that parses its options before
+//! `MPI_Init` should keep quiet, since every rank refuses the same options.
+inline bool first_or_only_process() noexcept {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"})
+    if (const char* rank = std::getenv(name))
+      return std::string_view(rank) == "0";
+  return true;
 }
 
 } // namespace cli

@@ -155,4 +155,7 @@ TEST_CASE("run_main turns every escaping exception into a status") {
   CHECK(cli::run_main("t", []() -> int { throw cli::bad_option("--n: bad"); }) == 2);
   CHECK(cli::run_main("t", []() -> int { throw std::runtime_error("line 1\nline 2"); }) == 1);
   CHECK(cli::run_main("t", []() -> int { throw 42; }) == 1);
+  CHECK(cli::run_main(
+            "t", []() -> int { throw cli::bad_option("--n: bad"); }, false) == 2);
+  CHECK(cli::run_main("t", []() -> int { throw std::runtime_error(std::string(5000, 'x')); }) == 1);
 }
