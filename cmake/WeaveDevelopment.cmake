@@ -115,3 +115,39 @@ function(weave_add_cuda_test name)
   set_tests_properties(${name} PROPERTIES LABELS "cuda;${ARG_LABELS}" TIMEOUT 300
     SKIP_RETURN_CODE 77)
 endfunction()
+
+# The command-line helper of the examples, tools and benchmark drivers (examples/support):
+# typed, range-checked options and a main wrapper (see command_line.hpp).
+add_library(weave_command_line INTERFACE)
+target_include_directories(weave_command_line INTERFACE "${PROJECT_SOURCE_DIR}/examples/support")
+target_compile_features(weave_command_line INTERFACE cxx_std_20)
+
+# weave_add_bad_option_tests(<target> <program name> CASE <option> <args...> [CASE ...])
+# One test per CASE: running <target> with <args...> must exit with status 2, print nothing
+# on stdout and exactly one line on stderr, "<program name>: ...", that names <option>
+# (cmake/check_bad_option.cmake). A crash, an abort or an escaped exception fails the test.
+function(weave_add_bad_option_tests target program)
+  if(NOT WEAVE_ENABLE_TESTING OR NOT TARGET ${target})
+    return()
+  endif()
+  set(args "")
+  set(index 0)
+  # Appends a sentinel CASE so the last case is flushed like the others.
+  foreach(word IN LISTS ARGN ITEMS CASE)
+    if(word STREQUAL "CASE")
+      list(LENGTH args words)
+      if(words GREATER 0)
+        list(POP_FRONT args option)
+        math(EXPR index "${index} + 1")
+        add_test(NAME options/${target}/${index}
+          COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${target}> -DNAME=${program}
+                  -DOPTION=${option} -P "${PROJECT_SOURCE_DIR}/cmake/check_bad_option.cmake"
+                  -- ${args})
+        set_tests_properties(options/${target}/${index} PROPERTIES LABELS "options" TIMEOUT 60)
+      endif()
+      set(args "")
+    else()
+      list(APPEND args "${word}")
+    endif()
+  endforeach()
+endfunction()

@@ -19,8 +19,12 @@
 //   moe_demo [--tokens=4096] [--experts=64] [--k=8] [--hidden=512] [--ranks=4] [--chunks=4]
 //            [--link-gbps=0.5] [--latency-us=10] [--expert-ns-per-row=500]
 //            [--attention-ns-per-token=2000] [--iterations=3] [--trace=moe_demo.trace.json]
+// (`--name value` works too). `moe_demo --help` lists each option's range; a bad option ends
+// the demo with one line on stderr and exit status 2.
 // Under mpirun (when built with MPI) each process is one rank and MPI is the link:
 //   mpirun -np 4 moe_demo
+#include "command_line.hpp"
+
 #include <weave/comm/local_world.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
@@ -37,7 +41,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <random>
 #include <string>
@@ -61,45 +64,46 @@ struct settings {
   std::string trace = "moe_demo.trace.json";
 };
 
-settings parse(int argc, char** argv) {
-  std::map<std::string, std::string> args;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    const auto eq = a.find('=');
-    if (a.rfind("--", 0) != 0 || eq == std::string::npos) {
-      std::fprintf(stderr, "moe_demo: arguments are --name=value (got '%s')\n", a.c_str());
-      std::exit(2);
-    }
-    args[a.substr(2, eq - 2)] = a.substr(eq + 1);
-  }
-  settings s;
-  auto take = [&](const char* name, auto& field) {
-    const auto it = args.find(name);
-    if (it == args.end())
-      return;
-    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>)
-      field = it->second;
-    else
-      field = static_cast<std::decay_t<decltype(field)>>(std::stod(it->second));
-    args.erase(it);
-  };
-  take("tokens", s.tokens);
-  take("experts", s.experts);
-  take("k", s.k);
-  take("hidden", s.hidden);
-  take("ranks", s.ranks);
-  take("chunks", s.chunks);
-  take("link-gbps", s.link_gbps);
-  take("latency-us", s.latency_us);
-  take("expert-ns-per-row", s.expert_ns_per_row);
-  take("attention-ns-per-token", s.attention_ns_per_token);
-  take("iterations", s.iterations);
-  take("trace", s.trace);
-  if (!args.empty()) {
-    std::fprintf(stderr, "moe_demo: unknown argument --%s\n", args.begin()->first.c_str());
-    std::exit(2);
-  }
-  return s;
+// The options, with ranges that keep the demo's buffers within a few GiB (see --help).
+cli::options declare(settings& s) {
+  cli::options o("moe_demo",
+                 "weave's main demo: an MoE block on --ranks in-process ranks (or one rank per "
+                 "process under mpirun),\nunpipelined, pipelined and partitioned, side by side. "
+                 "Limits: --k <= --experts, --experts a multiple\nof the ranks, --tokens x "
+                 "--hidden x ranks and --tokens x --experts x ranks each at most 2^28.\n");
+  o.number("tokens", s.tokens, std::size_t{1}, std::size_t{1} << 20, "tokens per rank");
+  o.number("experts", s.experts, 1, 4096, "experts");
+  o.number("k", s.k, 1, 64, "experts per token (top-k)");
+  o.number("hidden", s.hidden, std::size_t{1}, std::size_t{1} << 16, "hidden size (bf16 rows)");
+  o.number("ranks", s.ranks, 1, 64, "in-process ranks (ignored under mpirun)");
+  o.number("chunks", s.chunks, 1, 64, "pipeline chunks of the pipelined variants");
+  o.number("link-gbps", s.link_gbps, 1e-3, 1e4, "emulated link bandwidth, GB/s");
+  o.number("latency-us", s.latency_us, 0.0, 1e6, "emulated link latency, us");
+  o.number("expert-ns-per-row", s.expert_ns_per_row, 0.0, 1e6, "emulated expert time per row, ns");
+  o.number("attention-ns-per-token", s.attention_ns_per_token, 0.0, 1e6,
+           "emulated attention time per token, ns");
+  o.number("iterations", s.iterations, 1, 1000, "measured iterations (after one warm-up)");
+  o.text("trace", s.trace, "PATH", "Chrome trace of the partitioned run; empty: none");
+  return o;
+}
+
+// Checks what one option's range cannot: the limits of the usage's summary.
+void check(const settings& s, int ranks) {
+  if (s.k > s.experts)
+    throw cli::bad_option("--k: " + std::to_string(s.k) + " exceeds --experts " +
+                          std::to_string(s.experts));
+  if (s.experts % ranks != 0)
+    throw cli::bad_option("--experts: " + std::to_string(s.experts) + " is not a multiple of the " +
+                          std::to_string(ranks) + " ranks");
+  const auto r = static_cast<std::size_t>(ranks);
+  constexpr std::size_t most = std::size_t{1} << 28; // elements; at most 2^20 x 2^16 x 64 fits
+  if (s.tokens * s.hidden * r > most)
+    throw cli::bad_option("--tokens x --hidden x ranks = " +
+                          std::to_string(s.tokens * s.hidden * r) + " exceeds 2^28");
+  if (s.tokens * static_cast<std::size_t>(s.experts) * r > most)
+    throw cli::bad_option("--tokens x --experts x ranks = " +
+                          std::to_string(s.tokens * static_cast<std::size_t>(s.experts) * r) +
+                          " exceeds 2^28");
 }
 
 using row_t = weave::bfloat16;
@@ -365,62 +369,62 @@ void report(const settings& s, const std::vector<measured> (&runs)[variants], bo
 int run_mpi(settings s) {
   int provided = 0;
   MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  int status = 0;
-  {
+  int status = 0, rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  try {
     weave::mpi_communicator comm(MPI_COMM_WORLD);
     s.ranks = comm.size();
-    if (s.experts % s.ranks != 0) {
-      if (comm.rank() == 0)
-        std::fprintf(stderr, "moe_demo: --experts must be a multiple of the MPI ranks\n");
-      status = 2;
-    } else {
-      const auto where = weave::placement::contiguous(s.experts, s.ranks);
-      std::vector<rank_data> data;
-      const double aux_loss = make_data(s, data);
-      rank_data& mine = data[static_cast<std::size_t>(comm.rank())];
-      if (comm.rank() == 0)
-        print_header(s, "MPI processes", aux_loss);
-      const auto origin = weave::host_event::clock::now();
-      weave::trace_writer trace;
-      std::vector<measured> runs[variants];
-      for (int v = 0; v < variants; ++v) {
-        const bool traced = v == static_cast<int>(variant::partitioned);
-        const measured m = run_rank(comm, s, where, static_cast<variant>(v), mine,
-                                    traced ? &trace : nullptr, origin);
-        runs[v].resize(static_cast<std::size_t>(s.ranks));
-        MPI_Gather(&m, sizeof(measured), MPI_BYTE, runs[v].data(), sizeof(measured), MPI_BYTE, 0,
-                   MPI_COMM_WORLD);
-      }
-      int identical = outputs_identical(mine) ? 1 : 0;
-      MPI_Allreduce(MPI_IN_PLACE, &identical, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-      if (comm.rank() == 0)
-        report(s, runs, identical != 0);
-      if (!s.trace.empty()) {
-        trace.write_file(s.trace + ".rank" + std::to_string(comm.rank()));
-        if (comm.rank() == 0)
-          std::printf("traces of the partitioned block: %s.rank<N> (one per rank)\n",
-                      s.trace.c_str());
-      }
-      status = identical ? 0 : 1;
+    check(s, s.ranks); // every rank reaches the same verdict
+    const auto where = weave::placement::contiguous(s.experts, s.ranks);
+    std::vector<rank_data> data;
+    const double aux_loss = make_data(s, data);
+    rank_data& mine = data[static_cast<std::size_t>(comm.rank())];
+    if (comm.rank() == 0)
+      print_header(s, "MPI processes", aux_loss);
+    const auto origin = weave::host_event::clock::now();
+    weave::trace_writer trace;
+    std::vector<measured> runs[variants];
+    for (int v = 0; v < variants; ++v) {
+      const bool traced = v == static_cast<int>(variant::partitioned);
+      const measured m = run_rank(comm, s, where, static_cast<variant>(v), mine,
+                                  traced ? &trace : nullptr, origin);
+      runs[v].resize(static_cast<std::size_t>(s.ranks));
+      MPI_Gather(&m, sizeof(measured), MPI_BYTE, runs[v].data(), sizeof(measured), MPI_BYTE, 0,
+                 MPI_COMM_WORLD);
     }
+    int identical = outputs_identical(mine) ? 1 : 0;
+    MPI_Allreduce(MPI_IN_PLACE, &identical, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (comm.rank() == 0)
+      report(s, runs, identical != 0);
+    if (!s.trace.empty()) {
+      trace.write_file(s.trace + ".rank" + std::to_string(comm.rank()));
+      if (comm.rank() == 0)
+        std::printf("traces of the partitioned block: %s.rank<N> (one per rank)\n",
+                    s.trace.c_str());
+    }
+    status = identical ? 0 : 1;
+  } catch (const cli::bad_option& e) {
+    if (rank == 0) // the others say the same
+      std::fprintf(stderr, "moe_demo: %s\n", e.what());
+    status = 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moe_demo: rank %d: %s\n", rank, e.what());
+    MPI_Abort(MPI_COMM_WORLD, 1); // the other ranks would wait for this one
   }
   MPI_Finalize();
   return status;
 }
 #endif
 
-} // namespace
-
-int main(int argc, char** argv) {
-  const settings s = parse(argc, argv);
+int run(int argc, char** argv) {
+  settings s;
+  if (!declare(s).parse(argc, argv))
+    return 0; // --help
 #ifdef WEAVE_DEMO_MPI
   if (std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr)
     return run_mpi(s);
 #endif
-  if (s.experts % s.ranks != 0) {
-    std::fprintf(stderr, "moe_demo: --experts must be a multiple of --ranks\n");
-    return 2;
-  }
+  check(s, s.ranks);
   const auto where = weave::placement::contiguous(s.experts, s.ranks);
   std::vector<rank_data> data;
   const double aux_loss = make_data(s, data);
@@ -441,4 +445,12 @@ int main(int argc, char** argv) {
     std::printf("trace of the partitioned block: %s (open in ui.perfetto.dev)\n", s.trace.c_str());
   }
   return identical ? 0 : 1;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  // Under mpirun every rank refuses the same bad option; rank 0 says so.
+  return cli::run_main(
+      "moe_demo", [&] { return run(argc, argv); }, cli::first_or_only_process());
 }

@@ -1,14 +1,16 @@
 // weave-sim: compares placements, device limits M, all-to-all algorithms and pipeline degrees
 // for an MoE model on a cluster, by simulation. Prints a table (or JSON with --json); see
 // docs/sim.md.
+#include "command_line.hpp"
+
 #include <weave/placement.hpp>
 #include <weave/sim.hpp>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
-#include <sstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -16,54 +18,21 @@ namespace {
 
 using namespace weave::sim;
 
-const char* usage = R"(usage: weave-sim [options]
-cluster:  --cluster h100|h200|a100   --nodes N   --cluster-file PATH
-model:    --layers N --hidden N --ffn N --experts N --k N --tokens N (per GPU) --bytes N
-routing:  --trace PATH (layer l replays the file's layer l mod its layers) | synthetic: --zipf S --affinity A
-          --clusters N --seed N --distinct-layers N (default 4)
-compare:  --placements contiguous,collaborative,replicated   --redundant N (replica slots)
-          --spare 2,0,1,... (replica slots of each GPU instead of --redundant)
-          --limits 0,4 (device limit M, 0 = none)   --degrees 1,2,4
-          --a2a flat,hierarchical   --links shared|per_peer
-other:    --sample N (tokens per rank simulated, default 256; 0 = all)
-          --json   --chrome PATH (trace of the fastest configuration)   --help
-)";
-
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty())
-      out.push_back(item);
-  return out;
-}
-
-long long number(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  const long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0')
-    throw std::runtime_error(flag + ": '" + v + "' is not an integer");
-  return x;
-}
-
-double real(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0')
-    throw std::runtime_error(flag + ": '" + v + "' is not a number");
-  return x;
-}
+// Bounds that keep a run's memory and time in reason: the simulated ranks (a preset's nodes x 8
+// or a cluster file's GPUs), and the routed tokens (ranks x tokens simulated per rank).
+constexpr int most_ranks = 32768;
+constexpr std::int64_t most_routed_tokens = std::int64_t{1} << 26;
 
 struct row {
   std::string placement;
   int limit;
   std::string a2a;
-  long long degree;
+  std::int64_t degree;
   sim_result result;
 };
 
 int run(int argc, char** argv) {
-  std::string preset = "h100", cluster_file, trace_file, chrome;
+  std::string preset = "h100", cluster_file, trace_file, chrome, links = "shared";
   int nodes = 2, redundant = -1, distinct = 4;
   std::vector<int> spare; // per GPU, instead of `redundant`
   bool json = false;
@@ -76,83 +45,74 @@ int run(int argc, char** argv) {
   std::vector<std::string> placements = {"contiguous", "collaborative", "replicated"};
   std::vector<std::string> algorithms = {"flat"};
   std::vector<int> limits = {0};
-  std::vector<long long> degrees = {1, 2, 4};
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::cout << usage;
-      return 0;
-    }
-    if (a == "--json") {
-      json = true;
-      continue;
-    }
-    if (i + 1 >= argc)
-      throw std::runtime_error(a + " needs a value (see --help)");
-    const std::string v = argv[++i];
-    if (a == "--cluster")
-      preset = v;
-    else if (a == "--cluster-file")
-      cluster_file = v;
-    else if (a == "--nodes")
-      nodes = static_cast<int>(number(a, v));
-    else if (a == "--layers")
-      m.layers = static_cast<int>(number(a, v));
-    else if (a == "--hidden")
-      m.hidden = static_cast<int>(number(a, v));
-    else if (a == "--ffn")
-      m.ffn_hidden = static_cast<int>(number(a, v));
-    else if (a == "--experts")
-      m.experts = static_cast<int>(number(a, v));
-    else if (a == "--k")
-      m.k = static_cast<int>(number(a, v));
-    else if (a == "--tokens")
-      m.tokens_per_gpu = number(a, v);
-    else if (a == "--bytes")
-      m.bytes_per_element = static_cast<int>(number(a, v));
-    else if (a == "--trace")
-      trace_file = v;
-    else if (a == "--zipf")
-      src.synthetic.zipf = real(a, v);
-    else if (a == "--affinity")
-      src.synthetic.affinity = real(a, v);
-    else if (a == "--clusters")
-      src.synthetic.clusters = static_cast<int>(number(a, v));
-    else if (a == "--seed")
-      src.synthetic.seed = static_cast<std::uint64_t>(number(a, v));
-    else if (a == "--distinct-layers")
-      distinct = static_cast<int>(number(a, v));
-    else if (a == "--placements")
-      placements = split(v);
-    else if (a == "--redundant")
-      redundant = static_cast<int>(number(a, v));
-    else if (a == "--spare") {
-      spare.clear();
-      for (const auto& x : split(v))
-        spare.push_back(static_cast<int>(number(a, x)));
-    } else if (a == "--limits") {
-      limits.clear();
-      for (const auto& x : split(v))
-        limits.push_back(static_cast<int>(number(a, x)));
-    } else if (a == "--degrees") {
-      degrees.clear();
-      for (const auto& x : split(v))
-        degrees.push_back(number(a, x));
-    } else if (a == "--a2a")
-      algorithms = split(v);
-    else if (a == "--links") {
-      if (v != "shared" && v != "per_peer")
-        throw std::runtime_error("--links: expected shared or per_peer, got '" + v + "'");
-      base.links = v == "shared" ? link_model::shared : link_model::per_peer;
-    } else if (a == "--sample")
-      base.traffic.sample_tokens = number(a, v);
-    else if (a == "--chrome")
-      chrome = v;
-    else
-      throw std::runtime_error("unknown option '" + a + "' (see --help)");
-  }
+  std::vector<std::int64_t> degrees = {1, 2, 4};
+
+  cli::options opts(
+      "weave-sim", "Compares placements, device limits, all-to-all algorithms and pipeline degrees "
+                   "of an MoE model\non a cluster by simulation (docs/sim.md). At most " +
+                       std::to_string(most_ranks) +
+                       " GPUs (--nodes x 8, or the cluster file's)\nand at most " +
+                       std::to_string(most_routed_tokens) +
+                       " routed tokens (GPUs x tokens simulated per GPU).\n");
+  opts.section("cluster:");
+  opts.choice("cluster", preset, {"h100", "h200", "a100"}, "preset of 8 GPUs per node");
+  opts.number("nodes", nodes, 1, most_ranks / 8, "nodes of the preset");
+  opts.text("cluster-file", cluster_file, "PATH", "cluster file instead of a preset (docs/sim.md)");
+  opts.section("model:");
+  opts.number("layers", m.layers, 1, 4096, "MoE layers");
+  opts.number("hidden", m.hidden, 1, 1 << 20, "hidden size");
+  opts.number("ffn", m.ffn_hidden, 1, 1 << 20, "expert FFN hidden size");
+  opts.number("experts", m.experts, 1, 4096, "experts");
+  opts.number("k", m.k, 1, 64, "experts per token, at most --experts");
+  opts.number("tokens", m.tokens_per_gpu, std::int64_t{1}, std::int64_t{1} << 30, "tokens per GPU");
+  opts.number("bytes", m.bytes_per_element, 1, 8, "bytes per element");
+  opts.section("routing (a trace, or the synthetic generator):");
+  opts.text("trace", trace_file, "PATH",
+            "trace file; layer l replays the file's layer l mod its layers");
+  opts.number("zipf", src.synthetic.zipf, 0.0, 100.0, "expert popularity skew");
+  opts.number("affinity", src.synthetic.affinity, 0.0, 1.0, "chance a choice stays in its cluster");
+  opts.number("clusters", src.synthetic.clusters, 1, 4096, "expert clusters, at most --experts");
+  opts.number("seed", src.synthetic.seed, std::uint64_t{0},
+              std::numeric_limits<std::uint64_t>::max(), "generator seed");
+  opts.number("distinct-layers", distinct, 1, 4096, "distinct synthetic layers");
+  opts.section("compare:");
+  opts.choices("placements", placements,
+               {"contiguous", "collaborative", "replicated", "load_balanced"}, 4, "placements");
+  opts.number("redundant", redundant, 0, 1 << 16,
+              "replica slots of `replicated` (default: one per GPU, or 0 with --spare)");
+  opts.numbers("spare", spare, 0, 4096, static_cast<std::size_t>(most_ranks),
+               "replica slots of each GPU instead of --redundant");
+  opts.numbers("limits", limits, 0, most_ranks, 16, "device limits M (0 = none)");
+  opts.numbers("degrees", degrees, std::int64_t{1}, std::int64_t{64}, 16, "pipeline degrees");
+  opts.choices("a2a", algorithms, {"flat", "hierarchical"}, 2, "all-to-all algorithms");
+  opts.choice("links", links, {"shared", "per_peer"}, "how a rank's messages share its links");
+  opts.section("other:");
+  opts.number("sample", base.traffic.sample_tokens, std::int64_t{0}, std::int64_t{1} << 20,
+              "tokens per GPU simulated (0 = all)");
+  opts.flag("json", json, "JSON instead of a table");
+  opts.text("chrome", chrome, "PATH", "Chrome trace of the fastest configuration");
+  if (!opts.parse(argc, argv))
+    return 0; // --help
+  base.links = links == "shared" ? link_model::shared : link_model::per_peer;
+  if (m.k > m.experts)
+    throw cli::bad_option("--k: " + std::to_string(m.k) + " exceeds --experts " +
+                          std::to_string(m.experts));
+  if (src.synthetic.clusters > m.experts)
+    throw cli::bad_option("--clusters: " + std::to_string(src.synthetic.clusters) +
+                          " exceeds --experts " + std::to_string(m.experts));
+
   const cluster c =
       cluster_file.empty() ? cluster::from_preset(preset, nodes) : read_cluster_file(cluster_file);
+  if (c.num_ranks() > most_ranks)
+    throw cli::bad_option("--cluster-file: " + std::to_string(c.num_ranks()) +
+                          " GPUs exceed the tool's " + std::to_string(most_ranks));
+  const std::int64_t per_rank = base.traffic.sample_tokens > 0
+                                    ? std::min(base.traffic.sample_tokens, m.tokens_per_gpu)
+                                    : m.tokens_per_gpu;
+  if (per_rank * c.num_ranks() > most_routed_tokens)
+    throw cli::bad_option("--tokens/--sample: " + std::to_string(per_rank) + " tokens on each of " +
+                          std::to_string(c.num_ranks()) + " GPUs exceed " +
+                          std::to_string(most_routed_tokens) + " routed tokens");
   m.validated();
   if (!trace_file.empty())
     src.layer_traces = weave::read_trace_layers_file(trace_file).layers; // layer l: l % count
@@ -182,10 +142,8 @@ int run(int argc, char** argv) {
         ro.redundant_slots = redundant;
         ro.spare_slots_per_device = spare;
         per_layer.push_back(weave::place_replicated(stats, topo, ro));
-      } else if (name == "load_balanced")
+      } else // load_balanced: the options allow no other name
         per_layer.push_back(weave::place_load_balanced(stats, topo));
-      else
-        throw std::runtime_error("unknown placement '" + name + "'");
     }
     policies.emplace_back(name, std::move(per_layer));
   }
@@ -194,9 +152,7 @@ int run(int argc, char** argv) {
   for (const auto& [name, per_layer] : policies)
     for (const int limit : limits)
       for (const std::string& alg : algorithms)
-        for (const long long degree : degrees) {
-          if (alg != "flat" && alg != "hierarchical")
-            throw std::runtime_error("--a2a: expected flat or hierarchical, got '" + alg + "'");
+        for (const std::int64_t degree : degrees) {
           sim_options o = base;
           o.algorithm = alg == "flat" ? a2a_algorithm::flat : a2a_algorithm::hierarchical;
           o.pipeline_degree = degree;
@@ -227,9 +183,10 @@ int run(int argc, char** argv) {
                 "step_ms", "exposed_ms", "compute_ms", "imbalance");
     for (const row& r : rows)
       std::printf("%-14s %5s %-12s %3lld %12.3f %12.3f %12.3f %10.3f%s\n", r.placement.c_str(),
-                  r.limit > 0 ? std::to_string(r.limit).c_str() : "-", r.a2a.c_str(), r.degree,
-                  r.result.step_us / 1e3, r.result.exposed_comm_us / 1e3, r.result.compute_us / 1e3,
-                  r.result.imbalance_max, &r == &*best ? "  <- fastest" : "");
+                  r.limit > 0 ? std::to_string(r.limit).c_str() : "-", r.a2a.c_str(),
+                  static_cast<long long>(r.degree), r.result.step_us / 1e3,
+                  r.result.exposed_comm_us / 1e3, r.result.compute_us / 1e3, r.result.imbalance_max,
+                  &r == &*best ? "  <- fastest" : "");
   }
   if (!chrome.empty())
     chrome_trace(best->result).write_file(chrome);
@@ -239,10 +196,5 @@ int run(int argc, char** argv) {
 } // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::cerr << "weave-sim: " << e.what() << '\n';
-    return 2;
-  }
+  return cli::run_main("weave-sim", [&] { return run(argc, argv); });
 }

@@ -212,6 +212,13 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMicrosecond);
   }
   benchmark::Initialize(&count, args.data());
+  // Every rank has the same arguments, so all stop together; rank 0 names the bad ones.
+  if (count > 1) {
+    if (root)
+      benchmark::ReportUnrecognizedArguments(count, args.data());
+    MPI_Finalize();
+    return 1;
+  }
   struct silent : benchmark::BenchmarkReporter {
     bool ReportContext(const Context&) override { return true; }
     void ReportRuns(const std::vector<Run>&) override {}

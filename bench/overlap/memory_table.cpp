@@ -5,7 +5,10 @@
 // of `--ranks` ranks (their workspace queries are the layers' own); what a call receives comes
 // from uniformly random top-k routing of `--tokens` tokens per rank, counted exactly, and the
 // sizes a call allocates for it are the layer's own (`receive_bytes_for`, `grown`). Prints a
-// markdown table (one row per layer kind), or fails with a message for bad options.
+// markdown table (one row per layer kind); `--help` lists the options and their ranges, and a
+// bad option ends it with one line on stderr and status 2.
+#include "command_line.hpp"
+
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
@@ -15,7 +18,6 @@
 #include <weave/routing/host_row_moves.hpp>
 
 #include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -36,60 +38,38 @@ struct shape {
   std::uint32_t seed = 1;
 };
 
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "weave-memory: %s\n", what.c_str());
-  std::exit(2);
-}
-
-template <class T>
-T parse(std::string_view text, T lo, T hi, const char* what) {
-  T v{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (ec != std::errc{} || end != text.data() + text.size() || v < lo || v > hi)
-    fail(std::string(what) + " must be a number in [" + std::to_string(lo) + ", " +
-         std::to_string(hi) + "], got '" + std::string(text) + "'");
-  return v;
-}
-
-shape parse_args(int argc, char** argv) {
+shape parse_args(int argc, char** argv, bool& help) {
   shape s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    const auto eq = arg.find('=');
-    if (arg.substr(0, 2) != "--" || eq == std::string_view::npos)
-      fail("options are --name=value (see the file comment), got '" + std::string(arg) + "'");
-    const std::string_view key = arg.substr(2, eq - 2), value = arg.substr(eq + 1);
-    if (key == "preset") {
-      if (value == "deepseek-v3")
-        s = shape{"DeepSeek-V3", 7168, 4096, 256, 8, 64, 1, 0.0, s.seed};
-      else if (value == "mixtral")
-        s = shape{"Mixtral-8x7B", 4096, 4096, 8, 2, 8, 1, 0.0, s.seed};
-      else
-        fail("unknown preset '" + std::string(value) + "' (deepseek-v3, mixtral)");
-    } else if (key == "hidden") {
-      s.hidden = parse<std::size_t>(value, 1, 1 << 20, "--hidden");
-    } else if (key == "tokens") {
-      s.tokens = parse<std::size_t>(value, 1, 1 << 20, "--tokens");
-    } else if (key == "experts") {
-      s.experts = parse<int>(value, 1, 1 << 16, "--experts");
-    } else if (key == "k") {
-      s.k = parse<int>(value, 1, 64, "--k");
-    } else if (key == "ranks") {
-      s.ranks = parse<int>(value, 1, 256, "--ranks");
-    } else if (key == "chunks") {
-      s.chunks = parse<int>(value, 1, 64, "--chunks");
-    } else if (key == "capacity") {
-      s.capacity = parse<double>(value, 0.0, 64.0, "--capacity");
-    } else if (key == "seed") {
-      s.seed = parse<std::uint32_t>(value, 0, std::numeric_limits<std::uint32_t>::max(), "--seed");
-    } else {
-      fail("unknown option --" + std::string(key));
-    }
-  }
+  cli::options o("weave-memory",
+                 "Bytes an MoE layer's exchange holds per rank at a model's shape (docs/gpu.md). "
+                 "--k at most --experts,\n--experts a multiple of --ranks. Options apply in "
+                 "order: --preset replaces the shape given before it.\n");
+  o.custom("preset", "deepseek-v3|mixtral", "a model's shape (default: the options' defaults)",
+           [&s](std::string_view value) {
+             if (value == "deepseek-v3")
+               s = shape{"DeepSeek-V3", 7168, 4096, 256, 8, 64, 1, 0.0, s.seed};
+             else if (value == "mixtral")
+               s = shape{"Mixtral-8x7B", 4096, 4096, 8, 2, 8, 1, 0.0, s.seed};
+             else
+               throw cli::bad_option("--preset: expected deepseek-v3 or mixtral, got '" +
+                                     cli::printable(value) + "'");
+           });
+  o.number("hidden", s.hidden, std::size_t{1}, std::size_t{1} << 20, "hidden size (bf16)");
+  o.number("tokens", s.tokens, std::size_t{1}, std::size_t{1} << 20, "tokens per rank");
+  o.number("experts", s.experts, 1, 1 << 16, "experts");
+  o.number("k", s.k, 1, 64, "experts per token");
+  o.number("ranks", s.ranks, 1, 256, "ranks (an in-process world)");
+  o.number("chunks", s.chunks, 1, 64, "pipeline chunks");
+  o.number("capacity", s.capacity, 0.0, 64.0, "capacity factor (0 = dropless)");
+  o.number("seed", s.seed, std::uint32_t{0}, std::numeric_limits<std::uint32_t>::max(),
+           "routing seed");
+  help = !o.parse(argc, argv);
+  if (help)
+    return s;
   if (s.k > s.experts)
-    fail("--k must not exceed --experts");
+    throw cli::bad_option("--k must not exceed --experts");
   if (s.experts % s.ranks != 0)
-    fail("--experts must be a multiple of --ranks (one contiguous placement)");
+    throw cli::bad_option("--experts must be a multiple of --ranks (one contiguous placement)");
   return s;
 }
 
@@ -140,10 +120,11 @@ std::string gib(double bytes) {
   return b;
 }
 
-} // namespace
-
-int main(int argc, char** argv) {
-  const shape s = parse_args(argc, argv);
+int run(int argc, char** argv) {
+  bool help = false;
+  const shape s = parse_args(argc, argv, help);
+  if (help)
+    return 0;
   const traffic t = route(s);
   weave::moe_options o;
   o.k = s.k;
@@ -244,4 +225,10 @@ int main(int argc, char** argv) {
               size(*std::max_element(decode128.begin(), decode128.end())).c_str(),
               size(*std::max_element(decode256.begin(), decode256.end())).c_str());
   return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  return cli::run_main("weave-memory", [&] { return run(argc, argv); });
 }

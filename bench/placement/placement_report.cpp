@@ -8,11 +8,12 @@
 //                    [--load-weight L] [--spare-per-device R] [--synthetic all|none|NAME,...]
 //                    [--trace FILE] [--trace-hidden H] [--json FILE]
 
+#include "command_line.hpp"
+
 #include <weave/placement.hpp>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -63,42 +64,36 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
-} // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::size_t tokens = 20000;
   double affinity = 0.8, zipf = 0.6;
   int cluster_size = 8;
   double load_weight = 4.0;
-  std::string json, trace_file, synthetic = "all";
+  std::string json, trace_file;
+  std::vector<std::string> synthetic_models = {"all"};
   int trace_hidden = 2048;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--tokens")
-      tokens = std::strtoull(argv[i + 1], nullptr, 10);
-    else if (a == "--affinity")
-      affinity = std::atof(argv[i + 1]);
-    else if (a == "--zipf")
-      zipf = std::atof(argv[i + 1]);
-    else if (a == "--cluster-size")
-      cluster_size = std::atoi(argv[i + 1]);
-    else if (a == "--spare-per-device")
-      spare = std::atoi(argv[i + 1]);
-    else if (a == "--load-weight")
-      load_weight = std::atof(argv[i + 1]);
-    else if (a == "--json")
-      json = argv[i + 1];
-    else if (a == "--synthetic")
-      synthetic = argv[i + 1];
-    else if (a == "--trace")
-      trace_file = argv[i + 1];
-    else if (a == "--trace-hidden")
-      trace_hidden = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "unknown option %s\n", argv[i]);
-      return 2;
-    }
-  }
+  cli::options opts(
+      "placement_report",
+      "Copies per token, cross-device bytes and load of each placement policy on "
+      "model-shaped synthetic traces\nand recorded trace files, at 4 to 32 devices.\n");
+  opts.number("tokens", tokens, std::size_t{1}, std::size_t{1} << 22,
+              "tokens to profile on, and as many to evaluate on");
+  opts.number("affinity", affinity, 0.0, 1.0, "synthetic: chance a choice stays in its cluster");
+  opts.number("zipf", zipf, 0.0, 100.0, "synthetic: expert popularity skew");
+  opts.number("cluster-size", cluster_size, 1, 256, "synthetic: experts per cluster");
+  opts.number("load-weight", load_weight, 0.0, 1e6, "collaborative placement's load weight");
+  opts.number("spare-per-device", spare, 0, 64, "replica slots per device");
+  opts.choices("synthetic", synthetic_models,
+               {"all", "none", "OLMoE", "DeepSeek-MoE", "Qwen-MoE", "E256-k8"}, 6,
+               "synthetic traces to evaluate");
+  opts.text("trace", trace_file, "FILE", "trace file whose every layer is evaluated too");
+  opts.number("trace-hidden", trace_hidden, 1, 1 << 20, "hidden size of the trace's rows");
+  opts.text("json", json, "FILE", "also write the rows as JSON");
+  if (!opts.parse(argc, argv))
+    return 0; // --help
+  std::string synthetic;
+  for (const std::string& name : synthetic_models)
+    synthetic += (synthetic.empty() ? "" : ",") + name;
   const std::vector<model> models = {{"OLMoE", 64, 8, 2048},
                                      {"DeepSeek-MoE", 64, 6, 2048},
                                      {"Qwen-MoE", 60, 4, 2048},
@@ -340,4 +335,10 @@ int main(int argc, char** argv) {
     out << "]}\n";
   }
   return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  return cli::run_main("placement_report", [&] { return run(argc, argv); });
 }

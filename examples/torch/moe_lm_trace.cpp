@@ -15,8 +15,11 @@
 //   moe_lm_trace --out FILE [--corpus DIR] [--steps N | --minutes M] [--experts E] [--k K]
 //                [--layers L] [--dim D] [--expert-dim F] [--context C] [--batch B]
 //                [--capacity F] [--tokens N] [--seed S]
+// (`--name=value` works too; `--help` lists the ranges; a bad option ends it with one line on
+// stderr and status 2.)
 //
 // examples/torch/record_trace.sh installs the corpus and regenerates the shipped trace.
+#include "command_line.hpp"
 #include "torch_tensor.hpp"
 
 #include <torch/torch.h>
@@ -31,6 +34,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -52,48 +56,37 @@ struct settings {
   int seed = 1;
 };
 
-settings parse(int argc, char** argv) {
-  settings s;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--corpus")
-      s.corpus = v;
-    else if (a == "--out")
-      s.out = v;
-    else if (a == "--minutes")
-      s.minutes = std::stod(v);
-    else if (a == "--steps")
-      s.steps = std::stoi(v);
-    else if (a == "--experts")
-      s.experts = std::stoi(v);
-    else if (a == "--k")
-      s.k = std::stoi(v);
-    else if (a == "--layers")
-      s.layers = std::stoi(v);
-    else if (a == "--dim")
-      s.dim = std::stoll(v);
-    else if (a == "--expert-dim")
-      s.expert_dim = std::stoll(v);
-    else if (a == "--context")
-      s.context = std::stoll(v);
-    else if (a == "--batch")
-      s.batch = std::stoll(v);
-    else if (a == "--tokens")
-      s.tokens = std::stoull(v);
-    else if (a == "--capacity")
-      s.capacity = std::stod(v);
-    else if (a == "--seed")
-      s.seed = std::stoi(v);
-    else {
-      std::fprintf(stderr, "moe_lm_trace: unknown option %s\n", a.c_str());
-      std::exit(2);
-    }
-  }
-  if (s.out.empty()) {
-    std::fprintf(stderr, "moe_lm_trace: --out FILE is required\n");
-    std::exit(2);
-  }
-  return s;
+// Parses the options; false for --help.
+bool parse(int argc, char** argv, settings& s) {
+  cli::options o("moe_lm_trace",
+                 "Trains a small byte-level MoE language model on a text corpus and writes the "
+                 "routing of its MoE\nlayers on held-out text as a weave trace (version 2). --out "
+                 "is required; --k at most --experts;\n--dim a multiple of 4 (the heads).\n");
+  o.text("out", s.out, "FILE", "the trace to write");
+  o.text("corpus", s.corpus, "DIR", "fortune files (Debian's fortunes package)");
+  o.number("minutes", s.minutes, 1e-3, 10080.0, "training time budget when --steps is 0");
+  o.number("steps", s.steps, 0, 10000000, "training steps (0: the time budget)");
+  o.number("experts", s.experts, 1, 1024, "experts per layer");
+  o.number("k", s.k, 1, 64, "experts per token");
+  o.number("layers", s.layers, 1, 64, "transformer blocks");
+  o.number("dim", s.dim, std::int64_t{4}, std::int64_t{4096}, "model width");
+  o.number("expert-dim", s.expert_dim, std::int64_t{1}, std::int64_t{16384}, "expert MLP width");
+  o.number("context", s.context, std::int64_t{1}, std::int64_t{4096}, "context length, bytes");
+  o.number("batch", s.batch, std::int64_t{1}, std::int64_t{4096}, "sequences per step");
+  o.number("tokens", s.tokens, std::size_t{2}, std::size_t{1} << 24, "tokens recorded per layer");
+  o.number("capacity", s.capacity, 0.01, 64.0, "expert capacity factor while training");
+  o.number("seed", s.seed, 0, std::numeric_limits<int>::max(), "seed");
+  if (!o.parse(argc, argv))
+    return false;
+  if (s.out.empty())
+    throw cli::bad_option("--out FILE is required");
+  if (s.k > s.experts)
+    throw cli::bad_option("--k: " + std::to_string(s.k) + " exceeds --experts " +
+                          std::to_string(s.experts));
+  if (s.dim % s.heads != 0)
+    throw cli::bad_option("--dim: " + std::to_string(s.dim) + " is not a multiple of the " +
+                          std::to_string(s.heads) + " heads");
+  return true;
 }
 
 // The corpus: every fortune file (not the .dat indexes or .u8 links), split into cookies at
@@ -124,11 +117,9 @@ corpus load_corpus(const settings& s) {
     if (!cookie.empty())
       cookies.push_back(cookie);
   }
-  if (cookies.size() < 100) {
-    std::fprintf(stderr, "moe_lm_trace: %zu texts under %s (install Debian's fortunes)\n",
-                 cookies.size(), s.corpus.c_str());
-    std::exit(1);
-  }
+  if (cookies.size() < 100)
+    throw std::runtime_error(std::to_string(cookies.size()) + " texts under " + s.corpus +
+                             " (install Debian's fortunes)");
   std::mt19937 rng(static_cast<unsigned>(s.seed));
   std::shuffle(cookies.begin(), cookies.end(), rng);
   corpus c;
@@ -259,12 +250,22 @@ struct language_model : torch::nn::Module {
   torch::nn::LayerNorm norm{nullptr};
 };
 
-} // namespace
-
-int main(int argc, char** argv) {
-  const settings s = parse(argc, argv);
+int run(int argc, char** argv) {
+  settings s;
+  if (!parse(argc, argv, s))
+    return 0; // --help
   torch::manual_seed(static_cast<std::uint64_t>(s.seed));
   const corpus text = load_corpus(s);
+  if (text.train.size() < static_cast<std::size_t>(s.context) + 2)
+    throw cli::bad_option("--context: " + std::to_string(s.context) + " exceeds the " +
+                          std::to_string(text.train.size()) + " bytes to train on");
+  // Checked before training, which may take minutes: the held-out windows the recording reads.
+  const std::size_t windows_needed =
+      (s.tokens + static_cast<std::size_t>(s.context) - 1) / static_cast<std::size_t>(s.context);
+  if (windows_needed * static_cast<std::size_t>(s.context) > text.held_out.size())
+    throw cli::bad_option("--tokens: the " + std::to_string(text.held_out.size()) +
+                          " held-out bytes are too few for " + std::to_string(s.tokens) +
+                          " tokens");
   language_model model(s);
   torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(s.lr).weight_decay(0.01));
   std::mt19937_64 rng(static_cast<std::uint64_t>(s.seed));
@@ -314,12 +315,6 @@ int main(int argc, char** argv) {
   // Record: consecutive held-out windows, every layer's gate through weave's top_k_gate.
   torch::NoGradGuard no_grad;
   model.eval();
-  const std::size_t windows_needed =
-      (s.tokens + static_cast<std::size_t>(s.context) - 1) / static_cast<std::size_t>(s.context);
-  if (windows_needed * static_cast<std::size_t>(s.context) > text.held_out.size()) {
-    std::fprintf(stderr, "moe_lm_trace: held-out text too short for %zu tokens\n", s.tokens);
-    return 1;
-  }
   weave::layered_trace trace;
   trace.layers.resize(static_cast<std::size_t>(s.layers));
   trace.scores.resize(static_cast<std::size_t>(s.layers));
@@ -381,4 +376,10 @@ int main(int argc, char** argv) {
   weave::write_trace_layers_file(s.out, trace);
   std::printf("wrote %s\n", s.out.c_str());
   return 0;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  return cli::run_main("moe_lm_trace", [&] { return run(argc, argv); });
 }

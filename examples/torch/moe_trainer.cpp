@@ -17,7 +17,10 @@
 // state between ranks (plan_migration, MPI point to point), and checks that the losses are
 // bitwise those of a second run that never re-places.
 //
-// Exits 0 only if the losses agree at every step and the loss decreased.
+// Exits 0 only if the losses agree at every step and the loss decreased; `--help` lists the
+// options (`--name=value` or `--name value`) and their ranges, and a bad option ends every rank
+// with one line on stderr and status 2.
+#include "command_line.hpp"
 #include "torch_tensor.hpp"
 
 #include <mpi.h>
@@ -36,6 +39,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <span>
@@ -61,43 +65,34 @@ struct settings {
   int print_every = 25;
 };
 
-settings parse(int argc, char** argv) {
-  settings s;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto eq = a.find('=');
-    const std::string key = a.substr(0, eq),
-                      value = eq == std::string::npos ? "" : a.substr(eq + 1);
-    if (key == "--steps")
-      s.steps = std::stoi(value);
-    else if (key == "--tokens")
-      s.tokens = std::stoll(value);
-    else if (key == "--hidden")
-      s.hidden = std::stoll(value);
-    else if (key == "--ffn")
-      s.ffn = std::stoll(value);
-    else if (key == "--experts")
-      s.experts = std::stoi(value);
-    else if (key == "--k")
-      s.k = std::stoi(value);
-    else if (key == "--chunks")
-      s.chunks = std::stoi(value);
-    else if (key == "--lr")
-      s.lr = std::stod(value);
-    else if (key == "--tolerance")
-      s.tolerance = std::stod(value);
-    else if (key == "--replace-every")
-      s.replace_every = std::stoi(value);
-    else if (key == "--print-every")
-      s.print_every = std::stoi(value);
-    else if (key == "--seed")
-      s.seed = std::stoi(value);
-    else {
-      std::fprintf(stderr, "moe_trainer: unknown option %s\n", a.c_str());
-      std::exit(2);
-    }
-  }
-  return s;
+// Parses the options; false for --help. The ranges keep the dense reference copy, which every
+// rank holds for all ranks' tokens, within a few GiB.
+bool parse(int argc, char** argv, settings& s) {
+  cli::options o("moe_trainer",
+                 "Trains a small MoE block with libtorch and weave over MPI ranks (run under "
+                 "mpirun) and checks it\nagainst a dense copy. --k at most --experts; --experts a "
+                 "multiple of the ranks; --experts x --hidden\nx --ffn at most 2^26.\n");
+  o.number("steps", s.steps, 1, 100000, "training steps");
+  o.number("tokens", s.tokens, std::int64_t{1}, std::int64_t{1} << 16, "tokens per rank and step");
+  o.number("hidden", s.hidden, std::int64_t{1}, std::int64_t{4096}, "hidden size");
+  o.number("ffn", s.ffn, std::int64_t{1}, std::int64_t{16384}, "expert MLP hidden size");
+  o.number("experts", s.experts, 1, 1024, "experts");
+  o.number("k", s.k, 1, 64, "experts per token");
+  o.number("chunks", s.chunks, 1, 64, "pipeline chunks");
+  o.number("lr", s.lr, 1e-9, 10.0, "learning rate (SGD with momentum)");
+  o.number("tolerance", s.tolerance, 0.0, 1.0, "relative loss gap allowed against the dense copy");
+  o.number("replace-every", s.replace_every, 0, 100000,
+           "re-place the experts every N steps (0: never)");
+  o.number("print-every", s.print_every, 1, 100000, "print the loss every N steps");
+  o.number("seed", s.seed, 0, std::numeric_limits<int>::max(), "seed");
+  if (!o.parse(argc, argv))
+    return false;
+  if (s.k > s.experts)
+    throw cli::bad_option("--k: " + std::to_string(s.k) + " exceeds --experts " +
+                          std::to_string(s.experts));
+  if (s.experts * s.hidden * s.ffn > (std::int64_t{1} << 26))
+    throw cli::bad_option("--experts x --hidden x --ffn exceeds 2^26");
+  return true;
 }
 
 // --- parameters -------------------------------------------------------------------------------
@@ -570,7 +565,13 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
 } // namespace
 
 int main(int argc, char** argv) {
-  const settings s = parse(argc, argv);
+  // Every rank parses the same options, so a bad one ends every rank (status 2) before MPI.
+  settings s;
+  if (const int status = cli::run_main(
+          "moe_trainer", [&] { return parse(argc, argv, s) ? 0 : -1; },
+          cli::first_or_only_process()); // rank 0 says it for all
+      status != 0)
+    return status < 0 ? 0 : status; // -1: --help
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   torch::set_num_threads(1); // one process per core

@@ -7,6 +7,8 @@
 #include <limits>
 #include <string>
 #include <system_error>
+#include <type_traits>
+#include <version>
 
 TEST_CASE("weave::error carries its code, a message naming the value, and the location") {
   const int bad_k = 9;
@@ -23,6 +25,24 @@ TEST_CASE("weave::error carries its code, a message naming the value, and the lo
     CHECK(what.find("weave invalid_argument: k = 9 exceeds E = 8") == 0);
     CHECK(what.find("error_test.cpp") != std::string::npos);
   }
+}
+
+TEST_CASE("weave::source_location names the caller, with or without std::source_location") {
+  // Where the standard library has it, weave's type is std::source_location itself, so code
+  // written against the standard type keeps compiling; elsewhere (clang 14 with libstdc++ 12)
+  // it is weave's own class with the same members.
+#if defined(__cpp_lib_source_location)
+  static_assert(std::is_same_v<weave::source_location, std::source_location>);
+#endif
+  const auto here = weave::source_location::current();
+  const int line = __LINE__ - 1;
+  CHECK(static_cast<int>(here.line()) == line);
+  CHECK(std::string(here.file_name()).find("error_test.cpp") != std::string::npos);
+  CHECK(std::string(here.function_name()).size() > 0);
+  // As a default argument it names the line that constructs the error, not error.hpp.
+  const weave::error e(weave::errc::internal, "x");
+  CHECK(static_cast<int>(e.where().line()) == __LINE__ - 1);
+  CHECK(std::string(e.where().file_name()).find("error_test.cpp") != std::string::npos);
 }
 
 TEST_CASE("WEAVE_EXPECT evaluates its message only on failure") {

@@ -352,7 +352,10 @@ TEST_CASE("fp8 dispatch: expert rows are the reference quantisation of the naive
 
 TEST_CASE("fp8 dispatch at hidden sizes that are not a multiple of 4: aligned scales, same rows") {
   const std::pair<std::size_t, std::size_t> shapes[] = {{6, 2}, {6, 3}, {130, 2}};
-  for (const auto& [hidden, block] : shapes) {
+  for (const auto& shape : shapes) {
+    // Plain variables, not a structured binding: CAPTURE's lambda cannot capture a binding
+    // before C++20's P1091 (clang 16).
+    const std::size_t hidden = shape.first, block = shape.second;
     CAPTURE(hidden);
     CAPTURE(block);
     fp8_case c;

@@ -120,7 +120,8 @@ TEST_CASE("migration plans transform current into new exactly with the fewest mo
         CHECK(plan.device_map[static_cast<std::size_t>(j)] / dpn ==
               plan.device_map[static_cast<std::size_t>(j / dpn * dpn)] / dpn);
       std::size_t best = static_cast<std::size_t>(-1);
-      brute::permutations(D, [&](const std::vector<int>& perm) {
+      // `D = D`: a lambda cannot capture a structured binding before clang 16 (P1091).
+      brute::permutations(D, [&, D = D](const std::vector<int>& perm) {
         for (int j = 0; j < D; ++j)
           if (perm[static_cast<std::size_t>(j)] / dpn !=
               perm[static_cast<std::size_t>(j / dpn * dpn)] / dpn)

@@ -85,7 +85,8 @@ TEST_CASE("load-balanced placement is within 4/3 of the brute-force optimum, mos
       const auto p = weave::place_load_balanced(loads, weave::topology::flat(D));
       check_balanced(p, E, D);
       double best = std::numeric_limits<double>::infinity();
-      brute::balanced_partitions(E, D, [&](const std::vector<int>& g) {
+      // `D = D`: a lambda cannot capture a structured binding before clang 16 (P1091).
+      brute::balanced_partitions(E, D, [&, D = D](const std::vector<int>& g) {
         best = std::min(best, max_device_load(brute::to_placement(g, D), loads));
       });
       const double got = max_device_load(p, loads);
@@ -135,7 +136,7 @@ TEST_CASE("collaboration-aware placement vs brute force on small instances") {
       const auto p = weave::place_collaborative(stats, weave::topology::flat(D));
       check_balanced(p, E, D);
       double best = -1;
-      brute::balanced_partitions(E, D, [&](const std::vector<int>& g) {
+      brute::balanced_partitions(E, D, [&, D = D](const std::vector<int>& g) {
         best = std::max(best, weave::kept_coactivation(stats, brute::to_placement(g, D)));
       });
       const double got = weave::kept_coactivation(stats, p);
@@ -196,7 +197,7 @@ TEST_CASE("collaboration objective with a load term matches brute force within t
       check_balanced(p, E, D);
       double best = -std::numeric_limits<double>::infinity();
       double lo = std::numeric_limits<double>::infinity();
-      brute::balanced_partitions(E, D, [&](const std::vector<int>& g) {
+      brute::balanced_partitions(E, D, [&, D = D](const std::vector<int>& g) {
         const double v = weave::collaboration_objective(stats, brute::to_placement(g, D), o);
         best = std::max(best, v);
         lo = std::min(lo, v);

@@ -415,9 +415,12 @@ TEST_CASE("per-layer traces: layer l replays trace l mod count, each as that tra
   REQUIRE(got.layers.size() == 3);
   rc.m.layers = 1;
   routing_source alone;
-  for (const auto& [l, t] : {std::pair{0, home}, std::pair{1, ring}, std::pair{2, home}}) {
+  for (const auto& layer : {std::pair{0, home}, std::pair{1, ring}, std::pair{2, home}}) {
+    // Plain variables, not a structured binding: CAPTURE's lambda cannot capture a binding
+    // before clang 16 (P1091).
+    const int l = layer.first;
     CAPTURE(l);
-    alone.trace = t;
+    alone.trace = layer.second;
     const layer_result want = simulate_cluster(rc.c, rc.m, rc.p, alone, o).layers[0];
     const layer_result& have = got.layers[static_cast<std::size_t>(l)];
     CHECK(have.makespan_us == doctest::Approx(want.makespan_us));

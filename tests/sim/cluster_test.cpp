@@ -68,6 +68,25 @@ TEST_CASE("cluster files round-trip and accept comments, any key order and CRLF"
   CHECK(d.tflops == 300);
 }
 
+TEST_CASE("a # comment may follow the values on a line, as docs/sim.md shows") {
+  const cluster c = parse("weave-cluster 1   # magic and format version\n"
+                          "name lab#no space before the comment\n"
+                          "nodes 64\t# tab before the comment\n"
+                          "gpus_per_node 8 #\n"
+                          "intra 450 3         # GB/s per GPU and direction, latency in us\n"
+                          "inter 50 10\r\n"
+                          "tflops 400 # usable # and a second #\r\n");
+  CHECK(c.name == "lab");
+  CHECK(c.nodes == 64);
+  CHECK(c.gpus_per_node == 8);
+  CHECK(c.intra == weave::sim::link_spec{450, 3});
+  CHECK(c.inter == weave::sim::link_spec{50, 10});
+  CHECK(c.tflops == 400);
+  // A comment ends the values: what it hides is not a value, and what is left must be complete.
+  CHECK(code_of([] { parse("weave-cluster 1\nintra 450 # 3\n"); }) == errc::invalid_argument);
+  CHECK(code_of([] { parse("weave-cluster # 1\n"); }) == errc::invalid_argument);
+}
+
 TEST_CASE("cluster files with bad content are rejected") {
   const std::string body = "nodes 2\ngpus_per_node 8\nintra 450 3\ninter 50 10\ntflops 400\n";
   CHECK(parse("weave-cluster 1\n" + body).num_ranks() == 16);

@@ -7,13 +7,11 @@
 
 #include <cuda_runtime_api.h>
 
-#include <source_location>
-
 WEAVE_NAMESPACE_BEGIN
 
 //! Throws `errc::cuda` naming the failed call and CUDA's description unless `status` is success.
 inline void cuda_check(cudaError_t status, const char* call,
-                       std::source_location where = std::source_location::current()) {
+                       source_location where = source_location::current()) {
   if (WEAVE_LIKELY(status == cudaSuccess))
     return;
   detail::raise(errc::cuda,

@@ -7,8 +7,8 @@
 #pragma once
 
 #include "weave/core/config.hpp"
+#include "weave/core/source_location.hpp"
 
-#include <source_location>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -88,8 +88,7 @@ inline std::error_code make_error_code(errc code) noexcept {
 //! The exception weave throws. `what()` reads "weave <code>: <message> (<file>:<line>)".
 class error : public std::runtime_error {
  public:
-  error(errc code, const std::string& message,
-        std::source_location where = std::source_location::current())
+  error(errc code, const std::string& message, source_location where = source_location::current())
       : std::runtime_error(format(code, message, where))
       , code_(code)
       , where_(where)
@@ -98,12 +97,12 @@ class error : public std::runtime_error {
   //! The error code.
   errc code() const noexcept { return code_; }
   //! The check that failed.
-  const std::source_location& where() const noexcept { return where_; }
+  const source_location& where() const noexcept { return where_; }
   //! The message alone, without code and location.
   const std::string& message() const noexcept { return message_; }
 
  private:
-  static std::string format(errc code, const std::string& message, std::source_location where) {
+  static std::string format(errc code, const std::string& message, source_location where) {
     std::ostringstream out;
     out << "weave " << to_string(code) << ": " << message << " (" << where.file_name() << ':'
         << where.line() << ')';
@@ -111,7 +110,7 @@ class error : public std::runtime_error {
   }
 
   errc code_;
-  std::source_location where_;
+  source_location where_;
   std::string message_;
 };
 
@@ -125,7 +124,7 @@ std::string concat(const Args&... args) {
   return out.str();
 }
 
-[[noreturn]] inline void raise(errc code, std::string message, std::source_location where) {
+[[noreturn]] inline void raise(errc code, std::string message, source_location where) {
   throw error(code, message, where);
 }
 
@@ -141,7 +140,7 @@ struct std::is_error_code_enum<weave::errc> : std::true_type {};
 //! Throws `weave::error(code, message)` where the message is the concatenation of the arguments.
 #define WEAVE_THROW(code, ...)                                                                     \
   ::weave::detail::raise((code), ::weave::detail::concat(__VA_ARGS__),                             \
-                         std::source_location::current())
+                         ::weave::source_location::current())
 
 //! Throws `weave::error(code, ...)` unless `cond` holds. The message arguments are evaluated
 //! only on failure, so naming values in them costs nothing on the good path.

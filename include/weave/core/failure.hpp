@@ -16,7 +16,6 @@
 #include <initializer_list>
 #include <memory>
 #include <optional>
-#include <source_location>
 #include <span>
 #include <string>
 #include <utility>
@@ -44,7 +43,7 @@ class peer_error : public error {
  public:
   //! `context` says where this rank noticed (e.g. "moe_exchange count exchange").
   peer_error(failure_record origin, const std::string& context,
-             std::source_location where = std::source_location::current())
+             source_location where = source_location::current())
       : error(errc::peer_failure, context + ": " + origin.describe(), where)
       , origin_(std::move(origin)) {}
 

@@ -10,7 +10,6 @@
 
 #include <mpi.h>
 
-#include <source_location>
 #include <string>
 
 WEAVE_NAMESPACE_BEGIN
@@ -26,7 +25,7 @@ inline std::string mpi_error_string(int status) {
 
 //! Throws `errc::mpi` naming the failed call and MPI's description unless `status` is success.
 inline void mpi_check(int status, const char* call,
-                      std::source_location where = std::source_location::current()) {
+                      source_location where = source_location::current()) {
   if (WEAVE_LIKELY(status == MPI_SUCCESS))
     return;
   detail::raise(errc::mpi,

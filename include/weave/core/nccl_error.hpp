@@ -7,13 +7,11 @@
 
 #include <nccl.h>
 
-#include <source_location>
-
 WEAVE_NAMESPACE_BEGIN
 
 //! Throws `errc::nccl` naming the failed call and NCCL's description unless `status` is success.
 inline void nccl_check(ncclResult_t status, const char* call,
-                       std::source_location where = std::source_location::current()) {
+                       source_location where = source_location::current()) {
   if (WEAVE_LIKELY(status == ncclSuccess))
     return;
   detail::raise(errc::nccl,

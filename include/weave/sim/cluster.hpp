@@ -4,16 +4,18 @@
 //! latency and a per-GPU, per-direction bandwidth, and the GPU's usable compute rate. Presets
 //! for common clusters, and a small text format for the rest:
 //! ```
-//! weave-cluster 1               <- magic and format version
-//! name my-cluster               <- optional, one word
+//! weave-cluster 1               # magic and format version
+//! name my-cluster               # optional, one word
 //! nodes 64
 //! gpus_per_node 8
-//! intra 450 3                   <- GB/s per GPU and direction, latency in us
+//! intra 450 3                   # GB/s per GPU and direction, latency in us
 //! inter 50 10
-//! tflops 400                    <- usable dense TFLOP/s per GPU (not the datasheet peak)
+//! tflops 400                    # usable dense TFLOP/s per GPU (not the datasheet peak)
 //! ```
-//! Keys may come in any order, each once; `name` is optional, the others are required. Lines
-//! starting with `#` and blank lines are ignored. Reading names the line of the first problem.
+//! Keys may come in any order, each once; `name` is optional, the others are required. A `#`
+//! starts a comment that runs to the end of its line, on a line of its own or after the values
+//! (so a name cannot contain `#`); blank lines are ignored. Fields are separated by spaces or
+//! tabs; CRLF is accepted. Reading names the line of the first problem.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -124,7 +126,9 @@ struct cluster {
 
 namespace detail {
 
+// The fields of a line, up to a `#` comment.
 inline std::vector<std::string_view> cluster_fields(std::string_view line) {
+  line = line.substr(0, line.find('#'));
   std::vector<std::string_view> out;
   std::size_t i = 0;
   while (i < line.size()) {
@@ -172,7 +176,7 @@ inline cluster read_cluster(std::istream& in) {
     if (!line.empty() && line.back() == '\r')
       line.pop_back();
     const auto f = detail::cluster_fields(line);
-    if (f.empty() || f[0].front() == '#')
+    if (f.empty())
       continue;
     const std::string key(f[0]);
     if (!magic) {
