@@ -8,6 +8,7 @@
 
 #include "weave/core/config.hpp"
 
+#include <cstdint>
 #include <source_location>
 #include <sstream>
 #include <stdexcept>
@@ -33,6 +34,7 @@ enum class errc : int {
   mpi = 11,             //!< MPI reported an error
   internal = 12,        //!< a weave invariant broke: a bug, please report it
   config_mismatch = 13, //!< ranks built one collective object with different configurations
+  protocol = 14,        //!< a peer sent bytes no weave rank writes (a corrupt or foreign message)
 };
 
 //! Short, stable name of an error code ("invalid_argument", ...).
@@ -64,9 +66,21 @@ constexpr const char* to_string(errc code) noexcept {
     return "internal";
   case errc::config_mismatch:
     return "config_mismatch";
+  case errc::protocol:
+    return "protocol";
   }
   return "unknown";
 }
+
+namespace detail {
+
+//! True when `value` is the number of an `errc`: what a code read from a peer's bytes must be.
+WEAVE_HOST_DEVICE constexpr bool is_errc(std::int64_t value) noexcept {
+  return value >= static_cast<std::int64_t>(errc::invalid_argument) &&
+         value <= static_cast<std::int64_t>(errc::protocol);
+}
+
+} // namespace detail
 
 //! `std::error_category` for `errc`, so weave errors compose with `std::error_code`.
 inline const std::error_category& weave_category() noexcept {
