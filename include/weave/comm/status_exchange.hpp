@@ -160,7 +160,10 @@ class counts_with_status {
                  " to receive for ", ranks_, " ranks with ", k_, " per peer");
     block_io io{this, &b, send, recv};
     const auto pack = [io](const std::exception_ptr& pending) { io.pack(pending); };
-    const auto decide = [io](std::exception_ptr own) { return io.decide(std::move(own)); };
+    // Bytes no peer writes may reach this rank alone: its peers must not wait for it.
+    const auto decide = [io, &comm](std::exception_ptr own) {
+      return abort_peers_on_protocol_error(comm, io.decide(std::move(own)));
+    };
     const std::span<const std::int64_t> wire_send(b.send);
     const std::span<std::int64_t> wire_recv(b.recv);
     if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
@@ -196,9 +199,9 @@ class counts_with_status {
         std::copy_n(b->recv.begin() + static_cast<std::ptrdiff_t>(j * stride()), self->k_,
                     recv.begin() + static_cast<std::ptrdiff_t>(j * self->k_));
       return own ? own
-                 : detail::peer_failure_in(std::span<const std::int64_t>(b->recv), self->k_,
-                                           self->ranks_, self->rank_,
-                                           self->what_ + " count exchange", detail::decode_status);
+                 : detail::peer_failure_in(
+                       std::span<const std::int64_t>(b->recv), self->k_, self->ranks_, self->rank_,
+                       self->what_ + " count exchange", detail::status_decoder(self->ranks_));
     }
   };
 

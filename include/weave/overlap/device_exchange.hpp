@@ -101,7 +101,9 @@ class basic_device_exchange
               return record_of_call(rank,
                                     [&] { throw_sender_errors(flags & 0xFFFFu, flags >> 16); });
             },
-            layout_type::sized_at_call(options) ? 2 : 1)
+            layout_type::sized_at_call(options) ? 2 : 1,
+            device_plan_bad_expert | device_plan_duplicate | device_plan_bad_weight |
+                device_exchange_slot_overflow << 16)
       , layout_(options, this->placement_, comm.size())
       , allocator_(stream_allocator<Space>::space_default()) {
     D_ = comm.size();

@@ -198,7 +198,9 @@ void basic_device_exchange<Space, Comm>::read_counts(slot_type& s, chunk_state& 
                                                      stream_type& st) {
   const auto decide = [this, &ch, &s] {
     if (std::exception_ptr failed = status_.failure(ch.status)) {
-      s.failed_together = true; // every rank raises it here
+      // Every rank raises it here, unless it is in bytes this rank alone may have received
+      // (then the caller aborts the communicator).
+      s.failed_together = !is_protocol_error(failed);
       std::rethrow_exception(failed);
     }
     abort_peers_on_failure(*this->comm_, [&] { plan_receive(ch); });
