@@ -1,5 +1,5 @@
 // Every word a peer sends is checked before it is believed: failure records and statuses
-// (`decode_failure`), device flags statuses and configuration fingerprints.
+// (`decode_failure`), device flags statuses, configuration fingerprints and announced counts.
 // Words no weave rank writes are refused with `errc::protocol` naming their sender, never read as
 // "healthy", as another rank, or as a code that is no errc; a rank that finds them aborts its
 // communicator, so its peers fail at once instead of waiting for it. Each case injects the bytes
@@ -313,4 +313,30 @@ TEST_CASE_TEMPLATE("a device flags status is checked like a failure record", Spa
   rank_zero[0] = static_cast<std::int64_t>(weave::errc::timeout);
   const ending e = ending_of_ptr(device_status_with<Space>(rank_zero, 2, own));
   CHECK(e.code == weave::errc::protocol);
+}
+
+TEST_CASE("announced counts are checked one by one before they are summed") {
+  std::vector<std::int64_t> displs(3);
+  CHECK(weave::detail::receive_displacements(std::vector<std::int64_t>{4, 0, 3}, displs, 7,
+                                             "test") == 7);
+  CHECK(displs == std::vector<std::int64_t>{0, 4, 4});
+  constexpr std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  const std::vector<std::int64_t> bad[] = {
+      {big, 1, 0},   // INT64_MAX rows: the sum overflowed
+      {big, big, 2}, // wraps to 0, which passed the bound
+      {5, -5, 0},    // a negative count brought the total back under the bound
+      {3, 3, 2},     // past the bound
+      {0, std::numeric_limits<std::int64_t>::min(), 0},
+  };
+  for (const auto& counts : bad) {
+    const weave::error e = thrown_by(
+        [&] { (void)weave::detail::receive_displacements(counts, displs, 7, "test receive"); });
+    CHECK(e.code() == weave::errc::size_mismatch);
+    CHECK(e.message().find("test receive: rank ") == 0);
+  }
+  const weave::error e = thrown_by([&] {
+    (void)weave::detail::receive_displacements(std::vector<std::int64_t>{5, -5, 0}, displs, 7,
+                                               "test receive");
+  });
+  CHECK(e.message().find("rank 1 announced -5 rows") != std::string::npos);
 }

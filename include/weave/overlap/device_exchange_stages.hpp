@@ -242,17 +242,8 @@ template <execution_space Space, communicator Comm>
 requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
     has_exchange_counts<Comm> && has_all_to_all_v<Comm>
 void basic_device_exchange<Space, Comm>::plan_receive(chunk_state& ch) {
-  std::int64_t total = 0;
-  const auto cap = static_cast<std::int64_t>(layout_.recv_cap());
-  for (std::size_t src = 0; src < ch.recv_counts_h.size(); ++src) {
-    const std::int64_t n = ch.recv_counts_h[src];
-    WEAVE_EXPECT(n >= 0 && n <= cap - total, errc::size_mismatch, "a chunk would receive ", n,
-                 " rows from rank ", src, " after ", total, ", more than the ", layout_.recv_cap(),
-                 " planned from max_tokens = ", this->options_.max_tokens,
-                 " (a rank passed more tokens, or the ranks' options differ)");
-    ch.recv_displs_h[src] = total;
-    total += n;
-  }
+  detail::receive_displacements(ch.recv_counts_h, ch.recv_displs_h, layout_.recv_cap(),
+                                "device exchange chunk receive");
 }
 
 template <execution_space Space, communicator Comm>
