@@ -91,6 +91,13 @@ TEST_CASE("cluster files with bad content are rejected") {
         }) == errc::invalid_argument);
   CHECK(code_of([&] { weave::sim::read_cluster_file("/nonexistent/cluster.txt"); }) ==
         errc::invalid_argument);
+  // Found by fuzzing (tests/fuzz/fuzz_cluster.cpp): a name write_cluster refuses to write (a
+  // '#' or a carriage return inside it) was read, so a cluster read did not write back.
+  for (const char* name : {"my#cluster", "a\rb", "#"}) {
+    CAPTURE(name);
+    CHECK(code_of([&] { parse("weave-cluster 1\nname " + std::string(name) + "\n" + body); }) ==
+          errc::invalid_argument);
+  }
   cluster spaced;
   spaced.name = "two words";
   std::ostringstream out;
