@@ -1,7 +1,7 @@
 // A local_world rank whose outgoing messages a test corrupts, as a faulty sender or a bad link
-// would: each count exchange and all-to-all copies what the rank sends, on the stream, right
-// before it leaves, and lets the test edit the copy. Tests of the receivers' checks inject with
-// it the bytes no weave rank writes.
+// would: right before each count exchange or all-to-all leaves (on the stream), the test edits
+// what the rank sends (a copy of the counts; the bytes in place). Tests of the receivers' checks
+// inject with it the bytes no weave rank writes.
 #pragma once
 
 #include <weave/comm/communicator.hpp>
@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -29,7 +28,8 @@ class corrupting_communicator {
 
   //! Edits the words of count exchange number `call` (from 0, in enqueue order) sent to `dest`.
   using count_edit = std::function<void(int call, int dest, std::span<std::int64_t> words)>;
-  //! Edits the bytes of all-to-all number `call` (from 0, in enqueue order) sent to `dest`.
+  //! Edits the bytes of all-to-all number `call` (from 0, in enqueue order) sent to `dest` (in
+  //! the sender's buffer).
   using byte_edit = std::function<void(int call, int dest, std::span<std::byte> bytes)>;
 
   explicit corrupting_communicator(weave::local_communicator& comm, count_edit counts = {},
@@ -61,25 +61,21 @@ class corrupting_communicator {
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
                     std::span<const std::int64_t> recv_displs, std::size_t unit = 1) {
-    std::size_t bytes = 0;
-    for (std::size_t d = 0; d < send_counts.size(); ++d)
-      bytes = std::max(bytes, static_cast<std::size_t>(send_displs[d] + send_counts[d]) * unit);
-    auto copy = keep(std::vector<std::byte>(bytes));
+    // The counts are read when the stream gets there, as the transfer reads them; the bytes are
+    // edited in place, as memory overwritten on the sender would be (the senders rewrite them
+    // for every message). A transfer its failed stream skips is left alone.
     const int call = byte_calls_++;
-    std::vector<std::int64_t> counts(send_counts.begin(), send_counts.end()),
-        displs(send_displs.begin(), send_displs.end());
-    s.submit_always([this, copy, send, call, unit, counts, displs](std::exception_ptr pending) {
-      std::memcpy(copy->data(), send, copy->size());
-      if (bytes_)
+    s.submit_always([this, send, call, unit, send_counts, send_displs](std::exception_ptr pending) {
+      if (!pending && bytes_)
         for (int d = 0; d < size(); ++d) {
-          const auto at = static_cast<std::size_t>(displs[static_cast<std::size_t>(d)]) * unit;
-          const auto n = static_cast<std::size_t>(counts[static_cast<std::size_t>(d)]) * unit;
-          bytes_(call, d, std::span(*copy).subspan(at, n));
+          const auto i = static_cast<std::size_t>(d);
+          auto* at = static_cast<std::byte*>(const_cast<void*>(send)) +
+                     static_cast<std::size_t>(send_displs[i]) * unit;
+          bytes_(call, d, std::span(at, static_cast<std::size_t>(send_counts[i]) * unit));
         }
       return pending;
     });
-    comm_->all_to_all_v(s, copy->data(), send_counts, send_displs, recv, recv_counts, recv_displs,
-                        unit);
+    comm_->all_to_all_v(s, send, send_counts, send_displs, recv, recv_counts, recv_displs, unit);
   }
 
   void abort(const weave::failure_record& why) { comm_->abort(why); }
