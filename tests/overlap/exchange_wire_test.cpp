@@ -52,7 +52,7 @@ ending ending_of(F&& f) {
 // One forward per rank (`Space` void: moe_exchange) on 2 ranks; rank 1's first chunk count
 // exchange to rank 0 has `word` (0: the count; then a second count or the status) set to `value`.
 template <class Space>
-std::vector<ending> forward_with(std::size_t word, std::int64_t value) {
+std::vector<ending> forward_with(std::size_t word, std::int64_t value, bool fixed = false) {
   weave::local_world world(2, {20s, {}});
   std::vector<ending> got(2);
   world.run([&](weave::local_communicator& local) {
@@ -66,6 +66,8 @@ std::vector<ending> forward_with(std::size_t word, std::int64_t value) {
     o.k = 2;
     o.hidden = 8;
     o.max_tokens = 6;
+    o.static_shape = fixed;
+    o.static_rows_per_peer = fixed ? 8 : 0;
     std::mt19937 rng(static_cast<std::uint32_t>(r + 5));
     const auto in = moe_test::random_input<float>(6, o.hidden, 8, o.k, rng);
     const moe_test::linear_experts experts(8, o.hidden, 4);
@@ -151,4 +153,19 @@ TEST_CASE_TEMPLATE("the device exchange checks each announced count before summi
                    "bad statuses",
                    Space, weave::host_space, weave::emulated_gpu_space) {
   check_bad_counts<Space>();
+}
+
+TEST_CASE_TEMPLATE("the device exchange with static shapes checks each announced count on the "
+                   "device before it is read",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // No host reads the counts with static shapes: a step checks them against the static slot
+  // (12 rows here: max_tokens x k), and check_errors reports one outside it.
+  for (const std::int64_t count :
+       {std::int64_t{-1}, std::int64_t{13}, std::numeric_limits<std::int64_t>::max()}) {
+    CAPTURE(count);
+    const auto got = forward_with<Space>(0, count, true);
+    CHECK(got[0].code == weave::errc::size_mismatch);
+    CHECK(got[0].message.find("a peer announced a row count outside the static slot of 8 rows") !=
+          std::string::npos);
+  }
 }

@@ -171,6 +171,9 @@ void basic_device_exchange<Space, Comm>::exchange_chunk_counts(slot_type& s, chu
   if (this->options_.static_shape) {
     status_.exchange(*this->comm_, st, ch.status, ch.slot_counts, ch.recv_counts,
                      ch.plan.error_word(), ch.error, reported);
+    Space::for_each(st, D_,
+                    detail::received_counts_step{
+                        ch.recv_counts, static_cast<std::int64_t>(layout_.slot_rows()), ch.error});
     return;
   }
   if (sized_at_call()) { // the pairs each peer sends size the expert rows
