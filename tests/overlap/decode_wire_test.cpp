@@ -293,6 +293,13 @@ TEST_CASE("decode header checks accept every header the senders write") {
   CHECK(weave::detail::decode_header_fault_of(
             weave::detail::failed_header(2, weave::errc::internal, ""), 2, 8, 0) ==
         weave::decode_header_fault::none);
+  // A message with a zero byte inside, or a code that is no errc (a weave::error built from a
+  // cast integer), is still written as a header every reader accepts.
+  const auto odd = weave::detail::failed_header(2, static_cast<weave::errc>(99),
+                                                std::string("before\0after", 12));
+  CHECK(weave::detail::decode_header_fault_of(odd, 2, 8, 0) == weave::decode_header_fault::none);
+  CHECK(odd.code == static_cast<std::int32_t>(weave::errc::internal));
+  CHECK(std::string(odd.cause) == "before");
   for (const std::int64_t rows : {0, 1, 8}) {
     weave::decode_header ok;
     ok.rows = rows;

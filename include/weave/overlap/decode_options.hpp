@@ -109,13 +109,15 @@ inline std::size_t decode_call_tokens(const decode_options& o, std::size_t eleme
   return tokens;
 }
 
-//! A header saying that `source` failed with `code` and `what`.
+//! A header saying that `source` failed with `code` (`errc::internal` if it is no `errc`: a
+//! receiver refuses such a header) and `what` (cut at a zero byte and to 103 bytes).
 inline decode_header failed_header(int source, errc code, std::string_view what) noexcept {
   decode_header h;
   h.status = decode_status::failed;
-  h.code = static_cast<std::int32_t>(code);
+  h.code =
+      static_cast<std::int32_t>(is_errc(static_cast<std::int64_t>(code)) ? code : errc::internal);
   h.source = source;
-  const std::size_t n = std::min(what.size(), sizeof(h.cause) - 1);
+  const std::size_t n = std::min(what.substr(0, what.find('\0')).size(), sizeof(h.cause) - 1);
   std::memcpy(h.cause, what.data(), n);
   h.cause[n] = '\0';
   return h;
