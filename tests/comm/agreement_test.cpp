@@ -189,17 +189,17 @@ TEST_CASE("a long message is cut to the wire form's room, a short one travels wh
   weave::failure_record r{3, weave::errc::invalid_argument, true, std::string(500, 'x')};
   std::int64_t words[weave::failure_words];
   weave::encode_failure(&r, words);
-  const auto back = weave::decode_failure(words);
+  const auto back = weave::decode_failure(words, 3, 4);
   REQUIRE(back.has_value());
   CHECK(back->rank == 3);
   CHECK(back->code == weave::errc::invalid_argument);
   CHECK(back->message == std::string((weave::failure_words - 1) * 8 - 1, 'x'));
   r = {0, weave::errc::internal, false, "boom"};
   weave::encode_failure(&r, words);
-  CHECK(weave::decode_failure(words)->weave_error == false);
-  CHECK(weave::decode_failure(words)->message == "boom");
+  CHECK(weave::decode_failure(words, 1, 2)->weave_error == false);
+  CHECK(weave::decode_failure(words, 1, 2)->message == "boom");
   weave::encode_failure(nullptr, words);
-  CHECK_FALSE(weave::decode_failure(words).has_value());
+  CHECK_FALSE(weave::decode_failure(words, 1, 2).has_value());
 }
 
 TEST_CASE("the 2DH all-to-all refuses an inconsistent grid on every rank") {

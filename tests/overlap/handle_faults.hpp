@@ -209,7 +209,14 @@ outcome run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
     done();
     return o;
   }
-  auto l = std::make_shared<layer_t>(comm, *compute);
+  std::shared_ptr<layer_t> l;
+  try { // a rank may still be constructing when a fast culprit has aborted the communicator
+    l = std::make_shared<layer_t>(comm, *compute);
+  } catch (...) {
+    record(o, std::current_exception());
+    done();
+    return o;
+  }
   keep(l->ws);
   const bool destroyed = f == fault::destroyed_in_flight || f == fault::destroyed_after_sync;
   if (!(guilty && destroyed))

@@ -110,6 +110,15 @@ TEST_CASE("cluster files with bad content are rejected") {
         }) == errc::invalid_argument);
   CHECK(code_of([&] { weave::sim::read_cluster_file("/nonexistent/cluster.txt"); }) ==
         errc::invalid_argument);
+  // Found by fuzzing (tests/fuzz/fuzz_cluster.cpp): a name write_cluster refuses to write (a
+  // carriage return inside it, or none left once a comment is cut) was read, so a cluster read
+  // did not write back. A '#' starts a comment: "my#cluster" is the name "my".
+  CHECK(parse("weave-cluster 1\nname my#cluster\n" + body).name == "my");
+  for (const char* name : {"a\rb", "#", " #x"}) {
+    CAPTURE(name);
+    CHECK(code_of([&] { parse("weave-cluster 1\nname " + std::string(name) + "\n" + body); }) ==
+          errc::invalid_argument);
+  }
   cluster spaced;
   spaced.name = "two words";
   std::ostringstream out;

@@ -103,7 +103,9 @@ class config_fingerprint {
   std::vector<std::int64_t> words() const;
 
   //! The first disagreement among `all` (every rank's wire form, rank-major), or nothing:
-  //! "moe_exchange: ranks disagree on hidden: 64 on ranks 0, 2-3; 32 on rank 1 (...)".
+  //! "moe_exchange: ranks disagree on hidden: 64 on ranks 0, 2-3; 32 on rank 1 (...)". A
+  //! fingerprint of this version that no rank writes (more than `max_fields` fields, words set
+  //! past its fields) throws `errc::protocol` naming its rank.
   std::optional<config_disagreement> find_disagreement(std::span<const std::int64_t> all) const;
 
  private:
@@ -215,6 +217,8 @@ inline std::string config_fingerprint::format(const field& f, std::int64_t value
 
 inline std::optional<config_disagreement>
 config_fingerprint::find_disagreement(std::span<const std::int64_t> all) const {
+  WEAVE_EXPECT(all.size() % agreement_words == 0, errc::internal, what_, ": ", all.size(),
+               " agreement words are not whole ranks of ", agreement_words);
   const std::size_t ranks = all.size() / agreement_words;
   auto rank_words = [&](std::size_t r) { return all.subspan(r * agreement_words); };
   // One line per distinct value, in order of first appearance: "64 on ranks 0, 2-3".
@@ -247,6 +251,19 @@ config_fingerprint::find_disagreement(std::span<const std::int64_t> all) const {
                                                           ": ranks run different weave versions "
                                                           "(fingerprint tags ",
                                                           differs, ")")};
+  // One version: every fingerprint must read as this one writes them, at most `max_fields`
+  // fields and zeros after them.
+  for (std::size_t r = 0; r < ranks; ++r) {
+    const auto w = rank_words(r);
+    const auto fields = static_cast<std::uint64_t>(w[1]);
+    const bool fits = fields <= max_fields;
+    WEAVE_EXPECT(fits && std::all_of(w.begin() + 2 + static_cast<std::ptrdiff_t>(fields),
+                                     w.begin() + static_cast<std::ptrdiff_t>(fingerprint_words),
+                                     [](std::int64_t v) { return v == 0; }),
+                 errc::protocol, what_, ": rank ", r,
+                 " sent a configuration fingerprint no weave rank writes (", w[1],
+                 " fields, of at most ", max_fields, ", and words set past them)");
+  }
   differs = describe([&](std::size_t r) { return rank_words(r)[1]; }, plain);
   if (!differs.empty())
     return config_disagreement{max_fields, detail::concat(what_,
@@ -332,9 +349,9 @@ std::uint32_t agree_on_config(C& comm, const config_fingerprint& mine, Validate&
   const std::vector<std::int64_t> all = all_gather_now(comm, std::span<const std::int64_t>(words));
   if (invalid)
     std::rethrow_exception(invalid);
-  if (std::exception_ptr peer =
-          detail::peer_failure_in(all, fingerprint_words + 1, comm.size(), comm.rank(),
-                                  mine.what() + " construction", detail::decode_status))
+  if (std::exception_ptr peer = detail::peer_failure_in(all, fingerprint_words + 1, comm.size(),
+                                                        comm.rank(), mine.what() + " construction",
+                                                        detail::status_decoder(comm.size())))
     std::rethrow_exception(peer);
   if (auto disagreement = mine.find_disagreement(all))
     WEAVE_THROW(errc::config_mismatch, disagreement->message);

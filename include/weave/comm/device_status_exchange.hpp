@@ -18,6 +18,7 @@
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/fail_stop.hpp"
 #include "weave/comm/status_exchange.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -38,8 +40,34 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 
-// A status word with this bit carries device flags (in the next word), not a failure record.
-inline constexpr std::int64_t device_flags_status = std::int64_t{1} << 17;
+// A status word with `device_flags_status` (core/failure.hpp) carries device flags, not a
+// failure record: it is exactly (sender + 1) << 32 | device_flags_status, the next word holds the
+// flags (non-zero, 32 bits), and every other word is zero.
+
+// The flags of rank `sender`'s flags status `words` (`failure_words`), checked: throws
+// `errc::protocol` naming the sender for words no sender writes (another rank in the tag, flags
+// of zero, past 32 bits or outside `known`, a word set past the flags).
+inline std::uint32_t device_flags_of(std::span<const std::int64_t> words, int sender,
+                                     std::uint32_t known) {
+  const auto refuse = [&](const auto&... why) {
+    WEAVE_THROW(errc::protocol, "rank ", sender,
+                " sent a device flags status no weave rank writes (status word ",
+                hex(static_cast<std::uint64_t>(words[0])), ", flags ",
+                hex(static_cast<std::uint64_t>(words[1])), ": ", why..., ")");
+  };
+  const std::int64_t tag = (static_cast<std::int64_t>(sender) + 1) << 32 | device_flags_status;
+  if (words[0] != tag)
+    refuse("not the tag of rank ", sender);
+  const auto flags = static_cast<std::uint64_t>(words[1]);
+  if (flags == 0 || flags > 0xFFFFFFFFu)
+    refuse("flags of zero or wider than 32 bits");
+  if ((flags & ~static_cast<std::uint64_t>(known)) != 0)
+    refuse("unknown flags ", hex(flags & ~static_cast<std::uint64_t>(known)));
+  for (std::size_t i = 2; i < words.size(); ++i)
+    if (words[i] != 0)
+      refuse("word ", i, " set");
+  return static_cast<std::uint32_t>(flags);
+}
 
 // Per peer j: its counts (`width` of them: `counts[j]`, then `second[j]`), then this rank's
 // status (a reported record, else its flags).
@@ -106,13 +134,17 @@ class device_counts_with_status {
 
   //! For rank `rank` of `ranks`; `raise_flags`: fail every rank at the exchange when a rank's
   //! flags are set (dynamic shapes); `what` names the owner in peers' errors; `width`: counts
-  //! per peer (1, or 2 for a second count beside the first).
+  //! per peer (1, or 2 for a second count beside the first); `known_flags`: the flags a sender
+  //! may set (the low word's bits, and the high word's shifted by 16): others are refused as
+  //! `errc::protocol`.
   device_counts_with_status(int ranks, int rank, bool raise_flags, std::string what,
-                            describe_fn describe, int width = 1)
+                            describe_fn describe, int width = 1,
+                            std::uint32_t known_flags = 0xFFFFFFFFu)
       : ranks_(ranks)
       , rank_(rank)
       , width_(width)
       , raise_flags_(raise_flags)
+      , known_flags_(known_flags)
       , what_(std::move(what))
       , describe_(std::move(describe)) {
     WEAVE_EXPECT(width == 1 || width == 2, errc::invalid_argument, "counts per peer = ", width);
@@ -161,10 +193,13 @@ class device_counts_with_status {
         for (std::int64_t j = 0; j < D; ++j)
           step(j);
       };
-      const auto decide = [=, this](std::exception_ptr own) {
+      const auto decide = [=, this, &comm](std::exception_ptr own) {
         for (std::int64_t j = 0; j < D; ++j)
           detail::unpack_counts_step{block->recv, recv_counts, recv_second, w}(j);
-        return own ? own : failure_in(std::span<const std::int64_t>(block->recv, words()), true);
+        return own ? own
+                   : abort_peers_on_protocol_error(
+                         comm,
+                         failure_in(std::span<const std::int64_t>(block->recv, words()), true));
       };
       if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
         protocol_.enqueue_deferred(s, pack, detail::deferred_counts(comm, send, recv, tag), decide);
@@ -222,7 +257,8 @@ class device_counts_with_status {
   }
 
   // The failure a received block reports: this rank's own (when `own`), else the lowest failing
-  // peer's. Flags count only with raise_flags_ or outside an exchange (`!own`).
+  // peer's. Flags count only with raise_flags_ or outside an exchange (`!own`). A status no
+  // sender writes is an `errc::protocol` error naming its sender.
   std::exception_ptr failure_in(std::span<const std::int64_t> received, bool own) const {
     const auto status = [&](int r) {
       return received.subspan(
@@ -231,28 +267,39 @@ class device_counts_with_status {
     const auto flagged = [](std::span<const std::int64_t> w) {
       return (w[0] & detail::device_flags_status) != 0;
     };
-    const auto describe = [&](int r, std::span<const std::int64_t> w) {
-      return flagged(w) ? describe_(r, static_cast<std::uint32_t>(w[1]))
-                        : detail::decode_status(r, w);
+    const bool flags_count = raise_flags_ || !own;
+    // A rank's status: its record, or its flags' where they count (here: `count_flags`).
+    const auto describe = [&](int r, std::span<const std::int64_t> w,
+                              bool count_flags) -> std::optional<failure_record> {
+      if (!flagged(w))
+        return decode_failure(w, r, ranks_);
+      const std::uint32_t flags = detail::device_flags_of(w, r, known_flags_);
+      if (!count_flags)
+        return std::nullopt;
+      return describe_(r, flags);
     };
     // This rank's own status: its flags where they count, or a call it rejected (which must stop
     // it at this exchange as it stops its peers).
-    const std::span<const std::int64_t> mine = status(rank_);
-    if (own && mine[0] != 0 && (raise_flags_ || !flagged(mine))) {
-      const failure_record r = describe(rank_, mine);
-      return std::make_exception_ptr(error(r.code, r.message));
+    if (own) {
+      std::optional<failure_record> mine;
+      try {
+        mine = describe(rank_, status(rank_), raise_flags_);
+      } catch (...) {
+        return std::current_exception();
+      }
+      if (mine)
+        return std::make_exception_ptr(error(mine->code, mine->message));
     }
-    // Peers: failure records always; flags where they count.
-    const bool flags_count = raise_flags_ || !own;
     return detail::peer_failure_in(
         received, static_cast<std::size_t>(width_), ranks_, rank_, what_ + " count exchange",
-        describe, [&](std::span<const std::int64_t> w) { return flags_count || !flagged(w); });
+        [&](int r, std::span<const std::int64_t> w) { return describe(r, w, flags_count); });
   }
 
   std::size_t stride() const noexcept { return static_cast<std::size_t>(width_) + failure_words; }
 
   int ranks_ = 0, rank_ = 0, width_ = 1;
   bool raise_flags_ = false;
+  std::uint32_t known_flags_ = 0xFFFFFFFFu;
   std::string what_;
   describe_fn describe_;
   detail::status_protocol protocol_;

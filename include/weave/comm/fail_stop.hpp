@@ -43,6 +43,32 @@ void abort_peers(C& comm, const std::exception_ptr& failure) {
     comm.abort(what_of(failure));
 }
 
+//! True for a failure this rank found in bytes a peer sent that no weave rank writes
+//! (`errc::protocol`; not a peer's failure that names one).
+inline bool is_protocol_error(const std::exception_ptr& failure) {
+  if (!failure)
+    return false;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const peer_error&) {
+    return false;
+  } catch (const error& e) {
+    return e.code() == errc::protocol;
+  } catch (...) {
+    return false;
+  }
+}
+
+//! For a failure this rank found in what one peer sent (`is_protocol_error`), which the other
+//! ranks may not have received: aborts `comm` (see `abort_peers`), so that none of them waits for
+//! this rank in a later collective. Returns `failure`; other failures pass unchanged.
+template <communicator C>
+std::exception_ptr abort_peers_on_protocol_error(C& comm, std::exception_ptr failure) {
+  if (is_protocol_error(failure))
+    abort_peers(comm, failure);
+  return failure;
+}
+
 //! Runs `f`; if it throws, aborts `comm` (see `abort_peers`) and rethrows. For steps after
 //! which the peers wait for this rank in a collective that carries no status.
 template <communicator C, class F>

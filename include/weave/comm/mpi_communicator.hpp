@@ -187,8 +187,8 @@ class mpi_communicator {
     });
   }
 
-  //! Sends `send[j*k .. j*k+k)` to rank j, receives rank j's k counts at `recv[j*k ..)`; a tagged
-  //! exchange checks the peers' tags first, as `all_to_all_v`.
+  //! Sends the j-th group of k counts of `send` to rank j and receives rank j's k counts into
+  //! the j-th group of `recv`; a tagged exchange checks the peers' tags first, as `all_to_all_v`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv, call_tag tag = {}) {
     s.submit_always(deferred_exchange_counts(send, recv, tag));

@@ -65,7 +65,8 @@ class mpi_failure_notices {
   void prepare(const failure_record& why) {
     if (prepared_.load(std::memory_order_relaxed))
       return;
-    encode_failure(&why, outbox_);
+    const failure_record sendable = detail::sendable(why, rank_);
+    encode_failure(&sendable, outbox_);
     prepared_.store(true, std::memory_order_release);
   }
 
@@ -89,13 +90,22 @@ class mpi_failure_notices {
   //! Sends nothing from now on (the peers already know: the failure started elsewhere).
   void silence() { sent_ = true; }
 
-  //! A peer's notice, if one arrived (then the channel stops listening).
+  //! A peer's notice, if one arrived (then the channel stops listening). A notice no weave rank
+  //! writes is still a failure of its sender, with code `errc::protocol`.
   std::optional<failure_record> poll() {
     int arrived = 0;
+    MPI_Status status{};
     if (inbox_request_ == MPI_REQUEST_NULL ||
-        MPI_Test(&inbox_request_, &arrived, MPI_STATUS_IGNORE) != MPI_SUCCESS || !arrived)
+        MPI_Test(&inbox_request_, &arrived, &status) != MPI_SUCCESS || !arrived)
       return std::nullopt;
-    return decode_failure(inbox_).value_or(failure_record{});
+    const int sender = status.MPI_SOURCE;
+    try {
+      if (std::optional<failure_record> why = decode_failure(inbox_, sender, size_))
+        return why;
+      return failure_record{sender, errc::protocol, true, "a failure notice that names no failure"};
+    } catch (const error& e) {
+      return failure_record{sender, errc::protocol, true, e.message()};
+    }
   }
 
  private:

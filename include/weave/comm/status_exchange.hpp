@@ -123,6 +123,30 @@ class status_protocol {
   std::shared_ptr<agreed_failure> agreed_;
 };
 
+// The receive layout of rows announced by peers: rank src sends `counts[src]` rows, placed one
+// rank after the other from row 0 (`displs[src]`: its first row); returns the total. Each count
+// is checked before it is added, so that no sum overflows and no wrapped sum passes: a negative
+// count, or one that takes the total past `bound` (the rows the receiver planned for), throws
+// `errc::size_mismatch` naming its rank; `what` names the receiver.
+inline std::size_t receive_displacements(std::span<const std::int64_t> counts,
+                                         std::span<std::int64_t> displs, std::size_t bound,
+                                         const char* what) {
+  WEAVE_EXPECT(displs.size() == counts.size(), errc::internal, what, ": ", counts.size(),
+               " counts and ", displs.size(), " displacements");
+  std::size_t total = 0;
+  for (std::size_t src = 0; src < counts.size(); ++src) {
+    const std::int64_t n = counts[src];
+    WEAVE_EXPECT(n >= 0 && static_cast<std::uint64_t>(n) <= bound - total, errc::size_mismatch,
+                 what, ": rank ", src, " announced ", n, " rows, outside [0, ", bound - total,
+                 "]: the rows left of the ", bound, " this rank planned for after ", total,
+                 " from the ranks before it (a rank passed more tokens, or the ranks' options "
+                 "differ)");
+    displs[src] = static_cast<std::int64_t>(total);
+    total += static_cast<std::size_t>(n);
+  }
+  return total;
+}
+
 } // namespace detail
 
 //! The buffers of one status-carrying count exchange in host memory (one per exchange that may
@@ -171,7 +195,10 @@ class counts_with_status {
                  " to receive for ", ranks_, " ranks with ", k_, " per peer");
     block_io io{this, &b, send, recv};
     const auto pack = [io](const std::exception_ptr& pending) { io.pack(pending); };
-    const auto decide = [io](std::exception_ptr own) { return io.decide(std::move(own)); };
+    // Bytes no peer writes may reach this rank alone: its peers must not wait for it.
+    const auto decide = [io, &comm](std::exception_ptr own) {
+      return abort_peers_on_protocol_error(comm, io.decide(std::move(own)));
+    };
     const std::span<const std::int64_t> wire_send(b.send);
     const std::span<std::int64_t> wire_recv(b.recv);
     if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
@@ -207,9 +234,9 @@ class counts_with_status {
         std::copy_n(b->recv.begin() + static_cast<std::ptrdiff_t>(j * stride()), self->k_,
                     recv.begin() + static_cast<std::ptrdiff_t>(j * self->k_));
       return own ? own
-                 : detail::peer_failure_in(std::span<const std::int64_t>(b->recv), self->k_,
-                                           self->ranks_, self->rank_,
-                                           self->what_ + " count exchange", detail::decode_status);
+                 : detail::peer_failure_in(
+                       std::span<const std::int64_t>(b->recv), self->k_, self->ranks_, self->rank_,
+                       self->what_ + " count exchange", detail::status_decoder(self->ranks_));
     }
   };
 

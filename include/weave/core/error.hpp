@@ -9,6 +9,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/source_location.hpp"
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -34,6 +35,7 @@ enum class errc : int {
   internal = 12,        //!< a weave invariant broke: a bug, please report it
   config_mismatch = 13, //!< ranks built one collective object with different configurations
   call_mismatch = 14,   //!< ranks issued different calls at one collective (call order broken)
+  protocol = 15,        //!< a peer sent bytes no weave rank writes (a corrupt or foreign message)
 };
 
 //! Short, stable name of an error code ("invalid_argument", ...).
@@ -67,9 +69,21 @@ constexpr const char* to_string(errc code) noexcept {
     return "config_mismatch";
   case errc::call_mismatch:
     return "call_mismatch";
+  case errc::protocol:
+    return "protocol";
   }
   return "unknown";
 }
+
+namespace detail {
+
+//! True when `value` is the number of an `errc`: what a code read from a peer's bytes must be.
+WEAVE_HOST_DEVICE constexpr bool is_errc(std::int64_t value) noexcept {
+  return value >= static_cast<std::int64_t>(errc::invalid_argument) &&
+         value <= static_cast<std::int64_t>(errc::protocol);
+}
+
+} // namespace detail
 
 //! `std::error_category` for `errc`, so weave errors compose with `std::error_code`.
 inline const std::error_category& weave_category() noexcept {

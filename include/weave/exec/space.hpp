@@ -46,6 +46,18 @@ WEAVE_HOST_DEVICE inline void atomic_or(std::uint32_t* p, std::uint32_t v) {
 #endif
 }
 
+// True for the one caller that finds `*p` zero (and sets it): who records a first occurrence
+// among a step's indices.
+WEAVE_HOST_DEVICE inline bool atomic_claim(std::uint32_t* p) {
+#ifdef __CUDA_ARCH__
+  return atomicExch(reinterpret_cast<unsigned int*>(p), 1u) == 0u;
+#else
+  const bool first = *p == 0;
+  *p = 1;
+  return first;
+#endif
+}
+
 } // namespace detail
 
 //! What a space provides to weave's device algorithms (see `host_space` in

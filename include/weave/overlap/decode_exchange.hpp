@@ -272,27 +272,25 @@ class decode_exchange {
   }
 
   // Checks every received header of phase `p`: this rank's own failure first (the root
-  // cause), then the lowest failed peer's, then that each count fits its slot.
+  // cause), then the lowest failed peer's (a failed header in any slot), or a header no sender
+  // writes. A failure its peers may not know (a header no sender writes, a sender that failed in
+  // some of its headers only) aborts the communicator, so that no peer waits for this rank in a
+  // later collective.
   void check_headers(const phase_layout& p) {
     if (local_failure_)
       std::rethrow_exception(local_failure_);
-    for (std::size_t d = 0; d < world(); ++d) {
-      const decode_header h = header(d, 0, p);
-      if (h.status != decode_status::ok) {
-        throw peer_error(failure_record{static_cast<int>(d), static_cast<errc>(h.code), true,
-                                        std::string(h.cause, ::strnlen(h.cause, sizeof h.cause))},
-                         "decode_exchange");
-      }
-    }
-    for (std::size_t d = 0; d < world(); ++d)
-      for (std::size_t l = 0; l < spd(); ++l) {
-        const decode_header h = header(d, l, p);
-        WEAVE_EXPECT(h.source == static_cast<std::int32_t>(d) && h.rows >= 0 &&
-                         static_cast<std::size_t>(h.rows) <= options_.max_tokens_per_rank,
-                     errc::size_mismatch, "decode_exchange: message (slot ", l, ") from rank ", d,
-                     " claims ", h.rows, " rows from rank ", h.source,
-                     " (slots hold max_tokens_per_rank = ", options_.max_tokens_per_rank, ")");
-      }
+    const detail::decode_headers_verdict verdict = detail::check_decode_headers(
+        world(), spd(), static_cast<std::int64_t>(options_.max_tokens_per_rank), 0,
+        "decode_exchange", [&](std::size_t d, std::size_t l) { return header(d, l, p); },
+        [](const decode_header& h) {
+          return failure_record{h.source, static_cast<errc>(h.code), true,
+                                std::string(h.cause, ::strnlen(h.cause, sizeof h.cause))};
+        });
+    if (!verdict.failure)
+      return;
+    if (!verdict.told)
+      abort_peers(*comm_, verdict.failure);
+    std::rethrow_exception(verdict.failure);
   }
 
   // Bytes of a dispatched row: T elements, or an FP8 row (codes, then scales).

@@ -12,6 +12,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/failure.hpp"
 #include "weave/overlap/layer_agreement.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
@@ -20,7 +21,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <optional>
+#include <string>
 #include <string_view>
 
 WEAVE_NAMESPACE_BEGIN
@@ -52,6 +55,17 @@ struct decode_header {
   char cause[104] = {};                     //!< the sender's error message, truncated
 };
 static_assert(sizeof(decode_header) == 128, "decode_header is sent as 128 raw bytes");
+
+//! Why a received `decode_header` is not one a sender writes (`detail::decode_header_fault_of`).
+enum class decode_header_fault : std::int32_t {
+  none = 0, //!< a header some sender writes
+  status,   //!< a status other than `ok` and `failed`
+  source,   //!< another source than the rank it came from
+  rows,     //!< `ok`: rows outside [0, max_tokens_per_rank]; `failed`: rows other than 0
+  code,     //!< `ok`: a code; `failed`: a code that is no `errc`
+  flags,    //!< flags the exchange's senders never set
+  cause,    //!< `ok`: a cause; `failed`: a cause without its zero byte, or bytes after it
+};
 
 namespace detail {
 
@@ -95,16 +109,116 @@ inline std::size_t decode_call_tokens(const decode_options& o, std::size_t eleme
   return tokens;
 }
 
-//! A header saying that `source` failed with `code` and `what`.
+//! A header saying that `source` failed with `code` (`errc::internal` if it is no `errc`: a
+//! receiver refuses such a header) and `what` (cut at a zero byte and to 103 bytes).
 inline decode_header failed_header(int source, errc code, std::string_view what) noexcept {
   decode_header h;
   h.status = decode_status::failed;
-  h.code = static_cast<std::int32_t>(code);
+  h.code =
+      static_cast<std::int32_t>(is_errc(static_cast<std::int64_t>(code)) ? code : errc::internal);
   h.source = source;
-  const std::size_t n = std::min(what.size(), sizeof(h.cause) - 1);
+  const std::size_t n = std::min(what.substr(0, what.find('\0')).size(), sizeof(h.cause) - 1);
   std::memcpy(h.cause, what.data(), n);
   h.cause[n] = '\0';
   return h;
+}
+
+//! Why `h`, received from rank `sender` in a phase whose slots hold `max_rows` rows, is not a
+//! header that a decode exchange whose senders set only `known_flags` writes; `none` if it is.
+//! Run where the headers are (a step of the device exchange, or the host).
+WEAVE_HOST_DEVICE inline decode_header_fault decode_header_fault_of(const decode_header& h,
+                                                                    std::int64_t sender,
+                                                                    std::int64_t max_rows,
+                                                                    std::uint32_t known_flags) {
+  const bool failed = h.status == decode_status::failed;
+  if (!failed && h.status != decode_status::ok)
+    return decode_header_fault::status;
+  if (h.source != sender)
+    return decode_header_fault::source;
+  if (failed ? h.rows != 0 : h.rows < 0 || h.rows > max_rows)
+    return decode_header_fault::rows;
+  if (failed ? !is_errc(h.code) : h.code != 0)
+    return decode_header_fault::code;
+  if (failed ? (static_cast<std::uint32_t>(h.flags) & ~known_flags) != 0 : h.flags != 0)
+    return decode_header_fault::flags;
+  // The cause: `failed_header` writes at most 103 bytes and zeros after them; `ok`: none.
+  std::size_t end = 0;
+  while (end < sizeof h.cause && h.cause[end] != 0)
+    ++end;
+  if (end == sizeof h.cause || (!failed && end != 0))
+    return decode_header_fault::cause;
+  for (std::size_t i = end; i < sizeof h.cause; ++i)
+    if (h.cause[i] != 0)
+      return decode_header_fault::cause;
+  return decode_header_fault::none;
+}
+
+//! What is wrong with `h` (its `fault`), for messages.
+inline std::string describe_header_fault(decode_header_fault fault, const decode_header& h,
+                                         std::int64_t max_rows) {
+  const bool failed = h.status == decode_status::failed;
+  switch (fault) {
+  case decode_header_fault::none:
+    break;
+  case decode_header_fault::status:
+    return concat("status ", static_cast<std::int32_t>(h.status), " (0: ok, 1: failed)");
+  case decode_header_fault::source:
+    return concat("source rank ", h.source);
+  case decode_header_fault::rows:
+    return failed ? concat("a failed header of ", h.rows, " rows")
+                  : concat(h.rows, " rows, outside [0, ", max_rows, "]");
+  case decode_header_fault::code:
+    return failed ? concat("code ", h.code, ", which is no errc")
+                  : concat("code ", h.code, " in a header of status ok");
+  case decode_header_fault::flags:
+    return concat("flags ", hex(static_cast<std::uint32_t>(h.flags)));
+  case decode_header_fault::cause:
+    return failed ? std::string("a cause without its zero byte, or bytes after it")
+                  : std::string("a cause in a header of status ok");
+  }
+  return "nothing";
+}
+
+//! The failure a received phase of a decode exchange reports, if any
+//! (`check_decode_headers`), and whether every rank knows it (`told`: false when its sender did
+//! not fail in every header this rank received, or a header is not one a sender writes; the
+//! peers may then wait for this rank in a later collective).
+struct decode_headers_verdict {
+  std::exception_ptr failure;
+  bool told = true;
+};
+
+//! Checks the headers of one received phase of `who` (a decode exchange), `header(d, l)` for
+//! `ranks` senders and `slots` local slots, in rank-major order. The first sender with a header
+//! no sender writes gives an `errc::protocol` error naming it, its slot and the fault; else the
+//! first sender with a failed header, in any slot, gives a `peer_error` naming it
+//! (`record(h)`: the sender's failure as its header `h` tells it); else no failure.
+template <class Header, class Record>
+decode_headers_verdict check_decode_headers(std::size_t ranks, std::size_t slots,
+                                            std::int64_t max_rows, std::uint32_t known_flags,
+                                            const char* who, Header&& header, Record&& record) {
+  for (std::size_t d = 0; d < ranks; ++d) {
+    std::size_t failed = 0, first_failed = 0;
+    for (std::size_t l = 0; l < slots; ++l) {
+      const decode_header h = header(d, l);
+      const decode_header_fault fault =
+          decode_header_fault_of(h, static_cast<std::int64_t>(d), max_rows, known_flags);
+      if (fault != decode_header_fault::none)
+        return {
+            std::make_exception_ptr(error(
+                errc::protocol, concat(who, ": rank ", d,
+                                       " sent a header no weave rank writes "
+                                       "(local slot ",
+                                       l, ": ", describe_header_fault(fault, h, max_rows), ")"))),
+            false};
+      if (h.status == decode_status::failed && failed++ == 0)
+        first_failed = l;
+    }
+    if (failed > 0)
+      return {std::make_exception_ptr(peer_error(record(header(d, first_failed)), who)),
+              failed == slots};
+  }
+  return {};
 }
 
 //! The construction's agreement of a decode layer named `name` (both decode exchanges): the

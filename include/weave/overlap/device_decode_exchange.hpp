@@ -149,7 +149,7 @@ class basic_device_decode_exchange {
     Space::copy_from_host(stream, table_, table_host_.data(),
                           table_host_.size() * sizeof(std::int32_t));
     Space::fill(stream, words_, 0, word_count * sizeof(std::uint32_t));
-    Space::fill(stream, peer_, 0, sizeof(decode_header));
+    Space::fill(stream, kept_, 0, sizeof(detail::decode_kept));
     Space::fill(stream, send_, 0, buffer_bytes());
     Space::fill(stream, recv_, 0, buffer_bytes());
     wait_watched(*comm_, stream);
@@ -194,9 +194,9 @@ class basic_device_decode_exchange {
       send_rows(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens));
     send_headers(s, dispatch_at_, rejected, slot_rows_, at_.spd, 1);
     Space::for_each(s, at_.spd,
-                    detail::decode_receive_step{dispatch_at_, recv_, rank_, nullptr, source_rows_,
-                                                source_offsets_, expert_rows_, words_ + call_failed,
-                                                words_ + sticky_error, peer_});
+                    detail::decode_receive_step{
+                        dispatch_at_, recv_, known_flags, nullptr, source_rows_, source_offsets_,
+                        expert_rows_, words_ + call_failed, words_ + sticky_error, kept_});
     Space::for_each(s, expert_capacity(),
                     detail::decode_expert_index_step{dispatch_at_, source_rows_, source_offsets_,
                                                      expert_rows_, expert_index_});
@@ -230,9 +230,9 @@ class basic_device_decode_exchange {
     moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), send_index_, nullptr, nullptr);
     send_headers(s, at_, rejected, source_rows_, 1, at_.D);
     Space::for_each(s, at_.spd,
-                    detail::decode_receive_step{at_, recv_, rank_, slot_rows_, nullptr, nullptr,
-                                                nullptr, words_ + call_failed,
-                                                words_ + sticky_error, peer_});
+                    detail::decode_receive_step{at_, recv_, known_flags, slot_rows_, nullptr,
+                                                nullptr, nullptr, words_ + call_failed,
+                                                words_ + sticky_error, kept_});
     const bool sums = !rejected_ && rejected.status == decode_status::ok && tokens_ > 0;
     if (sums) {
       const auto pairs = static_cast<std::int64_t>(tokens_) * options_.k;
@@ -252,26 +252,33 @@ class basic_device_decode_exchange {
 
   //! Waits for `stream`, then throws for what failed since the last check: this rank's own
   //! failure first (a call refused on the host with its typed error; flagged ids or weights:
-  //! `errc::out_of_range` / `errc::invalid_argument`), else the first failed peer's
-  //! (`peer_error` naming it), else a message that contradicted the layer
-  //! (`errc::size_mismatch`). Clears what it reported.
+  //! `errc::out_of_range` / `errc::invalid_argument`), else the first failed header's sender
+  //! (`peer_error` naming it and its cause; a failed header in any slot counts), else a header
+  //! no sender writes (`errc::protocol` naming its sender and slot), else a combine message that
+  //! returned other rows than were sent (`errc::size_mismatch`). Clears what it reported.
   void check_errors(stream_arg stream) {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device_decode_exchange is not initialised");
     // Copied into pinned memory on CUDA: the host blocks only in the watched wait.
     take_error_word<Space>(stream, &checked_.data()->flags, words_ + sticky_error);
-    Space::copy_to_host(stream, &checked_.data()->peer, peer_, sizeof(decode_header));
-    Space::fill(stream, peer_, 0, sizeof(decode_header));
+    Space::copy_to_host(stream, &checked_.data()->kept, kept_, sizeof(detail::decode_kept));
+    Space::fill(stream, kept_, 0, sizeof(detail::decode_kept));
     wait_watched(*comm_, stream);
     const std::uint32_t flags = checked_.data()->flags;
-    const decode_header peer = checked_.data()->peer;
+    const detail::decode_kept kept = checked_.data()->kept;
     if (pending_)
       std::rethrow_exception(std::exchange(pending_, nullptr));
     throw_flagged(flags);
-    if (peer.status != decode_status::ok)
-      throw peer_error(peer_record(peer), "device_decode_exchange");
+    if (kept.peer_claimed != 0)
+      throw peer_error(peer_record(kept.peer), "device_decode_exchange");
+    if (kept.bad_claimed != 0)
+      WEAVE_THROW(errc::protocol, "device_decode_exchange: rank ", kept.bad_sender,
+                  " sent a header no weave rank writes (local slot ", kept.bad_slot, ": ",
+                  detail::describe_header_fault(static_cast<decode_header_fault>(kept.bad_fault),
+                                                kept.bad, at_.M),
+                  ")");
     WEAVE_EXPECT((flags & device_decode_bad_message) == 0, errc::size_mismatch,
-                 "device_decode_exchange: a received message claims more rows than its slot "
-                 "holds, comes from another rank, or returns other rows than were sent");
+                 "device_decode_exchange: a peer returned other rows than were sent to it "
+                 "(its dispatch failed)");
   }
 
  private:
@@ -279,6 +286,9 @@ class basic_device_decode_exchange {
   using moves = row_moves<Space>;
   using quant = quant_moves<Space>;
   enum word : std::size_t { call_flags, call_failed, sticky_error, word_count };
+  // The flags a failed header may carry: a dispatch plan's, and a non-finite FP8 token.
+  static constexpr std::uint32_t known_flags = device_plan_bad_expert | device_plan_duplicate |
+                                               device_plan_bad_weight | device_decode_nonfinite;
 
   device_decode_experts<T> experts_of(std::uint64_t) const {
     device_decode_experts<T> v;
@@ -354,10 +364,11 @@ class basic_device_decode_exchange {
                  "(decode_options::fp8_dispatch) cannot scale it, and the call failed");
   }
 
-  // A failed peer's header as its failure: the cause it sent, or the one its flags name.
+  // A failed peer's header (one a sender writes) as its failure: the cause it sent, or the one
+  // its flags name.
   failure_record peer_record(const decode_header& h) const {
     const std::size_t n = ::strnlen(h.cause, sizeof h.cause);
-    if (n > 0)
+    if (n > 0 || h.flags == 0)
       return {h.source, static_cast<errc>(h.code), true, std::string(h.cause, n)};
     return record_of_call(h.source, [&] { throw_flagged(static_cast<std::uint32_t>(h.flags)); });
   }
@@ -448,7 +459,7 @@ class basic_device_decode_exchange {
                                                  self.options_.hidden * sizeof(T), "expert rows");
     set(self.table_, self.table_host_.size());
     set(self.words_, std::size_t{word_count});
-    set(self.peer_, 1);
+    set(self.kept_, 1);
     set(self.send_, self.buffer_bytes());
     set(self.recv_, self.buffer_bytes());
     set(self.expert_in_, expert_bytes);
@@ -478,9 +489,9 @@ class basic_device_decode_exchange {
   int rank_ = 0;
   detail::decode_layout at_, dispatch_at_; // the combine's messages (rows of T), the dispatch's
   quantized_row_layout wire_;              // FP8 dispatch: a row's codes, then its scales
-  // What `check_errors` reads back: the sticky flags and the first failed peer's header.
+  // What `check_errors` reads back: the sticky flags and the headers kept.
   struct checked_words {
-    decode_header peer;
+    detail::decode_kept kept;
     std::uint32_t flags;
   };
   host_mirror<Space, checked_words> checked_{1};
@@ -489,8 +500,8 @@ class basic_device_decode_exchange {
   std::vector<std::int64_t> dispatch_counts_, dispatch_displs_; // dispatch: rows per peer
   // Memory of the space, carved by `initialize`.
   std::int32_t* table_ = nullptr;
-  std::uint32_t* words_ = nullptr; // call flags, call failed, sticky error
-  decode_header* peer_ = nullptr;  // the first failed peer's header since the last check
+  std::uint32_t* words_ = nullptr;      // call flags, call failed, sticky error
+  detail::decode_kept* kept_ = nullptr; // the headers kept since the last check
   std::byte *send_ = nullptr, *recv_ = nullptr, *expert_in_ = nullptr, *expert_out_ = nullptr;
   std::int32_t* pair_slot_ = nullptr;
   std::int64_t *pair_pos_ = nullptr, *pair_row_ = nullptr, *slot_rows_ = nullptr;

@@ -19,8 +19,8 @@
 
 WEAVE_NAMESPACE_BEGIN
 
-//! Bit of a device decode exchange's error word: a message whose header contradicts the layer
-//! (a row count outside the slot, another source, or fewer rows returned than were sent).
+//! Bit of a device decode exchange's error word: a combine message returning other rows than
+//! were sent to it (headers no sender writes are kept apart, see `decode_header_fault`).
 inline constexpr std::uint32_t device_decode_bad_message = 1u << 8;
 //! Bit of a device decode exchange's error word and of a failed header's flags: with an FP8
 //! dispatch, a token held a NaN or an infinity (the call fails on every rank).
@@ -151,39 +151,61 @@ struct decode_header_step {
   }
 };
 
+// What a device decode exchange's receive steps keep for `check_errors` since its last check
+// (memory of the space; all zero: nothing kept). Each is kept by the first index of a step that
+// claims it; a sender that failed writes the same header to every slot, so which index keeps its
+// header does not matter.
+struct decode_kept {
+  decode_header peer;             // the first failed header received (this rank's own too)
+  decode_header bad;              // the first header no sender writes
+  std::int32_t bad_sender = 0;    // where `bad` came from: the rank,
+  std::int32_t bad_slot = 0;      // the local slot,
+  std::int32_t bad_fault = 0;     // and its `decode_header_fault`
+  std::uint32_t peer_claimed = 0; // 1 once `peer` is kept
+  std::uint32_t bad_claimed = 0;  // 1 once `bad` is kept
+};
+
 // Per local slot l, after a phase's all-to-all: the headers of l's messages, one per source. A
-// failed one fails the call (`call_failed`; a failing rank fails all its messages, so every slot
-// sees it), and slot 0 keeps the first failed peer's header in `peer` unless one is kept
-// already; a header that contradicts the layer fails the call too, counts as no rows and is
-// flagged. With `source_rows` (the dispatch) it lays out slot l's received rows: per source the
-// count and offset, and the total (all 0 when the slot saw a failure). With `expected` (the
-// combine) each message must return the rows sent to it.
+// failed one, or one no sender writes (`decode_header_fault_of`), fails the call
+// (`call_failed`) and is kept in `kept` unless one is kept already; a header no sender writes
+// counts as no rows. With `source_rows` (the dispatch) it lays out slot l's received rows: per
+// source the count and offset, and the total (all 0 when the slot saw a failure). With
+// `expected` (the combine) each message must return the rows sent to it, else the sticky
+// `error` word is flagged.
 struct decode_receive_step {
   decode_layout at;
   std::byte* recv;
-  int rank;
+  std::uint32_t known_flags;    // the flags a failed header may carry
   const std::int64_t* expected; // combine: rows sent per (d, l), or null
   std::int64_t *source_rows, *source_offsets, *expert_rows; // dispatch: the layout, or null
   std::uint32_t *call_failed, *error;
-  decode_header* peer;
+  decode_kept* kept;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t l) const {
     const bool checks_returns = expected != nullptr && *call_failed == 0;
-    bool failed = false, bad = false;
+    bool failed = false, bad = false, short_return = false;
     for (std::int64_t d = 0; d < at.D; ++d) {
       const decode_header* h = at.header(recv, d, l);
-      if (h->status != decode_status::ok) {
+      const decode_header_fault fault = decode_header_fault_of(*h, d, at.M, known_flags);
+      if (fault != decode_header_fault::none) {
+        bad = true;
+        if (atomic_claim(&kept->bad_claimed)) {
+          kept->bad = *h;
+          kept->bad_sender = static_cast<std::int32_t>(d);
+          kept->bad_slot = static_cast<std::int32_t>(l);
+          kept->bad_fault = static_cast<std::int32_t>(fault);
+        }
+      } else if (h->status == decode_status::failed) {
         failed = true;
-        if (l == 0 && d != rank && peer->status == decode_status::ok)
-          *peer = *h;
-        continue;
+        if (atomic_claim(&kept->peer_claimed))
+          kept->peer = *h;
+      } else if (checks_returns && h->rows != expected[d * at.spd + l]) {
+        short_return = true;
       }
-      const bool fits = h->source == d && h->rows >= 0 && h->rows <= at.M;
-      bad = bad || !fits || (checks_returns && h->rows != expected[d * at.spd + l]);
     }
-    if (failed || bad)
+    if (failed || bad || short_return)
       atomic_or(call_failed, 1u);
-    if (bad)
+    if (short_return)
       atomic_or(error, device_decode_bad_message);
     if (source_rows == nullptr)
       return;

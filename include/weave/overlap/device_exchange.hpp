@@ -101,7 +101,9 @@ class basic_device_exchange
               return record_of_call(rank,
                                     [&] { throw_sender_errors(flags & 0xFFFFu, flags >> 16); });
             },
-            layout_type::sized_at_call(options) ? 2 : 1)
+            layout_type::sized_at_call(options) ? 2 : 1,
+            device_plan_bad_expert | device_plan_duplicate | device_plan_bad_weight |
+                (device_exchange_slot_overflow | device_exchange_bad_count) << 16)
       , layout_(options, this->placement_, comm.size())
       , allocator_(stream_allocator<Space>::space_default()) {
     D_ = comm.size();
@@ -247,8 +249,9 @@ class basic_device_exchange
   //! (`errc::out_of_range`), duplicate choices or non-finite weights (`errc::invalid_argument`),
   //! an overflowing static slot (`errc::size_overflow`), a token holding a NaN or an infinity
   //! in an FP8 dispatch (`errc::invalid_argument`; its rows travelled as NaN, so its outputs are
-  //! NaN, and no other token's are affected), else a peer's failure its count exchanges
-  //! reported (`peer_error`), else bad received rows. Clears the flags.
+  //! NaN, and no other token's are affected), a peer's count outside the static slot
+  //! (`errc::size_mismatch`), else a peer's failure its count exchanges reported (`peer_error`),
+  //! else bad received rows. Clears the flags.
   void check_errors(stream_arg stream) {
     const bool fp8 = this->options_.fp8_dispatch.has_value();
     host_mirror<Space, std::uint32_t>& words = error_words_; // the copies land here, pinned
@@ -306,6 +309,9 @@ class basic_device_exchange
     WEAVE_EXPECT((exchange & device_exchange_slot_overflow) == 0, errc::size_overflow,
                  "a chunk sent more rows to a peer than its static slot of ", layout_.slot_rows(),
                  " rows (moe_options.static_rows_per_peer)");
+    WEAVE_EXPECT((exchange & device_exchange_bad_count) == 0, errc::size_mismatch,
+                 "a peer announced a row count outside the static slot of ", layout_.slot_rows(),
+                 " rows (moe_options.static_rows_per_peer): its rows were not read");
   }
 
   // The one wait (`moe_exchange_base::synchronize`): both streams through the communicator,

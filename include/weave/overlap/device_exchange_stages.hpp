@@ -173,6 +173,9 @@ void basic_device_exchange<Space, Comm>::exchange_chunk_counts(slot_type& s, chu
   if (this->options_.static_shape) {
     status_.exchange(*this->comm_, st, ch.status, ch.slot_counts, ch.recv_counts,
                      ch.plan.error_word(), ch.error, reported, nullptr, nullptr, tag);
+    Space::for_each(st, D_,
+                    detail::received_counts_step{
+                        ch.recv_counts, static_cast<std::int64_t>(layout_.slot_rows()), ch.error});
     return;
   }
   if (sized_at_call()) { // the pairs each peer sends size the expert rows
@@ -200,7 +203,9 @@ void basic_device_exchange<Space, Comm>::read_counts(slot_type& s, chunk_state& 
                                                      stream_type& st) {
   const auto decide = [this, &ch, &s] {
     if (std::exception_ptr failed = status_.failure(ch.status)) {
-      s.failed_together = true; // every rank raises it here
+      // Every rank raises it here, unless it is in bytes this rank alone may have received
+      // (then the caller aborts the communicator).
+      s.failed_together = !is_protocol_error(failed);
       if constexpr (!Space::runs_later) {
         // The call ends here, reported: its sender flags must not fail the slot's next call
         // (host streams clear them at `synchronize`, where they surface). On the compute
@@ -251,17 +256,8 @@ template <execution_space Space, communicator Comm>
 requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
     has_exchange_counts<Comm> && has_all_to_all_v<Comm>
 void basic_device_exchange<Space, Comm>::plan_receive(chunk_state& ch) {
-  std::int64_t total = 0;
-  const auto cap = static_cast<std::int64_t>(layout_.recv_cap());
-  for (std::size_t src = 0; src < ch.recv_counts_h.size(); ++src) {
-    const std::int64_t n = ch.recv_counts_h[src];
-    WEAVE_EXPECT(n >= 0 && n <= cap - total, errc::size_mismatch, "a chunk would receive ", n,
-                 " rows from rank ", src, " after ", total, ", more than the ", layout_.recv_cap(),
-                 " planned from max_tokens = ", this->options_.max_tokens,
-                 " (a rank passed more tokens, or the ranks' options differ)");
-    ch.recv_displs_h[src] = total;
-    total += n;
-  }
+  detail::receive_displacements(ch.recv_counts_h, ch.recv_displs_h, layout_.recv_cap(),
+                                "device exchange chunk receive");
 }
 
 template <execution_space Space, communicator Comm>

@@ -67,6 +67,7 @@ struct device_chunk_hooks {
 //! Bits the device exchange sets in its own error word.
 enum device_exchange_error : std::uint32_t {
   device_exchange_slot_overflow = 1, //!< a chunk sent more rows to a peer than its static slot
+  device_exchange_bad_count = 2,     //!< a peer announced a row count outside its static slot
 };
 
 //! Indices of the device exchange's statistics counters.
@@ -117,6 +118,23 @@ struct slot_counts_step {
     slot_counts[d] = c < S ? c : S;
     if (c > S)
       atomic_or(error, device_exchange_slot_overflow);
+  }
+};
+
+// Static shapes, per peer d, after the count exchange: the rows it announced, checked before
+// any step reads or sums them (no host reads them): a count outside [0, S] is flagged and
+// counts as no rows.
+struct received_counts_step {
+  std::int64_t* counts;
+  std::int64_t S;
+  std::uint32_t* error;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t d) const {
+    const std::int64_t c = counts[d];
+    if (c < 0 || c > S) {
+      counts[d] = 0;
+      atomic_or(error, device_exchange_bad_count);
+    }
   }
 };
 

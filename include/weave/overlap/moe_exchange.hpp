@@ -406,15 +406,8 @@ class moe_exchange
   }
 
   void plan_receive(chunk_state& ch) { // on the comm stream, between the counts and the rows
-    std::int64_t total = 0;
-    for (std::size_t src = 0; src < ch.recv_counts.size(); ++src) {
-      ch.recv_displs[src] = total;
-      total += ch.recv_counts[src];
-    }
-    WEAVE_EXPECT(static_cast<std::size_t>(total) <= recv_bound_, errc::size_mismatch,
-                 "a chunk would receive ", total, " rows, more than the ", recv_bound_,
-                 " planned from max_tokens = ", this->options_.max_tokens,
-                 " (a rank passed more tokens, or the ranks' options differ)");
+    detail::receive_displacements(ch.recv_counts, ch.recv_displs, recv_bound_,
+                                  "moe_exchange chunk receive");
   }
 
   void open_forward(slot_type& slot, int c) {

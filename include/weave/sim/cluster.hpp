@@ -160,11 +160,17 @@ inline int cluster_count(std::string_view field, std::size_t number) {
   return static_cast<int>(v);
 }
 
+// A name the format can hold: one word, without the characters that end or comment a field.
+inline bool cluster_name_ok(std::string_view name) {
+  return !name.empty() && name.find_first_of(" \t\n\r#") == std::string_view::npos;
+}
+
 } // namespace detail
 
 //! Reads a cluster in the format of the file comment. Throws `errc::invalid_argument` for a
 //! bad magic or version, an unknown or repeated key, a missing required key, a wrong number of
-//! values, or a value that is not a valid number (naming the line).
+//! values, a value that is not a valid number, or a name `write_cluster` cannot write (one
+//! holding a '#' or a carriage return), naming the line.
 inline cluster read_cluster(std::istream& in) {
   cluster c;
   std::string line;
@@ -194,8 +200,12 @@ inline cluster read_cluster(std::istream& in) {
     const std::size_t want = key == "intra" || key == "inter" ? 3 : 2;
     WEAVE_EXPECT(f.size() == want, errc::invalid_argument, "cluster line ", number, ": '", key,
                  "' takes ", want - 1, " value(s), got ", f.size() - 1);
-    if (key == "name")
+    if (key == "name") {
+      // What write_cluster can write back: no '#' (a comment) or carriage return inside.
+      WEAVE_EXPECT(detail::cluster_name_ok(f[1]), errc::invalid_argument, "cluster line ", number,
+                   ": name '", f[1], "' is not one word");
       c.name = std::string(f[1]);
+    }
     else if (key == "nodes")
       c.nodes = detail::cluster_count(f[1], number);
     else if (key == "gpus_per_node")
@@ -229,8 +239,8 @@ inline cluster read_cluster_file(const std::string& path) {
 //! Writes `c` in the format `read_cluster` reads (numbers round-trip exactly).
 inline void write_cluster(std::ostream& out, const cluster& c) {
   c.validated();
-  WEAVE_EXPECT(!c.name.empty() && c.name.find_first_of(" \t\n\r#") == std::string::npos,
-               errc::invalid_argument, "cluster name '", c.name, "' is not one word");
+  WEAVE_EXPECT(detail::cluster_name_ok(c.name), errc::invalid_argument, "cluster name '", c.name,
+               "' is not one word");
   const auto old = out.precision(17);
   out << "weave-cluster 1\nname " << c.name << "\nnodes " << c.nodes << "\ngpus_per_node "
       << c.gpus_per_node << "\nintra " << c.intra.gbytes_per_s << ' ' << c.intra.latency_us

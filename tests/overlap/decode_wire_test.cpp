@@ -1,0 +1,309 @@
+// Every header of a decode message is checked, in both decode exchanges (the host
+// `decode_exchange`, and the device one in host_space and in emulated_gpu_space, which takes
+// cuda_space's host-side path): a failed header in any slot fails the call with its sender's
+// cause, and a header no sender writes is an `errc::protocol` error naming the sender, never
+// rows read as valid, a NaN output without an error, or a peer left waiting. Rank 1 of a
+// 2-rank local_world sends a header of its dispatch replaced through a corrupting communicator,
+// to every rank or to rank 0 only.
+#include "aligned_buffer.hpp"
+#include "corrupting_communicator.hpp"
+#include "device_decode_cases.hpp"
+
+#include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
+#include <weave/overlap/decode_exchange.hpp>
+#include <weave/overlap/device_decode_exchange.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+using namespace std::chrono_literals;
+using weave_test::corrupting_communicator;
+
+namespace {
+
+// How one rank's call ended.
+struct ending {
+  weave::errc code{};
+  int origin = -2; // a peer_error's origin rank
+  weave::errc origin_code{};
+  std::string message;
+};
+
+template <class F>
+ending ending_of(F&& f) {
+  try {
+    f();
+  } catch (const weave::peer_error& e) {
+    return {e.code(), e.origin().rank, e.origin().code, e.message()};
+  } catch (const weave::error& e) {
+    return {e.code(), -2, {}, e.message()};
+  }
+  return {};
+}
+
+// Rank 1's dispatch header of local slot `slot` to `dest` (-1: every rank, itself included)
+// becomes `header`.
+struct injection {
+  int slot = 1;
+  int dest = -1;
+  weave::decode_header header;
+};
+
+// A rank's tokens: rank 1 routes rows to every slot of rank 0 (experts 0-3), so that a slot
+// the injection empties on rank 0 returns fewer rows than rank 1 sent.
+moe_test::rank_input<float> input_of(int rank) {
+  const std::vector<std::int32_t> ids = rank == 1
+                                            ? std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 1, 6, 7}
+                                            : std::vector<std::int32_t>{4, 5, 6, 7, 0, 1};
+  moe_test::rank_input<float> in{weave::host_matrix<float>(ids.size() / 3, decode_test::hidden),
+                                 ids, std::vector<float>(ids.size(), 0.5f)};
+  for (std::size_t i = 0; i < in.x.elements().size(); ++i)
+    in.x.elements()[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+  return in;
+}
+
+// Runs one call per rank on a 2-rank world whose rank 1 sends `inj`; `header_at(ex, slot)` is
+// the offset of a slot's header in a message block; `call(ex, in, s)` runs the call to its end.
+template <class Make, class HeaderAt, class Call>
+std::vector<ending> run_injected(const injection& inj, Make&& make, HeaderAt&& header_at,
+                                 Call&& call) {
+  weave::local_world world(2, {20s, {}});
+  std::vector<ending> got(2);
+  world.run([&](weave::local_communicator& local) {
+    const int r = local.rank();
+    std::function<std::size_t(int)> at;
+    corrupting_communicator comm(local, {}, [&, r](int n, int dest, std::span<std::byte> bytes) {
+      if (r == 1 && n == 0 && (inj.dest < 0 || dest == inj.dest))
+        std::memcpy(bytes.data() + at(inj.slot), &inj.header, sizeof inj.header);
+    });
+    weave::host_stream s("decode");
+    auto layer = make(comm, s);
+    at = [&](int slot) { return header_at(*layer, slot); };
+    got[static_cast<std::size_t>(r)] = ending_of([&] { call(*layer, input_of(r), s); });
+    try {
+      s.synchronize();
+    } catch (const weave::error&) {
+    }
+  });
+  return got;
+}
+
+const moe_test::linear_experts& experts_fn() {
+  static const moe_test::linear_experts f(decode_test::experts, decode_test::hidden, 3);
+  return f;
+}
+
+weave::placement where() {
+  return weave::placement::contiguous(decode_test::experts, 2);
+}
+
+// The host decode_exchange over the corrupting communicator.
+std::vector<ending> host_run(const injection& inj) {
+  using exchange = weave::decode_exchange<corrupting_communicator, float>;
+  return run_injected(
+      inj,
+      [](corrupting_communicator& c, weave::host_stream&) {
+        return std::make_unique<exchange>(c, where(), decode_test::options());
+      },
+      [](exchange& ex, int slot) {
+        const std::size_t message =
+            ex.dispatch_bytes_per_peer() / static_cast<std::size_t>(ex.where().slots_per_device());
+        return static_cast<std::size_t>(slot) * message;
+      },
+      [](exchange& ex, const moe_test::rank_input<float>& in, weave::host_stream& s) {
+        (void)decode_test::decode_call(ex, in, experts_fn(), s);
+      });
+}
+
+// The device decode exchange in `Space` over the corrupting communicator.
+template <class Space>
+struct device_layer {
+  device_layer(corrupting_communicator& c, weave::host_stream& s)
+      : ex(c, where(), decode_test::options())
+      , ws(ex.workspace_size()) {
+    ex.initialize(ws.ptr, ws.size, s);
+  }
+  weave::basic_device_decode_exchange<Space, corrupting_communicator, float> ex;
+  weave_test::aligned_buffer ws;
+};
+
+template <class Space>
+std::vector<ending> device_run(const injection& inj) {
+  return run_injected(
+      inj,
+      [](corrupting_communicator& c, weave::host_stream& s) {
+        return std::make_unique<device_layer<Space>>(c, s);
+      },
+      [](device_layer<Space>&, int slot) {
+        return static_cast<std::size_t>(slot) * sizeof(weave::decode_header);
+      },
+      [](device_layer<Space>& layer, const moe_test::rank_input<float>& in, weave::host_stream& s) {
+        (void)decode_test::device_decode_call(layer.ex, in, experts_fn(), s);
+      });
+}
+
+weave::decode_header failed_in_slot() {
+  return weave::detail::failed_header(1, weave::errc::out_of_range, "injected: slot 1 failed");
+}
+
+// Headers no sender writes, each with the words its error names.
+struct bad_header {
+  const char* what;
+  weave::decode_header header;
+  const char* says;
+};
+
+std::vector<bad_header> bad_headers(std::uint32_t unknown_flag) {
+  std::vector<bad_header> out;
+  const auto ok = [] {
+    weave::decode_header h;
+    h.rows = 1;
+    h.source = 1;
+    return h;
+  };
+  weave::decode_header h = ok();
+  h.status = static_cast<weave::decode_status>(7);
+  out.push_back({"status 7", h, "status 7 (0: ok, 1: failed)"});
+  h = ok();
+  h.rows = static_cast<std::int64_t>(decode_test::max_tokens) + 1;
+  out.push_back({"rows past the slot", h, "9 rows, outside [0, 8]"});
+  h = ok();
+  h.rows = -1;
+  out.push_back({"negative rows", h, "-1 rows"});
+  h = ok();
+  h.source = 0;
+  out.push_back({"another source", h, "source rank 0"});
+  h = ok();
+  h.code = 4;
+  out.push_back({"a code in an ok header", h, "code 4 in a header of status ok"});
+  h = failed_in_slot();
+  h.code = 99;
+  out.push_back({"a code that is no errc", h, "code 99, which is no errc"});
+  h = failed_in_slot();
+  h.rows = 3;
+  out.push_back({"a failed header with rows", h, "a failed header of 3 rows"});
+  h = failed_in_slot();
+  h.flags = static_cast<std::int32_t>(unknown_flag);
+  out.push_back({"unknown flags", h, "flags"});
+  h = failed_in_slot();
+  std::memset(h.cause, 'x', sizeof h.cause);
+  out.push_back({"a cause without its zero byte", h, "a cause without its zero byte"});
+  return out;
+}
+
+// Every rank fails the call with rank 1's cause.
+void check_failed_everywhere(const std::vector<ending>& got) {
+  for (const ending& e : got) {
+    CHECK(e.code == weave::errc::peer_failure);
+    CHECK(e.origin == 1);
+    CHECK(e.origin_code == weave::errc::out_of_range);
+    CHECK(e.message.find("injected: slot 1 failed") != std::string::npos);
+  }
+}
+
+// Rank 0 names rank 1 and what is wrong with its header.
+void check_refused(const ending& e, const char* exchange, const char* says) {
+  CHECK(e.code == weave::errc::protocol);
+  CHECK(e.message.find(std::string(exchange) + ": rank 1 sent a header no weave rank writes") == 0);
+  CHECK(e.message.find(says) != std::string::npos);
+}
+
+} // namespace
+
+TEST_CASE("decode_exchange: a failed header in any slot fails the call on every rank") {
+  const auto started = std::chrono::steady_clock::now();
+  for (const int slot : {1, 3}) {
+    CAPTURE(slot);
+    check_failed_everywhere(host_run({slot, -1, failed_in_slot()}));
+    // Sent to rank 0 alone: rank 0 aborts the world, so rank 1 learns the cause at once instead
+    // of waiting for rank 0 in the combine.
+    check_failed_everywhere(host_run({slot, 0, failed_in_slot()}));
+  }
+  CHECK(std::chrono::steady_clock::now() - started < 10s);
+}
+
+TEST_CASE("decode_exchange: a header no sender writes is a protocol error naming the sender") {
+  const auto started = std::chrono::steady_clock::now();
+  for (const bad_header& bad : bad_headers(1)) {
+    for (const int slot : {0, 2}) {
+      CAPTURE(bad.what);
+      CAPTURE(slot);
+      const auto got = host_run({slot, 0, bad.header});
+      check_refused(got[0], "decode_exchange", bad.says);
+      CHECK(got[1].code == weave::errc::peer_failure); // rank 0 aborted the world
+      CHECK(got[1].origin == 0);
+      CHECK(got[1].origin_code == weave::errc::protocol);
+    }
+  }
+  CHECK(std::chrono::steady_clock::now() - started < 10s);
+}
+
+TEST_CASE_TEMPLATE("device decode exchange: a failed header in any slot fails the call on every "
+                   "rank",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  for (const int slot : {1, 3}) {
+    CAPTURE(slot);
+    check_failed_everywhere(device_run<Space>({slot, -1, failed_in_slot()}));
+    // Sent to rank 0 alone: rank 0 fails with the cause; rank 1 finds that rank 0 returned none
+    // of the rows it sent to that slot.
+    const auto got = device_run<Space>({slot, 0, failed_in_slot()});
+    CHECK(got[0].code == weave::errc::peer_failure);
+    CHECK(got[0].origin == 1);
+    CHECK(got[0].message.find("injected: slot 1 failed") != std::string::npos);
+    CHECK(got[1].code == weave::errc::size_mismatch);
+  }
+}
+
+TEST_CASE_TEMPLATE("device decode exchange: a header no sender writes is a protocol error naming "
+                   "the sender",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  for (const bad_header& bad : bad_headers(1u << 12)) {
+    for (const int slot : {0, 2}) {
+      CAPTURE(bad.what);
+      CAPTURE(slot);
+      const auto got = device_run<Space>({slot, 0, bad.header});
+      check_refused(got[0], "device_decode_exchange", bad.says);
+      CHECK(got[1].code == weave::errc::size_mismatch); // rank 0 returned none of slot's rows
+    }
+  }
+}
+
+TEST_CASE("decode header checks accept every header the senders write") {
+  // Both exchanges' failed headers (a host refusal, device flags), and ok headers up to full.
+  weave::decode_header flagged;
+  flagged.status = weave::decode_status::failed;
+  flagged.code = static_cast<std::int32_t>(weave::errc::out_of_range);
+  flagged.flags = 1 | static_cast<std::int32_t>(weave::device_decode_nonfinite);
+  flagged.source = 2;
+  const std::uint32_t device_flags = 7 | weave::device_decode_nonfinite;
+  CHECK(weave::detail::decode_header_fault_of(flagged, 2, 8, device_flags) ==
+        weave::decode_header_fault::none);
+  CHECK(weave::detail::decode_header_fault_of(flagged, 2, 8, 0) ==
+        weave::decode_header_fault::flags);
+  const auto refused = weave::detail::failed_header(2, weave::errc::size_mismatch,
+                                                    std::string(300, 'c')); // cut to 103 bytes
+  CHECK(weave::detail::decode_header_fault_of(refused, 2, 8, 0) ==
+        weave::decode_header_fault::none);
+  CHECK(weave::detail::decode_header_fault_of(
+            weave::detail::failed_header(2, weave::errc::internal, ""), 2, 8, 0) ==
+        weave::decode_header_fault::none);
+  // A message with a zero byte inside, or a code that is no errc (a weave::error built from a
+  // cast integer), is still written as a header every reader accepts.
+  const auto odd = weave::detail::failed_header(2, static_cast<weave::errc>(99),
+                                                std::string("before\0after", 12));
+  CHECK(weave::detail::decode_header_fault_of(odd, 2, 8, 0) == weave::decode_header_fault::none);
+  CHECK(odd.code == static_cast<std::int32_t>(weave::errc::internal));
+  CHECK(std::string(odd.cause) == "before");
+  for (const std::int64_t rows : {0, 1, 8}) {
+    weave::decode_header ok;
+    ok.rows = rows;
+    ok.source = 2;
+    CHECK(weave::detail::decode_header_fault_of(ok, 2, 8, 0) == weave::decode_header_fault::none);
+  }
+}
