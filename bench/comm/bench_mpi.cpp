@@ -8,7 +8,8 @@
 // a rotating order, raw MPI_Alltoallv, weave's all_to_all_v, and two parts of weave's path on
 // their own (MPI_Ialltoallv polled with MPI_Testall on the calling thread; an empty task's round
 // trip through a host_stream). Each is reported as the median over the iterations, with the
-// ratio weave / raw. Argument: bytes per peer (uniform traffic).
+// ratio weave / raw, and weave's all-to-all tagged as a layer's (a 32-byte header per peer first,
+// faults.md) beside the untagged one. Argument: bytes per peer (uniform traffic).
 #include <benchmark/benchmark.h>
 
 #include "traffic.hpp"
@@ -125,7 +126,8 @@ void overhead(benchmark::State& state) {
   weave::host_stream stream("comm");
   MPI_Comm raw_comm = MPI_COMM_NULL; // a duplicate, as weave uses one
   MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
-  const auto ops = std::array<std::function<void()>, 4>{
+  std::uint64_t call = 0;
+  const auto ops = std::array<std::function<void()>, 5>{
       [&] { // raw blocking collective
         MPI_Alltoallv(send.data(), ic.data(), id.data(), MPI_BYTE, recv.data(), ic.data(),
                       id.data(), MPI_BYTE, raw_comm);
@@ -144,10 +146,15 @@ void overhead(benchmark::State& state) {
       [&] { // weave's hand-off alone: an empty task through the stream
         stream.submit([] {});
         stream.synchronize();
+      },
+      [&] { // weave, tagged as a layer's first collective of a stage: a header goes first
+        const auto tag = weave::call_tag::of(1, ++call, weave::call_stage::dispatch, 0);
+        comm.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts, displs, 1, tag);
+        stream.synchronize();
       }};
   for (const auto& op : ops) // warm-up: connections, registration, first-touch pages
     slowest_rank_seconds(op);
-  std::array<std::vector<double>, 4> times;
+  std::array<std::vector<double>, 5> times;
   std::size_t iteration = 0;
   for (auto _ : state) {
     for (std::size_t k = 0; k < ops.size(); ++k) { // rotate the order: no op always goes first
@@ -169,6 +176,8 @@ void overhead(benchmark::State& state) {
   state.counters["weave_busbw_GBps"] = bytes / weave_time * 1e-9 * (n - 1) / n;
   state.counters["ialltoallv_poll_us"] = median(times[2]) * 1e6;
   state.counters["handoff_us"] = median(times[3]) * 1e6;
+  state.counters["tagged_us"] = median(times[4]) * 1e6; // with the call tag's header
+  state.counters["tagged_ratio"] = median(times[4]) / weave_time;
   state.counters["bytes_per_peer"] = static_cast<double>(per_peer);
   state.counters["ranks"] = n;
 }

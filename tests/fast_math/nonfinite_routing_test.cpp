@@ -53,7 +53,9 @@ std::vector<std::pair<S, bool>> both(const S (&specials)[N], const S (&extremes)
 } // namespace
 
 TEST_CASE("non-finite: conversions keep a NaN a NaN and saturate or keep infinities") {
-  for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
+  for (const auto& entry : both(f32_nonfinite, f32_extremes)) {
+    const auto& s = entry.first;
+    const bool finite = entry.second;
     INFO("value: ", std::string(s.name));
     const float x = value(s);
     const std::uint32_t sign = s.bits & 0x80000000u;
@@ -140,7 +142,9 @@ void check_quantize(const std::vector<std::pair<S, bool>>& cases, Assign assign,
   const auto clean_rows = rows_of<T>(3, 256, 5);
   const auto clean = quantize<Fp8>(clean_rows, q);
   REQUIRE(clean.result.code == errc{});
-  for (const auto& [s, finite] : cases) {
+  for (const auto& entry : cases) {
+    const auto& s = entry.first;
+    const bool finite = entry.second;
     INFO("value: ", std::string(s.name));
     auto src = clean_rows;
     assign(src(1, 130), s.bits);
@@ -246,7 +250,8 @@ TEST_CASE("non-finite: the gate rejects NaN and +inf logits, and masks -inf ones
       o.k = 2;
       o.scoring = scoring;
       o.precision = precision;
-      for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
+      for (const auto& entry : both(f32_nonfinite, f32_extremes)) {
+        const auto& s = entry.first;
         INFO("value: ", std::string(s.name));
         auto logits = logits_of<float>();
         logits(1, 6) = value(s);
@@ -304,14 +309,18 @@ TEST_CASE("non-finite: the gate checks f64, bf16 and f16 logits, the bias and ro
     logits(0, 3) = big;
     CHECK(gate(logits.view(), o).result.code == (big > 0 ? errc::invalid_argument : errc{}));
   }
-  for (const auto& [s, finite] : both(bf16_nonfinite, bf16_extremes)) {
+  for (const auto& entry : both(bf16_nonfinite, bf16_extremes)) {
+    const auto& s = entry.first;
+    const bool finite = entry.second;
     INFO("value: ", std::string(s.name));
     auto logits = logits_of<weave::bfloat16>();
     logits(2, 0).bits = s.bits;
     const bool refused = !finite && s.bits != 0xff80u;
     CHECK(gate(logits.view(), o).result.code == (refused ? errc::invalid_argument : errc{}));
   }
-  for (const auto& [s, finite] : both(half_nonfinite, half_extremes)) {
+  for (const auto& entry : both(half_nonfinite, half_extremes)) {
+    const auto& s = entry.first;
+    const bool finite = entry.second;
     INFO("value: ", std::string(s.name));
     auto logits = logits_of<weave::half>();
     logits(2, 0).bits = s.bits;
@@ -319,7 +328,9 @@ TEST_CASE("non-finite: the gate checks f64, bf16 and f16 logits, the bias and ro
     CHECK(gate(logits.view(), o).result.code == (refused ? errc::invalid_argument : errc{}));
   }
   const auto logits = logits_of<float>();
-  for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
+  for (const auto& entry : both(f32_nonfinite, f32_extremes)) {
+    const auto& s = entry.first;
+    const bool finite = entry.second;
     INFO("value: ", std::string(s.name));
     std::vector<float> bias(8, 0.25f);
     bias[5] = value(s);
@@ -435,7 +446,9 @@ TEST_CASE("non-finite: dispatch and expert plans reject non-finite gate weights"
   dev_experts.initialize(ws2.ptr, ws2.size, stream);
   const std::vector<std::int32_t> ids = {0, 5, 2, 7, 1, 3, 6, 4};
   const std::vector<std::int64_t> counts = {2}, displs = {0};
-  for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
+  for (const auto& entry : both(f32_nonfinite, f32_extremes)) {
+    const auto& s = entry.first;
+    const bool finite = entry.second;
     INFO("value: ", std::string(s.name));
     std::vector<float> weights(8, 0.5f);
     weights[5] = value(s);
@@ -470,7 +483,8 @@ TEST_CASE("non-finite: similarity pruning rejects a NaN similarity") {
   weave::device_limit limit;
   limit.where = &where;
   limit.max_devices = 1;
-  for (const auto& [s, finite] : both(f32_nonfinite, f32_extremes)) {
+  for (const auto& entry : both(f32_nonfinite, f32_extremes)) {
+    const auto& s = entry.first;
     INFO("value: ", std::string(s.name));
     std::vector<float> similarity(16, 0.5f);
     similarity[2 * 4 + 1] = value(s); // expert 2 (device 1) -> candidate 1 (device 0)

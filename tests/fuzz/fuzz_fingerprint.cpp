@@ -44,9 +44,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       changed = changed || w != own[i];
       all.push_back(w);
     }
-  // The statuses (what agree_on_config reads first), then the fingerprints.
+  // The statuses (what agree_on_config reads first, after the fingerprint and the layer serial),
+  // then the fingerprints.
   const std::exception_ptr peer =
-      weave::detail::peer_failure_in(all, weave::fingerprint_words, ranks, self,
+      weave::detail::peer_failure_in(all, weave::fingerprint_words + 1, ranks, self,
                                      "fuzz construction", weave::detail::status_decoder(ranks));
   if (peer) {
     try {
