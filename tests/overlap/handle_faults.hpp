@@ -11,6 +11,7 @@
 #include "aligned_buffer.hpp"
 #include "moe_test_support.hpp"
 
+#include <weave/core/host_matrix.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
@@ -20,6 +21,7 @@
 #include <weave/routing/host_row_moves.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <random>
 #include <type_traits>
@@ -130,7 +132,7 @@ struct outcome {
   int origin = -1;            // the rank a peer_error names
   weave::errc origin_code{};  // and its code
   double seconds = 0;         // from the fault to the error (or the end)
-  bool outputs_right = false; // recovery: the next call's output is 2 * x
+  bool outputs_right = false; // the call's outputs are 2x (recovery: the next call's)
   bool handles_stale = false; // recovery: the failed calls' handles throw invalid_state
 };
 
@@ -160,6 +162,23 @@ inline void drain(weave::host_stream& a, weave::host_stream& b) {
       s->synchronize();
     } catch (...) {
     }
+}
+
+// True if `y` is 2x weighted by each token's kept choices (what the cases' experts compute).
+inline bool doubled(const moe_test::rank_input<float>& in, const weave::host_matrix<float>& y) {
+  bool right = true;
+  for (std::size_t t = 0; t < in.x.rows(); ++t) {
+    float w = 0.0f;
+    for (int j = 0; j < k; ++j)
+      if (in.ids[t * k + static_cast<std::size_t>(j)] >= 0)
+        w += in.weights[t * k + static_cast<std::size_t>(j)];
+    for (std::size_t i = 0; i < hidden; ++i) {
+      const float want = 2.0f * w * in.x.view().row_as<float>(t)[i];
+      right =
+          right && std::abs(y.view().row_as<float>(t)[i] - want) <= 1e-5f * (1.0f + std::abs(want));
+    }
+  }
+  return right;
 }
 
 // One rank's side of fault `f` on a layer of kind `K` over `comm`; `keep(layer)` takes layers
@@ -251,19 +270,7 @@ outcome run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
       experts(ex, h3, *compute);
       ex.combine(h3, ya, *compute, *stream);
       ex.synchronize(*compute, *stream);
-      bool right = true;
-      for (std::size_t t = 0; t < a.x.rows(); ++t) { // 2x, weighted by the kept choices
-        float w = 0.0f;
-        for (int j = 0; j < k; ++j)
-          if (a.ids[t * k + static_cast<std::size_t>(j)] >= 0)
-            w += a.weights[t * k + static_cast<std::size_t>(j)];
-        for (std::size_t i = 0; i < hidden; ++i) {
-          const float want = 2.0f * w * a.x.view().row_as<float>(t)[i];
-          right = right &&
-                  std::abs(ya.view().row_as<float>(t)[i] - want) <= 1e-5f * (1.0f + std::abs(want));
-        }
-      }
-      o.outputs_right = right;
+      o.outputs_right = doubled(a, ya);
       return o;
     }
     auto ha = ex.dispatch(a.x, a.ids, a.weights, *compute, *stream);
@@ -290,6 +297,7 @@ outcome run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
       ex.combine(ha, ya, *compute, *stream); // uncaught: leaves the case
     ex.combine(hb, yb, *compute, *stream);
     ex.synchronize(*compute, *stream);
+    o.outputs_right = doubled(a, ya) && doubled(b, yb);
   } catch (...) {
     record(o, std::current_exception());
   }
