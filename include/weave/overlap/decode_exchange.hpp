@@ -37,6 +37,7 @@
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
+#include "weave/overlap/layer_life.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
 #include "weave/routing/quantize.hpp"
@@ -133,13 +134,7 @@ class decode_exchange {
       if constexpr (requires { comm_->abort(std::string()); })
         if (!communicator_aborted(*comm_))
           comm_->abort("a decode_exchange was destroyed between a dispatch and its combine");
-    try {
-      if constexpr (requires { last_.outcome(); })
-        (void)last_.outcome(); // host events: a wait no capture rule applies to
-      else
-        last_.synchronize();
-    } catch (...) {
-    }
+    detail::wait_at_end(last_);
     life_->alive.store(false, std::memory_order_release);
   }
 

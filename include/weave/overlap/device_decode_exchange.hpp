@@ -37,6 +37,7 @@
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/device_decode_steps.hpp"
+#include "weave/overlap/layer_life.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/device_dispatch_plan.hpp"
 #include "weave/routing/quantize.hpp"
@@ -114,13 +115,7 @@ class basic_device_decode_exchange {
                                                           "between a dispatch and its combine")));
       } catch (...) {
       }
-    try {
-      if constexpr (requires { last_.outcome(); })
-        (void)last_.outcome(); // host events: a wait no capture rule applies to
-      else
-        last_.synchronize();
-    } catch (...) {
-    }
+    detail::wait_at_end(last_);
     life_->alive.store(false, std::memory_order_release);
   }
 

@@ -27,5 +27,18 @@ struct layer_life {
   }
 };
 
+//! Waits, at a layer's end, for the work before `e` (an event of the layer's streams) to have
+//! run, ignoring its failure (the layer is going; its calls already reported or aborted).
+template <class Event>
+void wait_at_end(Event& e) noexcept {
+  try {
+    if constexpr (requires { e.outcome(); })
+      (void)e.outcome(); // host events: a wait no capture rule applies to
+    else
+      e.synchronize();
+  } catch (...) {
+  }
+}
+
 } // namespace detail
 WEAVE_NAMESPACE_END

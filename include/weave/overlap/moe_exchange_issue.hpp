@@ -120,15 +120,8 @@ void moe_exchange_base<Derived, Traits>::shutdown() noexcept {
   }
   for (int i = 0; i < max_in_flight(); ++i) {
     slot_type& s = slot(i);
-    for (auto* e : {&s.compute_done, &s.comm_done, &s.compute_last, &s.comm_last}) {
-      try {
-        if constexpr (requires { e->outcome(); })
-          (void)e->outcome(); // host events: a wait no capture rule applies to
-        else
-          e->synchronize();
-      } catch (...) {
-      }
-    }
+    for (auto* e : {&s.compute_done, &s.comm_done, &s.compute_last, &s.comm_last})
+      detail::wait_at_end(*e);
   }
   life_->alive.store(false, std::memory_order_release);
 }
