@@ -58,36 +58,42 @@ void expect_equal(const weave::dispatch_plan& host, const host_plan& dev, weave:
 TEST_CASE("device dispatch plan steps equal the host plan on random placements and choices") {
   std::mt19937 rng(11);
   weave::host_stream s("plan");
-  for (const int D : {1, 2, 3, 8, 64, 2, 3, 8})
-    for (const int extra : {0, 1, 2}) {
-      const int E = D * static_cast<int>(1 + rng() % 4);
-      const int k = std::min(E, static_cast<int>(1 + rng() % 6));
-      const std::size_t T = rng() % 300;
-      const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
-      CAPTURE(D);
-      CAPTURE(extra);
-      const auto p = ref::random_placement(E, D, extra, rng);
-      const std::size_t offset = rng() % 1000; // the chunk's first token: replicas depend on it
-      std::vector<std::int32_t> ids;
-      std::vector<float> w;
-      random_choices(rng, T, E, k, ids, w);
-      const std::vector<std::uint8_t> keep = random_keep(rng, ids.size());
-      weave::dispatch_plan host(p, k, source);
-      host.build(ids, w, keep, offset);
+  // `wide`: more choices per token than the steps keep in thread-local arrays (their other path).
+  for (const bool wide : {false, true})
+    for (const int D : {1, 2, 3, 8, 64, 2, 3, 8})
+      for (const int extra : {0, 1, 2}) {
+        const int least = wide ? weave::detail::plan_local_choices + 8 : 1;
+        const int E = D * static_cast<int>((least + D - 1) / D + rng() % 4);
+        const int k = wide ? weave::detail::plan_local_choices + 1 + static_cast<int>(rng() % 8)
+                           : std::min(E, static_cast<int>(1 + rng() % 6));
+        const std::size_t T = rng() % 300;
+        const int source = static_cast<int>(rng() % static_cast<unsigned>(D));
+        CAPTURE(wide);
+        CAPTURE(D);
+        CAPTURE(extra);
+        CAPTURE(k);
+        const auto p = ref::random_placement(E, D, extra, rng);
+        const std::size_t offset = rng() % 1000; // the chunk's first token: replicas depend on it
+        std::vector<std::int32_t> ids;
+        std::vector<float> w;
+        random_choices(rng, T, E, k, ids, w);
+        const std::vector<std::uint8_t> keep = random_keep(rng, ids.size());
+        weave::dispatch_plan host(p, k, source);
+        host.build(ids, w, keep, offset);
 
-      host_plan dev(p, k, source, T + rng() % 100);
-      workspace ws(dev.workspace_size());
-      dev.initialize(ws.ptr, ws.size, s);
-      dev.build(s, ids, w, keep, offset);
-      expect_equal(host, dev, s);
-      // A rebuild over poisoned outputs with other choices gives the new host plan.
-      random_choices(rng, T, E, k, ids, w);
-      host.build(ids, w);
-      std::fill(ws.ptr, ws.ptr + ws.size, std::byte{0xFF});
-      dev.initialize(ws.ptr, ws.size, s);
-      dev.build(s, ids, w);
-      expect_equal(host, dev, s);
-    }
+        host_plan dev(p, k, source, T + rng() % 100);
+        workspace ws(dev.workspace_size());
+        dev.initialize(ws.ptr, ws.size, s);
+        dev.build(s, ids, w, keep, offset);
+        expect_equal(host, dev, s);
+        // A rebuild over poisoned outputs with other choices gives the new host plan.
+        random_choices(rng, T, E, k, ids, w);
+        host.build(ids, w);
+        std::fill(ws.ptr, ws.ptr + ws.size, std::byte{0xFF});
+        dev.initialize(ws.ptr, ws.size, s);
+        dev.build(s, ids, w);
+        expect_equal(host, dev, s);
+      }
 }
 
 TEST_CASE("device dispatch plan flags bad choices and rejects bad arguments") {

@@ -34,6 +34,14 @@ WEAVE_HOST_DEVICE inline void atomic_add(unsigned long long* p, unsigned long lo
 #endif
 }
 
+WEAVE_HOST_DEVICE inline void atomic_add(std::uint32_t* p, std::uint32_t v) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(reinterpret_cast<unsigned int*>(p), static_cast<unsigned int>(v));
+#else
+  *p += v;
+#endif
+}
+
 WEAVE_HOST_DEVICE inline void atomic_add(std::int64_t* p, std::int64_t v) {
   atomic_add(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }

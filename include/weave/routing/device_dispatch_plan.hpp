@@ -101,6 +101,14 @@ inline std::vector<std::int32_t> replica_table(const placement& where, int sourc
   return table;
 }
 
+// Choices per token up to which the plan steps keep a token's data in thread-local arrays.
+inline constexpr int plan_local_choices = 16;
+
+// Copies of the plan's counters that the pairs step adds into, token t into copy t % 32: on a
+// GPU all of a step's atomics on D (or slots) counters contended on a few L2 lines, which made
+// the step take 220 us for 64k tokens, k = 8, D = 64 on an H200.
+inline constexpr int plan_count_stripes = 32;
+
 // Per token: resolves its pairs to (device, local slot), keeps its distinct devices ascending
 // (as the host plan does) and emits one sort key per (token, device) row.
 struct plan_pairs_step {
@@ -115,51 +123,67 @@ struct plan_pairs_step {
   std::int32_t *pair_device, *pair_local, *kept, *token_devices;
   std::uint32_t* keys;
   std::int32_t* values;
-  std::int64_t *counts, *slot_loads;
+  std::uint32_t* stripes; // plan_count_stripes copies of [D device counts, slots loads]
+  int slots;
   std::uint32_t* error;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    // A token's ids and devices live in thread-local arrays (registers or L1 on a GPU) when k
+    // fits: the duplicate checks and the insertion below then wait on no global memory, which
+    // made this step latency-bound (a chain of L2 round trips per token).
+    if (k <= plan_local_choices) {
+      std::int32_t id[plan_local_choices], devs[plan_local_choices];
+      for (int i = 0; i < k; ++i)
+        id[i] = ids[t * k + i];
+      resolve(t, id, 0, devs);
+    } else {
+      resolve(t, ids, t * k, token_devices + t * k);
+    }
+  }
+
+  // Token t's pairs, its ids at token_ids[first ..), its distinct devices built in `devs`.
+  WEAVE_HOST_DEVICE void resolve(std::int64_t t, const std::int32_t* token_ids, std::int64_t first,
+                                 std::int32_t* devs) const {
     const std::int64_t base = t * k;
-    std::int32_t* devs = token_devices + base;
+    std::uint32_t* stripe = stripes + (t % plan_count_stripes) * (D + slots);
     std::uint32_t flags = 0;
     int ndev = 0;
     for (int i = 0; i < k; ++i) {
       const std::int64_t p = base + i;
-      pair_device[p] = -1;
-      pair_local[p] = -1;
-      kept[p] = -1;
-      if (!routed_choice(ids, weights, base, i, E, flags))
-        continue;
-      const std::int32_t e = ids[p];
-      if (keep != nullptr && keep[p] == 0)
-        continue;
-      const std::int32_t slot =
-          replica_slot(fixed_slot, replica_offsets, replicas, e, token_offset + t);
-      const std::int32_t d = slot / spd;
-      pair_device[p] = d;
-      pair_local[p] = slot - d * spd;
-      kept[p] = e;
-      atomic_add(slot_loads + slot, 1);
-      bool seen = false;
-      for (int j = 0; j < ndev; ++j)
-        seen = seen || devs[j] == d;
-      if (seen)
-        continue;
-      int at = ndev;
-      while (at > 0 && devs[at - 1] > d) { // insertion keeps the token's devices ascending
-        devs[at] = devs[at - 1];
-        --at;
+      std::int32_t device = -1, local = -1, expert = -1;
+      if (routed_choice(token_ids, weights + base - first, first, i, E, flags) &&
+          (keep == nullptr || keep[p] != 0)) {
+        expert = token_ids[first + i];
+        const std::int32_t slot =
+            replica_slot(fixed_slot, replica_offsets, replicas, expert, token_offset + t);
+        device = slot / spd;
+        local = slot - device * spd;
+        atomic_add(stripe + D + slot, 1u);
+        bool seen = false;
+        for (int j = 0; j < ndev; ++j)
+          seen = seen || devs[j] == device;
+        if (!seen) {
+          int at = ndev;
+          while (at > 0 && devs[at - 1] > device) { // insertion keeps the devices ascending
+            devs[at] = devs[at - 1];
+            --at;
+          }
+          devs[at] = device;
+          ++ndev;
+        }
       }
-      devs[at] = d;
-      ++ndev;
+      pair_device[p] = device;
+      pair_local[p] = local;
+      kept[p] = expert;
     }
     for (int j = 0; j < k; ++j) {
       const std::int64_t q = base + j;
-      if (j < ndev) {
-        keys[q] = static_cast<std::uint32_t>(devs[j]);
-        atomic_add(counts + devs[j], 1);
+      const std::int32_t d = j < ndev ? devs[j] : -1;
+      token_devices[q] = d;
+      if (d >= 0) {
+        keys[q] = static_cast<std::uint32_t>(d);
+        atomic_add(stripe + d, 1u);
       } else {
-        devs[j] = -1;
         keys[q] = static_cast<std::uint32_t>(D); // sorts after every real row
       }
       values[q] = static_cast<std::int32_t>(q);
@@ -169,8 +193,12 @@ struct plan_pairs_step {
   }
 };
 
-// Per sorted key r < rows: sorted position r is SFD row r (a device's rows start at its
-// offset; the stable sort keeps token-major order within a device).
+// Per route slot q = r * k + i of SFD row r < rows (sorted position r is SFD row r: a device's
+// rows start at its offset, the stable sort keeps token-major order within a device): slot i
+// holds the i-th of the token's pairs that go to the row's device, or {-1, 0}. One thread per
+// slot rather than per row: a row's k threads read the same few bytes (one request per row, not
+// per thread, on a GPU) and a warp writes consecutive slots; per row, the step was bound by
+// memory requests (k strided loads and stores per thread).
 struct plan_rows_step {
   const std::uint32_t* keys;
   const std::int32_t* values;
@@ -180,21 +208,52 @@ struct plan_rows_step {
   std::int64_t *row_token, *token_rows;
   route_entry* routes;
 
-  WEAVE_HOST_DEVICE void operator()(std::int64_t r) const {
+  WEAVE_HOST_DEVICE void operator()(std::int64_t q) const {
+    const std::int64_t r = q / k;
+    const auto i = static_cast<int>(q - r * k);
     const std::int64_t v = values[r];
     const std::int64_t t = v / k;
     const auto d = static_cast<std::int32_t>(keys[r]);
-    row_token[r] = t;
-    token_rows[v] = r; // v = t * k + (position of d among the token's devices)
-    route_entry* out = routes + r * k;
-    int fill = 0;
-    for (int i = 0; i < k; ++i) {
-      const std::int64_t p = t * k + i;
-      if (pair_device[p] == d)
-        out[fill++] = route_entry{pair_local[p], weights[p]};
+    if (i == 0) {
+      row_token[r] = t;
+      token_rows[v] = r; // v = t * k + (position of d among the token's devices)
     }
-    for (; fill < k; ++fill)
-      out[fill] = route_entry{-1, 0.0f};
+    route_entry entry{-1, 0.0f};
+    for (int j = 0, seen = 0; j < k; ++j) {
+      const std::int64_t p = t * k + j;
+      if (pair_device[p] != d)
+        continue;
+      if (seen++ == i) {
+        entry = route_entry{pair_local[p], weights[p]};
+        break;
+      }
+    }
+    routes[q] = entry;
+  }
+};
+
+// Route slots of the rows (rows * k), for the step above: rows = offsets[D].
+struct plan_route_slots_step {
+  const std::int64_t* rows;
+  int k;
+  std::int64_t* slots;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const { *slots = *rows * k; }
+};
+
+// Counts per device and pairs per slot, summed over the stripes the pairs step adds into.
+struct plan_sum_stripes_step {
+  const std::uint32_t* stripes; // plan_count_stripes copies of [D device counts, slots loads]
+  int D, slots;
+  std::int64_t *counts, *slot_loads;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
+    const std::int64_t width = D + slots;
+    std::int64_t sum = 0;
+    for (int s = 0; s < plan_count_stripes; ++s)
+      sum += stripes[s * width + i];
+    if (i < D)
+      counts[i] = sum;
+    else
+      slot_loads[i - D] = sum;
   }
 };
 
@@ -280,8 +339,9 @@ class device_dispatch_plan {
     tokens_ = ids.size() / kk;
     const auto n = static_cast<std::int64_t>(ids.size());
     const auto D = static_cast<std::size_t>(D_);
-    Space::fill(stream, counts_, 0, (D + 1) * sizeof(std::int64_t));
-    Space::fill(stream, slot_loads_, 0, static_cast<std::size_t>(slots_) * sizeof(std::int64_t));
+    const auto width = D + static_cast<std::size_t>(slots_);
+    Space::fill(stream, stripes_, 0, detail::plan_count_stripes * width * sizeof(std::uint32_t));
+    Space::fill(stream, counts_ + D, 0, sizeof(std::int64_t));                 // the scan's total
     Space::fill(stream, token_rows_, 0xFF, ids.size() * sizeof(std::int64_t)); // -1 padding
     if (n > 0)
       Space::for_each(stream, static_cast<std::int64_t>(tokens_),
@@ -302,15 +362,18 @@ class device_dispatch_plan {
                                               token_devices_,
                                               keys_in_,
                                               values_in_,
-                                              counts_,
-                                              slot_loads_,
+                                              stripes_,
+                                              slots_,
                                               error_});
+    Space::for_each(stream, static_cast<std::int64_t>(width),
+                    detail::plan_sum_stripes_step{stripes_, D_, slots_, counts_, slot_loads_});
     Space::exclusive_scan(stream, counts_, offsets_, D_ + 1, temp_, temp_bytes_);
     if (n == 0)
       return;
     Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, n, detail::key_bits(D_),
                       temp_, temp_bytes_);
-    Space::for_each_counted(stream, offsets_ + D_, n,
+    Space::for_each(stream, 1, detail::plan_route_slots_step{offsets_ + D_, k_, route_slots_});
+    Space::for_each_counted(stream, route_slots_, n * k_,
                             detail::plan_rows_step{keys_out_, values_out_, k_, pair_device_,
                                                    pair_local_, weights.data(), row_token_,
                                                    token_rows_, routes_});
@@ -395,6 +458,8 @@ class device_dispatch_plan {
     set(self.counts_, D + 1);
     set(self.offsets_, D + 1);
     set(self.slot_loads_, static_cast<std::size_t>(self.slots_));
+    set(self.stripes_, detail::plan_count_stripes * (D + static_cast<std::size_t>(self.slots_)));
+    set(self.route_slots_, 1);
     set(self.pair_device_, n);
     set(self.pair_local_, n);
     set(self.kept_, n);
@@ -423,6 +488,8 @@ class device_dispatch_plan {
   std::int64_t* counts_ = nullptr; // D + 1 (the last stays 0: the scan's total)
   std::int64_t* offsets_ = nullptr;
   std::int64_t* slot_loads_ = nullptr;
+  std::uint32_t* stripes_ = nullptr;    // counts and slot loads, striped (see plan_count_stripes)
+  std::int64_t* route_slots_ = nullptr; // rows * k, the rows step's bound
   std::int32_t *pair_device_ = nullptr, *pair_local_ = nullptr, *kept_ = nullptr;
   std::int32_t* token_devices_ = nullptr;
   std::uint32_t *keys_in_ = nullptr, *keys_out_ = nullptr;
