@@ -28,6 +28,11 @@ struct kept_until_finalize {
   void keep(std::shared_ptr<T> thing) {
     things.push_back(std::move(thing));
   }
+  // Last kept, first released: a layer goes before the communicator it was built on.
+  ~kept_until_finalize() {
+    while (!things.empty())
+      things.pop_back();
+  }
 };
 
 } // namespace weave_test

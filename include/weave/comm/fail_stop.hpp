@@ -33,6 +33,18 @@ bool communicator_aborted(const C& comm) {
     return false;
 }
 
+//! True once `comm` gave up on a collective it could not complete (after an abort or a timeout;
+//! `mpi_communicator`): MPI may still write into the buffers that collective names until
+//! `MPI_Finalize`, so a layer retains its own buffers (`detail::retain_until_exit`) rather than
+//! freeing them. False for communicators that never leave work behind.
+template <communicator C>
+bool communicator_abandoned(const C& comm) {
+  if constexpr (requires { comm.abandoned(); })
+    return comm.abandoned();
+  else
+    return false;
+}
+
 //! Aborts `comm` because of `failure` (raised on this rank), if it can be aborted: every peer's
 //! pending and later operations then fail with a `peer_error` naming it. A no-op otherwise.
 template <communicator C>

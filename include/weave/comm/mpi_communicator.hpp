@@ -37,6 +37,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
 #include "weave/core/mpi_error.hpp"
+#include "weave/core/retain.hpp"
 #include "weave/exec/host_stream.hpp"
 
 #include <mpi.h>
@@ -126,17 +127,28 @@ class mpi_communicator {
 
   //! Frees the duplicate communicators (and cached datatype); never throws. A duplicate on which
   //! a collective was abandoned (after an abort) is not freed: MPI may still progress that
-  //! collective, which must find its communicator (MPI_Finalize releases it).
+  //! collective, which must find its communicator and the count arrays and headers it names
+  //! (retained; MPI_Finalize releases the communicator).
   ~mpi_communicator() {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized)
       return;
+    if (abandoned_.load(std::memory_order_acquire)) {
+      detail::retain_value_until_exit(std::move(ints_));
+      detail::retain_value_until_exit(std::move(header_send_));
+      detail::retain_value_until_exit(std::move(header_recv_));
+      return; // the datatype too may still be in use
+    }
     if (unit_type_ != MPI_DATATYPE_NULL)
       MPI_Type_free(&unit_type_);
-    if (!abandoned_)
-      MPI_Comm_free(&comm_);
+    MPI_Comm_free(&comm_);
   }
+
+  //! True once a collective was abandoned (after an abort or a timeout): MPI cannot cancel it and
+  //! may write into the buffers it names until `MPI_Finalize`. weave's layers then retain their
+  //! own buffers; buffers of the caller's (outputs, workspaces) must outlive `MPI_Finalize` too.
+  bool abandoned() const noexcept { return abandoned_.load(std::memory_order_acquire); }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -392,11 +404,11 @@ class mpi_communicator {
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     statuses_.resize(requests.size());
     struct abandon_guard { // leaving without completing abandons the requests (see ~)
-      bool& abandoned;
+      std::atomic<bool>& abandoned;
       bool completed = false;
       ~abandon_guard() {
         if (!completed)
-          abandoned = true;
+          abandoned.store(true, std::memory_order_release);
       }
     } guard{abandoned_};
     for (unsigned spins = 0;; ++spins) {
@@ -486,6 +498,16 @@ class mpi_communicator {
     // Staging for a side whose displacements overflow: its small blocks, packed in peer order,
     // span at most size * limit <= INT_MAX units.
     std::vector<std::byte> send_stage, recv_stage;
+    struct retain_stages { // an abandoned collective may still use them (see abandoned())
+      std::vector<std::byte>&send, &recv;
+      const std::atomic<bool>& abandoned;
+      ~retain_stages() {
+        if (abandoned.load(std::memory_order_acquire) && (!send.empty() || !recv.empty())) {
+          detail::retain_value_until_exit(std::move(send));
+          detail::retain_value_until_exit(std::move(recv));
+        }
+      }
+    } stages{send_stage, recv_stage, abandoned_};
     auto pack_offsets = [&](int* c, int* d) {
       std::int64_t offset = 0;
       for (std::size_t j = 0; j < n; ++j) {
@@ -558,8 +580,8 @@ class mpi_communicator {
   std::mutex mutex_; // guards failed_ (abort may come from any thread)
   std::optional<failure_record> failed_;
   std::atomic<bool> failed_flag_{false};
-  bool abandoned_ = false; // a wait gave up on incomplete requests (stream thread only)
-  std::vector<int> ints_;  // MPI's int counts and displacements, reused by every call
+  std::atomic<bool> abandoned_{false}; // a wait gave up on incomplete requests
+  std::vector<int> ints_;              // MPI's int counts and displacements, reused by every call
   std::vector<std::int64_t> header_send_, header_recv_; // tagged collectives' headers
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;

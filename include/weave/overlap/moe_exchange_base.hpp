@@ -37,6 +37,7 @@
 #include "weave/comm/fail_stop.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/retain.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/core/tensor_args.hpp"
 #include "weave/exec/stream.hpp"
