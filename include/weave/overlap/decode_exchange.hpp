@@ -33,6 +33,7 @@
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
+#include "weave/core/retain.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_handle.hpp"
@@ -136,6 +137,10 @@ class decode_exchange {
           comm_->abort("a decode_exchange was destroyed between a dispatch and its combine");
     detail::wait_at_end(last_);
     life_->alive.store(false, std::memory_order_release);
+    if (communicator_abandoned(*comm_)) { // MPI may still write into them (until MPI_Finalize)
+      detail::retain_value_until_exit(std::move(send_));
+      detail::retain_value_until_exit(std::move(recv_));
+    }
   }
 
   const decode_options& options() const noexcept { return options_; }
