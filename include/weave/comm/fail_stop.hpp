@@ -11,7 +11,9 @@
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
 
+#include <atomic>
 #include <exception>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -33,16 +35,22 @@ bool communicator_aborted(const C& comm) {
     return false;
 }
 
-//! True once `comm` gave up on a collective it could not complete (after an abort or a timeout;
-//! `mpi_communicator`): MPI may still write into the buffers that collective names until
-//! `MPI_Finalize`, so a layer retains its own buffers (`detail::retain_until_exit`) rather than
-//! freeing them. False for communicators that never leave work behind.
+//! A flag that turns true once `comm` gives up on a collective it could not complete (after an
+//! abort or a timeout; `mpi_communicator::abandoned_flag`), shared so that it outlives `comm`;
+//! null for communicators that never leave work behind. MPI may still write into the buffers an
+//! abandoned collective names until `MPI_Finalize`, so a layer that sees the flag set when it is
+//! destroyed keeps its own buffers (`detail::retain_until_exit`) rather than freeing them.
 template <communicator C>
-bool communicator_abandoned(const C& comm) {
-  if constexpr (requires { comm.abandoned(); })
-    return comm.abandoned();
+std::shared_ptr<const std::atomic<bool>> abandoned_flag_of(const C& comm) {
+  if constexpr (requires { comm.abandoned_flag(); })
+    return comm.abandoned_flag();
   else
-    return false;
+    return nullptr;
+}
+
+//! True when `flag` (from `abandoned_flag_of`) is set.
+inline bool abandoned(const std::shared_ptr<const std::atomic<bool>>& flag) noexcept {
+  return flag != nullptr && flag->load(std::memory_order_acquire);
 }
 
 //! Aborts `comm` because of `failure` (raised on this rank), if it can be aborted: every peer's

@@ -48,6 +48,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -134,7 +135,7 @@ class mpi_communicator {
     MPI_Finalized(&finalized);
     if (finalized)
       return;
-    if (abandoned_.load(std::memory_order_acquire)) {
+    if (abandoned_->load(std::memory_order_acquire)) {
       detail::retain_value_until_exit(std::move(ints_));
       detail::retain_value_until_exit(std::move(header_send_));
       detail::retain_value_until_exit(std::move(header_recv_));
@@ -148,7 +149,10 @@ class mpi_communicator {
   //! True once a collective was abandoned (after an abort or a timeout): MPI cannot cancel it and
   //! may write into the buffers it names until `MPI_Finalize`. weave's layers then retain their
   //! own buffers; buffers of the caller's (outputs, workspaces) must outlive `MPI_Finalize` too.
-  bool abandoned() const noexcept { return abandoned_.load(std::memory_order_acquire); }
+  bool abandoned() const noexcept { return abandoned_->load(std::memory_order_acquire); }
+  //! The flag behind `abandoned()`, shared: it outlives the communicator, so a layer destroyed
+  //! after it still knows whether to keep its buffers.
+  std::shared_ptr<const std::atomic<bool>> abandoned_flag() const noexcept { return abandoned_; }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -410,7 +414,7 @@ class mpi_communicator {
         if (!completed)
           abandoned.store(true, std::memory_order_release);
       }
-    } guard{abandoned_};
+    } guard{*abandoned_};
     for (unsigned spins = 0;; ++spins) {
       int done = 0;
       if (requests.size() == 1) {
@@ -507,7 +511,7 @@ class mpi_communicator {
           detail::retain_value_until_exit(std::move(recv));
         }
       }
-    } stages{send_stage, recv_stage, abandoned_};
+    } stages{send_stage, recv_stage, *abandoned_};
     auto pack_offsets = [&](int* c, int* d) {
       std::int64_t offset = 0;
       for (std::size_t j = 0; j < n; ++j) {
@@ -580,8 +584,9 @@ class mpi_communicator {
   std::mutex mutex_; // guards failed_ (abort may come from any thread)
   std::optional<failure_record> failed_;
   std::atomic<bool> failed_flag_{false};
-  std::atomic<bool> abandoned_{false}; // a wait gave up on incomplete requests
-  std::vector<int> ints_;              // MPI's int counts and displacements, reused by every call
+  // A wait gave up on incomplete requests (shared with the layers built on this communicator).
+  std::shared_ptr<std::atomic<bool>> abandoned_ = std::make_shared<std::atomic<bool>>(false);
+  std::vector<int> ints_; // MPI's int counts and displacements, reused by every call
   std::vector<std::int64_t> header_send_, header_recv_; // tagged collectives' headers
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;

@@ -77,6 +77,7 @@ class decode_exchange {
   //! placement of another device count (and its peers a `peer_error` naming this rank).
   decode_exchange(Comm& comm, placement where, decode_options options)
       : comm_(&comm)
+      , abandoned_(abandoned_flag_of(comm))
       , serial_(detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange"))
       , where_(std::move(where))
       , options_(options)
@@ -137,7 +138,7 @@ class decode_exchange {
           comm_->abort("a decode_exchange was destroyed between a dispatch and its combine");
     detail::wait_at_end(last_);
     life_->alive.store(false, std::memory_order_release);
-    if (communicator_abandoned(*comm_)) { // MPI may still write into them (until MPI_Finalize)
+    if (abandoned(abandoned_)) { // MPI may still write into them (until MPI_Finalize)
       detail::retain_value_until_exit(std::move(send_));
       detail::retain_value_until_exit(std::move(recv_));
     }
@@ -492,6 +493,7 @@ class decode_exchange {
   }
 
   Comm* comm_;
+  std::shared_ptr<const std::atomic<bool>> abandoned_; // the communicator's (abandoned_flag_of)
   std::uint32_t serial_ = 0; // the layer on its communicator (agreed at construction)
   placement where_;
   decode_options options_;

@@ -410,6 +410,7 @@ class moe_exchange_base {
       , placement_(std::move(where))
       , options_(options) {
     rank_ = comm.rank();
+    abandoned_ = abandoned_flag_of(comm);
     for (int i = 0; i < options_.max_in_flight; ++i)
       slots_.push_back(std::make_unique<slot_type>(options_.chunks));
     last_pipeline_ = &slots_.front()->pipelines[0];
@@ -469,6 +470,7 @@ class moe_exchange_base {
   }
 
   comm_type* comm_;
+  std::shared_ptr<const std::atomic<bool>> abandoned_; // the communicator's (abandoned_flag_of)
   std::uint32_t layer_serial_ = 0; // this layer on `comm_`, the same on every rank
   placement placement_;
   moe_options options_;

@@ -126,7 +126,7 @@ void moe_exchange_base<Derived, Traits>::shutdown() noexcept {
   life_->alive.store(false, std::memory_order_release);
   // A collective the communicator abandoned may still write into the slots' count blocks and
   // staging buffers (MPI, until MPI_Finalize): keep them rather than free them under it.
-  if (communicator_abandoned(*comm_))
+  if (abandoned(abandoned_))
     for (auto& s : slots_)
       detail::retain_until_exit(std::shared_ptr<void>(std::move(s)));
 }
