@@ -271,7 +271,8 @@ std::exception_ptr device_status_with(const words_t& status, int from, bool own)
   exchange.size_block(b);
   std::fill(b.host.begin(), b.host.end(), 0);
   std::copy(status.begin(), status.end(),
-            b.host.begin() + static_cast<std::ptrdiff_t>(from * (1 + weave::failure_words) + 1));
+            b.host.begin() +
+                static_cast<std::ptrdiff_t>(from * weave::detail::status_block_stride(1) + 2));
   return own ? exchange.failure(b) : exchange.peer_failure(b);
 }
 

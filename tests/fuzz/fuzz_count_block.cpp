@@ -1,10 +1,11 @@
 // What a count exchange receives (per peer: its counts, then its status): the host status
 // exchange's decision (`peer_failure_in` over `decode_failure`), the device exchange's
-// (`device_counts_with_status`: failure records or device flags, in host_space and with
-// cuda_space's control flow in emulated_gpu_space), and the receive layout planned from the
-// counts (`receive_displacements`, what moe_exchange and the device exchange sum). Any block is
-// decided (healthy, a peer's failure naming a rank of the world, or `errc::protocol`) and any
-// counts are laid out within the bound or refused, without overflow.
+// (`device_counts_with_status`: per peer also the call's tag; failure records or device flags,
+// in host_space and with cuda_space's control flow in emulated_gpu_space; a tag other than this
+// rank's is `errc::call_mismatch`, whatever else the block holds), and the receive layout planned
+// from the counts (`receive_displacements`, what moe_exchange and the device exchange sum). Any
+// block is decided (healthy, a peer's failure naming a rank of the world, or `errc::protocol`) and
+// any counts are laid out within the bound or refused, without overflow.
 #include "fuzz_support.hpp"
 
 #include <fuzzer/FuzzedDataProvider.h>
@@ -66,6 +67,8 @@ weave::failure_record describe_flags(int rank, std::uint32_t flags) {
 }
 constexpr std::uint32_t known_flags = 1 | 2 | 4 | 1u << 16;
 
+// The device exchange's decision on `block` (laid out with tags), checked against the tags:
+// a mismatch exactly when this rank's tag is set and a peer's differs.
 template <class Space>
 std::exception_ptr device_decision(const std::vector<std::int64_t>& block, int ranks, int self,
                                    bool raise, int width) {
@@ -73,7 +76,25 @@ std::exception_ptr device_decision(const std::vector<std::int64_t>& block, int r
                                                    width, known_flags);
   weave::device_status_block<Space> b;
   exchange.size_block(b);
+  WEAVE_FUZZ_CHECK(b.host.size() == block.size());
   std::copy(block.begin(), block.end(), b.host.begin());
+  const auto stride = static_cast<std::size_t>(weave::detail::status_block_stride(width));
+  const auto tag = [&](int r) {
+    return block[static_cast<std::size_t>(r) * stride + static_cast<std::size_t>(width)];
+  };
+  bool differs = false;
+  for (int r = 0; r < ranks; ++r)
+    differs = differs || (tag(self) != 0 && tag(r) != tag(self));
+  const std::exception_ptr mismatch = exchange.call_mismatch(b);
+  WEAVE_FUZZ_CHECK(differs == static_cast<bool>(mismatch));
+  if (mismatch) {
+    try {
+      std::rethrow_exception(mismatch);
+    } catch (const weave::error& e) {
+      WEAVE_FUZZ_CHECK(e.code() == weave::errc::call_mismatch);
+    }
+    return nullptr;
+  }
   if constexpr (Space::runs_later)
     return exchange.peer_failure(b);
   else
@@ -106,10 +127,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                                              static_cast<std::size_t>(width),
                                                          weave::failure_words),
             r, ranks));
-  // The device exchange's, on the stream (peers only) and with CUDA's control flow (own too).
-  check_decision(device_decision<weave::host_space>(block, ranks, self, raise, width), ranks, self,
+  // The device exchange's, on the stream (peers only) and with CUDA's control flow (own too):
+  // the same block with each peer's call tag after its counts (mostly this rank's, so that the
+  // statuses are decided too).
+  const std::int64_t own_tag = in.ConsumeBool() ? 0 : in.ConsumeIntegral<std::int64_t>();
+  std::vector<std::int64_t> tagged;
+  for (std::size_t r = 0; r < static_cast<std::size_t>(ranks); ++r) {
+    const auto from = block.begin() + static_cast<std::ptrdiff_t>(r * stride);
+    tagged.insert(tagged.end(), from, from + width);
+    tagged.push_back(static_cast<int>(r) == self || in.ConsumeIntegralInRange<int>(0, 7) != 0
+                         ? own_tag
+                         : in.ConsumeIntegral<std::int64_t>());
+    tagged.insert(tagged.end(), from + width, from + static_cast<std::ptrdiff_t>(stride));
+  }
+  check_decision(device_decision<weave::host_space>(tagged, ranks, self, raise, width), ranks, self,
                  false);
-  check_decision(device_decision<weave::emulated_gpu_space>(block, ranks, self, raise, width),
+  check_decision(device_decision<weave::emulated_gpu_space>(tagged, ranks, self, raise, width),
                  ranks, self, true);
 
   // The receive layout from the first count of each peer.

@@ -129,10 +129,11 @@ void check_bad_counts() {
     CHECK(got[1].origin == 0);
   }
   // A status word without a rank: refused, naming rank 1, and rank 1 learns it at once. (The
-  // device exchange sizes its receive at the call with CUDA's control flow: two counts per peer.)
+  // device exchange sizes its receive at the call with CUDA's control flow: two counts per peer;
+  // its blocks carry the call's tag after the counts.)
   std::size_t status_word = 1;
   if constexpr (!std::is_void_v<Space>)
-    status_word = Space::runs_later ? 1 : 2;
+    status_word = Space::runs_later ? 2 : 3;
   const auto got =
       forward_with<Space>(status_word, static_cast<std::int64_t>(weave::errc::out_of_range));
   CHECK(got[0].code == weave::errc::protocol);

@@ -4,6 +4,7 @@
 // computes the right result; nothing crashes (ASan) or races (TSan).
 #include <doctest/doctest.h>
 
+#include "corrupting_communicator.hpp"
 #include "handle_faults.hpp"
 
 #include <weave/comm/local_world.hpp>
@@ -90,6 +91,77 @@ void run_all(int ranks) {
   }
 }
 
+// Two layers on one communicator whose collectives carry no tag, as NCCL's (a local_world rank
+// behind a wrapper without the tagged overloads), called in another order by the culprit: the
+// device exchange's count exchanges carry the call's tag (its layer) in their own blocks, so
+// every rank ends with `call_mismatch` (its own finding, or a peer's abort naming it) before any
+// row of the wrong layer is exchanged, whether or not the sizes agree.
+template <kind K>
+void run_untagged_layers(int ranks, bool equal_sizes) {
+  using comm_t = weave_test::corrupting_communicator;
+  using layer_t = handle_faults::layer<comm_t, K>;
+  static_assert(!weave::has_tagged_collectives<comm_t>);
+  const std::string layer = handle_faults::name(K);
+  CAPTURE(layer);
+  CAPTURE(ranks);
+  CAPTURE(equal_sizes);
+  std::vector<handle_faults::outcome> seen(static_cast<std::size_t>(ranks));
+  std::vector<std::unique_ptr<comm_t>> comms(static_cast<std::size_t>(ranks)); // outlive layers
+  std::vector<std::shared_ptr<void>> kept;
+  std::mutex kept_mutex;
+  weave::local_world world(ranks);
+  world.run([&](weave::local_communicator& local) {
+    const int rank = local.rank();
+    auto& comm = comms[static_cast<std::size_t>(rank)];
+    comm = std::make_unique<comm_t>(local);
+    auto& o = seen[static_cast<std::size_t>(rank)];
+    auto compute = std::make_shared<weave::host_stream>("compute");
+    auto stream = std::make_shared<weave::host_stream>("comm");
+    std::shared_ptr<layer_t> first, second;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      first = std::make_shared<layer_t>(*comm, *compute);
+      second = std::make_shared<layer_t>(*comm, *compute);
+      const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
+      const auto b = handle_faults::input_of(
+          rank, ranks, equal_sizes ? handle_faults::tokens : handle_faults::tokens / 2, 2);
+      weave::host_matrix<float> ya(a.x.rows(), handle_faults::hidden),
+          yb(b.x.rows(), handle_faults::hidden);
+      const bool guilty = rank == ranks - 1;
+      auto& one = guilty ? second->ex : first->ex; // the culprit calls the second layer first
+      auto& two = guilty ? first->ex : second->ex;
+      auto h1 = one.dispatch(a.x, a.ids, a.weights, *compute, *stream);
+      auto h2 = two.dispatch(b.x, b.ids, b.weights, *compute, *stream);
+      handle_faults::experts(one, h1, *compute);
+      handle_faults::experts(two, h2, *compute);
+      one.combine(h1, ya, *compute, *stream);
+      two.combine(h2, yb, *compute, *stream);
+      one.synchronize(*compute, *stream);
+      two.synchronize(*compute, *stream);
+      o.outputs_right = handle_faults::doubled(a, ya) && handle_faults::doubled(b, yb);
+    } catch (...) {
+      handle_faults::record(o, std::current_exception());
+    }
+    o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    handle_faults::drain(*compute, *stream);
+    std::lock_guard lock(kept_mutex);
+    for (std::shared_ptr<void> p : {std::shared_ptr<void>(first), std::shared_ptr<void>(second),
+                                    std::shared_ptr<void>(compute), std::shared_ptr<void>(stream)})
+      kept.push_back(std::move(p));
+  });
+  kept.clear(); // layers before the communicators they use
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    const auto& o = seen[static_cast<std::size_t>(r)];
+    const int code = static_cast<int>(o.code), origin_code = static_cast<int>(o.origin_code);
+    CAPTURE(code);
+    CAPTURE(origin_code);
+    CHECK(o.seconds < 5.0);
+    CHECK((o.code == weave::errc::call_mismatch ||
+           (o.code == weave::errc::peer_failure && o.origin_code == weave::errc::call_mismatch)));
+  }
+}
+
 } // namespace
 
 TEST_CASE("handle faults: moe_exchange on local_world") {
@@ -105,4 +177,12 @@ TEST_CASE("handle faults: device exchange (host_space) on local_world") {
 TEST_CASE("handle faults: device exchange (emulated GPU) on local_world") {
   for (const int ranks : {2, 4})
     run_all<kind::emulated>(ranks);
+}
+
+TEST_CASE("handle faults: layers called in another order on a communicator without tags") {
+  for (const int ranks : {2, 4})
+    for (const bool equal_sizes : {true, false}) {
+      run_untagged_layers<kind::device>(ranks, equal_sizes);
+      run_untagged_layers<kind::emulated>(ranks, equal_sizes);
+    }
 }

@@ -17,6 +17,7 @@
 //! streams.
 #pragma once
 
+#include "weave/comm/call_tag.hpp"
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/fail_stop.hpp"
 #include "weave/comm/status_exchange.hpp"
@@ -69,8 +70,13 @@ inline std::uint32_t device_flags_of(std::span<const std::int64_t> words, int se
   return static_cast<std::uint32_t>(flags);
 }
 
-// Per peer j: its counts (`width` of them: `counts[j]`, then `second[j]`), then this rank's
-// status (a reported record, else its flags).
+// The words of one peer's block: its counts (`width`), the call's tag, the status.
+WEAVE_HOST_DEVICE constexpr std::int64_t status_block_stride(std::int64_t width) noexcept {
+  return width + 1 + static_cast<std::int64_t>(failure_words);
+}
+
+// Per peer j: its counts (`width` of them: `counts[j]`, then `second[j]`), the call's tag, then
+// this rank's status (a reported record, else its flags).
 struct pack_status_step {
   const std::int64_t *counts, *second;         // second: null when width is 1
   const std::uint32_t *flags_low, *flags_high; // either may be null
@@ -78,13 +84,15 @@ struct pack_status_step {
   std::int64_t flags_tag;                      // (rank + 1) << 32 | device_flags_status
   std::int64_t* send;
   std::int64_t width;
+  std::int64_t call; // the call_tag's bits (0: untagged)
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
-    std::int64_t* block = send + j * (width + static_cast<std::int64_t>(failure_words));
+    std::int64_t* block = send + j * status_block_stride(width);
     block[0] = counts[j];
     if (width > 1)
       block[1] = second[j];
-    std::int64_t* status = block + width;
+    block[width] = call;
+    std::int64_t* status = block + width + 1;
     const std::uint32_t flags =
         (flags_low ? *flags_low : 0u) | (flags_high ? *flags_high << 16 : 0u);
     for (std::size_t i = 0; i < failure_words; ++i)
@@ -102,7 +110,7 @@ struct unpack_counts_step {
   std::int64_t *counts, *second; // second: null when width is 1
   std::int64_t width;
   WEAVE_HOST_DEVICE void operator()(std::int64_t j) const {
-    const std::int64_t* block = recv + j * (width + static_cast<std::int64_t>(failure_words));
+    const std::int64_t* block = recv + j * status_block_stride(width);
     counts[j] = block[0];
     if (width > 1)
       second[j] = block[1];
@@ -187,19 +195,29 @@ class device_counts_with_status {
         const failure_record record = pending ? record_of(pending, rank_) : failure_record{};
         std::int64_t words_of[failure_words];
         encode_failure(pending ? &record : nullptr, words_of);
-        const detail::pack_status_step step{
-            counts,      second,      flags_low, flags_high, pending ? words_of : nullptr,
-            flags_tag(), block->send, w};
+        const detail::pack_status_step step{counts,
+                                            second,
+                                            flags_low,
+                                            flags_high,
+                                            pending ? words_of : nullptr,
+                                            flags_tag(),
+                                            block->send,
+                                            w,
+                                            static_cast<std::int64_t>(tag.bits)};
         for (std::int64_t j = 0; j < D; ++j)
           step(j);
       };
       const auto decide = [=, this, &comm](std::exception_ptr own) {
         for (std::int64_t j = 0; j < D; ++j)
           detail::unpack_counts_step{block->recv, recv_counts, recv_second, w}(j);
-        return own ? own
-                   : abort_peers_on_protocol_error(
-                         comm,
-                         failure_in(std::span<const std::int64_t>(block->recv, words()), true));
+        if (own)
+          return own;
+        const std::span<const std::int64_t> received(block->recv, words());
+        if (std::exception_ptr mismatch = call_mismatch_in(received)) {
+          abort_peers(comm, mismatch); // the ranks' collectives are out of step from here
+          return mismatch;
+        }
+        return abort_peers_on_protocol_error(comm, failure_in(received, true));
       };
       if constexpr (has_deferred_exchange_counts<Comm>) // one task, as the plain exchange
         protocol_.enqueue_deferred(s, pack, detail::deferred_counts(comm, send, recv, tag), decide);
@@ -209,7 +227,8 @@ class device_counts_with_status {
     } else {
       Space::for_each(s, D,
                       detail::pack_status_step{counts, second, flags_low, flags_high, reported,
-                                               flags_tag(), b.send, w});
+                                               flags_tag(), b.send, w,
+                                               static_cast<std::int64_t>(tag.bits)});
       weave::exchange_counts(comm, s, send, recv, tag);
       Space::for_each(s, D, detail::unpack_counts_step{b.recv, recv_counts, recv_second, w});
       if (raise_flags_)
@@ -222,7 +241,10 @@ class device_counts_with_status {
   //! Host streams decide on the stream instead: always null there.
   std::exception_ptr failure(const device_status_block<Space>& b) const {
     if constexpr (!Space::runs_later) {
-      return failure_in(std::span<const std::int64_t>(b.host), true);
+      const std::span<const std::int64_t> received(b.host);
+      if (std::exception_ptr mismatch = call_mismatch_in(received))
+        return mismatch;
+      return failure_in(received, true);
     } else {
       (void)b;
       return nullptr;
@@ -241,6 +263,14 @@ class device_counts_with_status {
     return failure_in(std::span<const std::int64_t>(b.host), false);
   }
 
+  //! An `errc::call_mismatch` error when a peer's exchange in what `take` (or, with dynamic
+  //! shapes, the exchange) copied belongs to another call than this rank's, naming both; else
+  //! null. The tag travels in the counts' block itself, so communicators whose collectives carry
+  //! no tag (NCCL) are checked too.
+  std::exception_ptr call_mismatch(const device_status_block<Space>& b) const {
+    return call_mismatch_in(std::span<const std::int64_t>(b.host));
+  }
+
   //! Enqueues on `s` the copy of `failure`'s record (as this rank's) from `host_words` (kept
   //! alive and unchanged until `s` ran the copy) to `device_words` (memory of the space), for
   //! `exchange`'s `reported`: a call rejected on the host still takes its turn, carrying it.
@@ -256,13 +286,37 @@ class device_counts_with_status {
     return (static_cast<std::int64_t>(rank_) + 1) << 32 | detail::device_flags_status;
   }
 
+  // A call_mismatch error for the lowest peer whose block carries another tag than this rank's
+  // own (which it sent itself); none when this rank's is untagged (a block not written since
+  // `take` cleared it, or a user's own exchange).
+  std::exception_ptr call_mismatch_in(std::span<const std::int64_t> received) const {
+    const auto tag_of = [&](int r) {
+      return call_tag{static_cast<std::uint64_t>(
+          received[static_cast<std::size_t>(r) * stride() + static_cast<std::size_t>(width_)])};
+    };
+    const call_tag mine = tag_of(rank_);
+    if (!mine.tagged())
+      return nullptr;
+    for (int r = 0; r < ranks_; ++r)
+      if (tag_of(r) != mine) {
+        try {
+          detail::throw_call_mismatch((what_ + " count exchange").c_str(), rank_, mine, r,
+                                      tag_of(r));
+        } catch (...) {
+          return std::current_exception();
+        }
+      }
+    return nullptr;
+  }
+
   // The failure a received block reports: this rank's own (when `own`), else the lowest failing
   // peer's. Flags count only with raise_flags_ or outside an exchange (`!own`). A status no
   // sender writes is an `errc::protocol` error naming its sender.
   std::exception_ptr failure_in(std::span<const std::int64_t> received, bool own) const {
     const auto status = [&](int r) {
-      return received.subspan(
-          static_cast<std::size_t>(r) * stride() + static_cast<std::size_t>(width_), failure_words);
+      return received.subspan(static_cast<std::size_t>(r) * stride() +
+                                  static_cast<std::size_t>(width_) + 1,
+                              failure_words);
     };
     const auto flagged = [](std::span<const std::int64_t> w) {
       return (w[0] & detail::device_flags_status) != 0;
@@ -291,11 +345,13 @@ class device_counts_with_status {
         return std::make_exception_ptr(error(mine->code, mine->message));
     }
     return detail::peer_failure_in(
-        received, static_cast<std::size_t>(width_), ranks_, rank_, what_ + " count exchange",
+        received, static_cast<std::size_t>(width_) + 1, ranks_, rank_, what_ + " count exchange",
         [&](int r, std::span<const std::int64_t> w) { return describe(r, w, flags_count); });
   }
 
-  std::size_t stride() const noexcept { return static_cast<std::size_t>(width_) + failure_words; }
+  std::size_t stride() const noexcept {
+    return static_cast<std::size_t>(detail::status_block_stride(width_));
+  }
 
   int ranks_ = 0, rank_ = 0, width_ = 1;
   bool raise_flags_ = false;

@@ -79,6 +79,21 @@ inline bool is_protocol_error(const std::exception_ptr& failure) {
   }
 }
 
+//! True for this rank's finding that a peer was at another call (`errc::call_mismatch`).
+inline bool is_call_mismatch(const std::exception_ptr& failure) {
+  if (!failure)
+    return false;
+  try {
+    std::rethrow_exception(failure);
+  } catch (const peer_error&) {
+    return false;
+  } catch (const error& e) {
+    return e.code() == errc::call_mismatch;
+  } catch (...) {
+    return false;
+  }
+}
+
 //! For a failure this rank found in what one peer sent (`is_protocol_error`), which the other
 //! ranks may not have received: aborts `comm` (see `abort_peers`), so that none of them waits for
 //! this rank in a later collective. Returns `failure`; other failures pass unchanged.

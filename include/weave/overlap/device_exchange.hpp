@@ -251,7 +251,9 @@ class basic_device_exchange
   //! in an FP8 dispatch (`errc::invalid_argument`; its rows travelled as NaN, so its outputs are
   //! NaN, and no other token's are affected), a peer's count outside the static slot
   //! (`errc::size_mismatch`), else a peer's failure its count exchanges reported (`peer_error`),
-  //! else bad received rows. Clears the flags.
+  //! else bad received rows. First of all, a peer that was at another call at one of this rank's
+  //! count exchanges (`errc::call_mismatch`, naming both; the communicator is aborted). Clears
+  //! the flags.
   void check_errors(stream_arg stream) {
     const bool fp8 = this->options_.fp8_dispatch.has_value();
     host_mirror<Space, std::uint32_t>& words = error_words_; // the copies land here, pinned
@@ -269,6 +271,14 @@ class basic_device_exchange
         }
       }
     wait_watched(*this->comm_, stream);
+    // A call of another handle at one of this rank's count exchanges explains everything else
+    // (its rows were another call's): every rank finds it; the ranks are out of step, so abort.
+    for (const auto& s : this->slots())
+      for (const chunk_state& ch : s->state.chunks)
+        if (std::exception_ptr mismatch = status_.call_mismatch(ch.status)) {
+          abort_peers(*this->comm_, mismatch);
+          std::rethrow_exception(mismatch);
+        }
     std::uint32_t own = 0, plan = 0, experts = 0;
     for (std::size_t i = 0; i < words.size(); i += 3) {
       own |= words[i];

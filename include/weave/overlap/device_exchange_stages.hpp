@@ -203,9 +203,9 @@ void basic_device_exchange<Space, Comm>::read_counts(slot_type& s, chunk_state& 
                                                      stream_type& st) {
   const auto decide = [this, &ch, &s] {
     if (std::exception_ptr failed = status_.failure(ch.status)) {
-      // Every rank raises it here, unless it is in bytes this rank alone may have received
-      // (then the caller aborts the communicator).
-      s.failed_together = !is_protocol_error(failed);
+      // Every rank raises it here, unless it is in bytes this rank alone may have received or
+      // a call mismatch (the ranks' collectives are out of step): then the caller aborts.
+      s.failed_together = !is_protocol_error(failed) && !is_call_mismatch(failed);
       if constexpr (!Space::runs_later) {
         // The call ends here, reported: its sender flags must not fail the slot's next call
         // (host streams clear them at `synchronize`, where they surface). On the compute
