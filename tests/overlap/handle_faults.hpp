@@ -90,16 +90,17 @@ struct layer {
   std::shared_ptr<weave_test::aligned_buffer> ws; // declared first: destroyed after the layer
   exchange ex;
 
-  layer(Comm& comm, weave::host_stream& s)
+  layer(Comm& comm, weave::host_stream& s, bool static_shape = false)
       : ex(comm, weave::placement::contiguous(experts_per_rank * comm.size(), comm.size()),
-           options()) {
+           options(static_shape)) {
     if constexpr (K != kind::host) {
       ws = std::make_shared<weave_test::aligned_buffer>(ex.workspace_size());
       ex.initialize(ws->ptr, ws->size, s);
     }
   }
-  static weave::moe_options options() {
+  static weave::moe_options options(bool static_shape) {
     weave::moe_options o;
+    o.static_shape = static_shape; // slots of max_tokens x k rows per peer
     o.k = k;
     o.hidden = hidden;
     o.max_tokens = tokens;

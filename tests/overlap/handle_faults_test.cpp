@@ -95,9 +95,10 @@ void run_all(int ranks) {
 // behind a wrapper without the tagged overloads), called in another order by the culprit: the
 // device exchange's count exchanges carry the call's tag (its layer) in their own blocks, so
 // every rank ends with `call_mismatch` (its own finding, or a peer's abort naming it) before any
-// row of the wrong layer is exchanged, whether or not the sizes agree.
+// row of the wrong layer is exchanged, whether or not the sizes agree; with static shapes (every
+// message one slot) at `synchronize`'s check of the flags.
 template <kind K>
-void run_untagged_layers(int ranks, bool equal_sizes) {
+void run_untagged_layers(int ranks, bool equal_sizes, bool static_shape = false) {
   using comm_t = weave_test::corrupting_communicator;
   using layer_t = handle_faults::layer<comm_t, K>;
   static_assert(!weave::has_tagged_collectives<comm_t>);
@@ -105,6 +106,7 @@ void run_untagged_layers(int ranks, bool equal_sizes) {
   CAPTURE(layer);
   CAPTURE(ranks);
   CAPTURE(equal_sizes);
+  CAPTURE(static_shape);
   std::vector<handle_faults::outcome> seen(static_cast<std::size_t>(ranks));
   std::vector<std::unique_ptr<comm_t>> comms(static_cast<std::size_t>(ranks)); // outlive layers
   std::vector<std::shared_ptr<void>> kept;
@@ -120,8 +122,8 @@ void run_untagged_layers(int ranks, bool equal_sizes) {
     std::shared_ptr<layer_t> first, second;
     const auto start = std::chrono::steady_clock::now();
     try {
-      first = std::make_shared<layer_t>(*comm, *compute);
-      second = std::make_shared<layer_t>(*comm, *compute);
+      first = std::make_shared<layer_t>(*comm, *compute, static_shape);
+      second = std::make_shared<layer_t>(*comm, *compute, static_shape);
       const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
       const auto b = handle_faults::input_of(
           rank, ranks, equal_sizes ? handle_faults::tokens : handle_faults::tokens / 2, 2);
@@ -185,4 +187,8 @@ TEST_CASE("handle faults: layers called in another order on a communicator witho
       run_untagged_layers<kind::device>(ranks, equal_sizes);
       run_untagged_layers<kind::emulated>(ranks, equal_sizes);
     }
+  for (const int ranks : {2, 4}) {
+    run_untagged_layers<kind::device>(ranks, false, true);
+    run_untagged_layers<kind::emulated>(ranks, false, true);
+  }
 }

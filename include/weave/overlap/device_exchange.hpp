@@ -333,7 +333,10 @@ class basic_device_exchange
     } catch (...) {
       waited = std::current_exception();
     }
-    if (!communicator_aborted(*this->comm_)) {
+    // After an abort the flags are read only when the streams ran every task (a peer may have
+    // aborted after this rank's collectives completed with the wrong call's data: the blocks
+    // still say so).
+    if (!communicator_aborted(*this->comm_) || !waited) {
       try {
         check_errors(compute);
       } catch (...) {
