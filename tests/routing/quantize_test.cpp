@@ -89,9 +89,12 @@ void check_quantisation(const weave::host_matrix<T>& src, const block_quantizati
             0.5 * table.ulp(std::fabs(y)) * scale + 8 * 0x1p-24 * (std::fabs(x[j]) + std::fabs(dq));
         if (!(std::fabs(dq - x[j]) <= bound))
           FAIL("row ", r, " col ", c, ": x = ", x[j], " dequantised to ", dq, ", bound ", bound);
-        // bf16 output: the f32 result rounded once more.
+        // bf16 output: the f32 result rounded once more, exactly as bfloat16(float) does.
         const double d16 = static_cast<float>(back16.row(r)[c]);
         CHECK(std::fabs(d16 - x[j]) <= bound + std::ldexp(std::fabs(dq), -8));
+        if (back16.row(r)[c].bits != weave::bfloat16(back.row(r)[c]).bits)
+          FAIL("row ", r, " col ", c, ": bf16 dequantised ", +back16.row(r)[c].bits, ", want ",
+               +weave::bfloat16(back.row(r)[c]).bits);
       }
     }
 }
@@ -110,6 +113,14 @@ TEST_CASE("quantize_rows: codes, scales and dequantised rows against the brute-f
       check_quantisation<weave::fp8_e4m3>(random_rows<weave::half>(rng, 5, 384, block), q);
       check_quantisation<weave::fp8_e5m2>(random_rows<float>(rng, 7, 256, block), q);
     }
+  // Blocks that are no multiple of the kernels' eight lanes (their scalar tails).
+  for (std::size_t block : {12u, 5u, 1u}) {
+    block_quantization q;
+    q.block = block;
+    check_quantisation<weave::fp8_e4m3>(random_rows<float>(rng, 3, 60, block), q);
+    check_quantisation<weave::fp8_e4m3>(random_rows<weave::bfloat16>(rng, 3, 60, block), q);
+    check_quantisation<weave::fp8_e5m2>(random_rows<weave::bfloat16>(rng, 3, 60, block), q);
+  }
   // DeepSeek-V3's hidden size.
   check_quantisation<weave::fp8_e4m3>(random_rows<weave::bfloat16>(rng, 3, 7168, 128), {});
 }
