@@ -63,9 +63,9 @@ void abort_peers(C& comm, const std::exception_ptr& failure) {
     comm.abort(what_of(failure));
 }
 
-//! True for a failure this rank found in bytes a peer sent that no weave rank writes
-//! (`errc::protocol`; not a peer's failure that names one).
-inline bool is_protocol_error(const std::exception_ptr& failure) {
+//! True for a weave error of code `code` that this rank raised itself (not a peer's failure
+//! that names one).
+inline bool is_own_error(const std::exception_ptr& failure, errc code) {
   if (!failure)
     return false;
   try {
@@ -73,25 +73,21 @@ inline bool is_protocol_error(const std::exception_ptr& failure) {
   } catch (const peer_error&) {
     return false;
   } catch (const error& e) {
-    return e.code() == errc::protocol;
+    return e.code() == code;
   } catch (...) {
     return false;
   }
 }
 
+//! True for a failure this rank found in bytes a peer sent that no weave rank writes
+//! (`errc::protocol`; not a peer's failure that names one).
+inline bool is_protocol_error(const std::exception_ptr& failure) {
+  return is_own_error(failure, errc::protocol);
+}
+
 //! True for this rank's finding that a peer was at another call (`errc::call_mismatch`).
 inline bool is_call_mismatch(const std::exception_ptr& failure) {
-  if (!failure)
-    return false;
-  try {
-    std::rethrow_exception(failure);
-  } catch (const peer_error&) {
-    return false;
-  } catch (const error& e) {
-    return e.code() == errc::call_mismatch;
-  } catch (...) {
-    return false;
-  }
+  return is_own_error(failure, errc::call_mismatch);
 }
 
 //! For a failure this rank found in what one peer sent (`is_protocol_error`), which the other
