@@ -41,25 +41,27 @@ inline constexpr std::size_t lanes = 8;
 using f32x8 = float __attribute__((vector_size(32)));
 using u32x8 = std::uint32_t __attribute__((vector_size(32)));
 
-// The same vectors at any address, allowed to alias anything: a load or store through them is
-// one unaligned vector move (memcpy into a vector variable can go through the stack in halves
-// and stall on store forwarding).
-using f32x8_unaligned = float __attribute__((vector_size(32), aligned(4), may_alias));
-using u32x8_unaligned = std::uint32_t __attribute__((vector_size(32), aligned(4), may_alias));
+using u16x8 = std::uint16_t __attribute__((vector_size(16)));
+using u8x8 = std::uint8_t __attribute__((vector_size(8)));
 
-//! `v` = the eight lanes at `p` (any alignment).
-WEAVE_SIMD_INLINE void load(f32x8& v, const void* p) noexcept {
-  v = *static_cast<const f32x8_unaligned*>(p);
+// A vector at any address, allowed to alias anything: a load or store through it is one
+// unaligned vector move. (A packed struct, because Clang ignores a smaller `aligned` on a vector
+// typedef and moves it as aligned; memcpy into a vector variable can go through the stack in
+// halves and stall on store forwarding.)
+template <class V>
+struct __attribute__((packed, may_alias)) unaligned {
+  V v;
+};
+
+//! `v` = the lanes at `p` (any alignment).
+template <class V>
+WEAVE_SIMD_INLINE void load(V& v, const void* p) noexcept {
+  v = static_cast<const unaligned<V>*>(p)->v;
 }
-WEAVE_SIMD_INLINE void load(u32x8& v, const void* p) noexcept {
-  v = *static_cast<const u32x8_unaligned*>(p);
-}
-//! The eight lanes at `p` (any alignment) = `v`.
-WEAVE_SIMD_INLINE void store(void* p, const f32x8& v) noexcept {
-  *static_cast<f32x8_unaligned*>(p) = v;
-}
-WEAVE_SIMD_INLINE void store(void* p, const u32x8& v) noexcept {
-  *static_cast<u32x8_unaligned*>(p) = v;
+//! The lanes at `p` (any alignment) = `v`.
+template <class V>
+WEAVE_SIMD_INLINE void store(void* p, const V& v) noexcept {
+  static_cast<unaligned<V>*>(p)->v = v;
 }
 
 //! `out` = the bits of `in` (vectors of one size).
@@ -71,8 +73,8 @@ WEAVE_SIMD_INLINE void bits(To& out, const From& in) noexcept {
 
 //! `v` = the eight bfloat16 values at `p` (any alignment), widened exactly to fp32.
 WEAVE_SIMD_INLINE void load_bf16(f32x8& v, const void* p) noexcept {
-  using u16x8_unaligned = std::uint16_t __attribute__((vector_size(16), aligned(2), may_alias));
-  const auto halves = *static_cast<const u16x8_unaligned*>(p);
+  u16x8 halves;
+  load(halves, p);
   bits(v, __builtin_convertvector(halves, u32x8) << 16);
 }
 
@@ -86,8 +88,7 @@ WEAVE_SIMD_INLINE void store_bytes(void* p, const u32x8& v) noexcept {
   const __m128i words = _mm_packs_epi32(half[0], half[1]);
   _mm_storel_epi64(static_cast<__m128i*>(p), _mm_packus_epi16(words, words));
 #else
-  using u8x8_unaligned = std::uint8_t __attribute__((vector_size(8), aligned(1), may_alias));
-  *static_cast<u8x8_unaligned*>(p) = __builtin_convertvector(v, u8x8_unaligned);
+  store(p, __builtin_convertvector(v, u8x8));
 #endif
 }
 
@@ -100,8 +101,7 @@ WEAVE_SIMD_INLINE void store_high_halves(void* p, const u32x8& v) noexcept {
   _mm_storeu_si128(static_cast<__m128i*>(p),
                    _mm_packs_epi32(_mm_srai_epi32(half[0], 16), _mm_srai_epi32(half[1], 16)));
 #else
-  using u16x8_unaligned = std::uint16_t __attribute__((vector_size(16), aligned(2), may_alias));
-  *static_cast<u16x8_unaligned*>(p) = __builtin_convertvector(v >> 16, u16x8_unaligned);
+  store(p, __builtin_convertvector(v >> 16, u16x8));
 #endif
 }
 
