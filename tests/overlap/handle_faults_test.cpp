@@ -120,15 +120,16 @@ void run_untagged_layers(int ranks, bool equal_sizes, bool static_shape = false)
     auto compute = std::make_shared<weave::host_stream>("compute");
     auto stream = std::make_shared<weave::host_stream>("comm");
     std::shared_ptr<layer_t> first, second;
+    // The inputs and outputs outlive the streams' work (drained below), as a caller's must.
+    const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
+    const auto b = handle_faults::input_of(
+        rank, ranks, equal_sizes ? handle_faults::tokens : handle_faults::tokens / 2, 2);
+    weave::host_matrix<float> ya(a.x.rows(), handle_faults::hidden),
+        yb(b.x.rows(), handle_faults::hidden);
     const auto start = std::chrono::steady_clock::now();
     try {
       first = std::make_shared<layer_t>(*comm, *compute, static_shape);
       second = std::make_shared<layer_t>(*comm, *compute, static_shape);
-      const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
-      const auto b = handle_faults::input_of(
-          rank, ranks, equal_sizes ? handle_faults::tokens : handle_faults::tokens / 2, 2);
-      weave::host_matrix<float> ya(a.x.rows(), handle_faults::hidden),
-          yb(b.x.rows(), handle_faults::hidden);
       const bool guilty = rank == ranks - 1;
       auto& one = guilty ? second->ex : first->ex; // the culprit calls the second layer first
       auto& two = guilty ? first->ex : second->ex;
