@@ -20,11 +20,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -124,10 +127,13 @@ void overhead(benchmark::State& state) {
       recv(static_cast<std::size_t>(per_peer) * peers, std::byte{0});
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   weave::host_stream stream("comm");
+  weave::mpi_options handed_off;
+  handed_off.inline_max_bytes = 0; // every operation through the stream's worker
+  weave::mpi_communicator comm_handed_off(MPI_COMM_WORLD, handed_off);
   MPI_Comm raw_comm = MPI_COMM_NULL; // a duplicate, as weave uses one
   MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
   std::uint64_t call = 0;
-  const auto ops = std::array<std::function<void()>, 5>{
+  const auto ops = std::array<std::function<void()>, 7>{
       [&] { // raw blocking collective
         MPI_Alltoallv(send.data(), ic.data(), id.data(), MPI_BYTE, recv.data(), ic.data(),
                       id.data(), MPI_BYTE, raw_comm);
@@ -151,10 +157,27 @@ void overhead(benchmark::State& state) {
         const auto tag = weave::call_tag::of(1, ++call, weave::call_stage::dispatch, 0);
         comm.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts, displs, 1, tag);
         stream.synchronize();
+      },
+      [&] { // point to point: Irecv + Isend per peer, polled here
+        std::vector<MPI_Request> requests(2 * peers, MPI_REQUEST_NULL);
+        for (int j = 0; j < n; ++j)
+          MPI_Irecv(recv.data() + displs[std::size_t(j)], ic[std::size_t(j)], MPI_BYTE, j, 7,
+                    raw_comm, &requests[std::size_t(j)]);
+        for (int j = 0; j < n; ++j)
+          MPI_Isend(send.data() + displs[std::size_t(j)], ic[std::size_t(j)], MPI_BYTE, j, 7,
+                    raw_comm, &requests[peers + std::size_t(j)]);
+        for (int done = 0; !done;)
+          MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                      MPI_STATUSES_IGNORE);
+      },
+      [&] { // weave with every operation handed to the stream's worker (inline_max_bytes = 0)
+        comm_handed_off.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts,
+                                     displs);
+        stream.synchronize();
       }};
   for (const auto& op : ops) // warm-up: connections, registration, first-touch pages
     slowest_rank_seconds(op);
-  std::array<std::vector<double>, 5> times;
+  std::array<std::vector<double>, 7> times;
   std::size_t iteration = 0;
   for (auto _ : state) {
     for (std::size_t k = 0; k < ops.size(); ++k) { // rotate the order: no op always goes first
@@ -178,7 +201,86 @@ void overhead(benchmark::State& state) {
   state.counters["handoff_us"] = median(times[3]) * 1e6;
   state.counters["tagged_us"] = median(times[4]) * 1e6; // with the call tag's header
   state.counters["tagged_ratio"] = median(times[4]) / weave_time;
+  state.counters["p2p_poll_us"] = median(times[5]) * 1e6;
+  state.counters["handed_off_us"] = median(times[6]) * 1e6;
+  state.counters["handed_off_ratio"] = median(times[6]) / raw;
   state.counters["bytes_per_peer"] = static_cast<double>(per_peer);
+  state.counters["ranks"] = n;
+}
+
+// One unit of the compute that runs beside the collectives: a dependent chain of float
+// multiply-adds (about a microsecond), so the count of units measures the core time it got.
+float compute_unit(float x) {
+  for (int i = 0; i < 1000; ++i)
+    x = x * 0.999f + 0.5f;
+  return x;
+}
+
+// `compute_beside/...`: what a rank's own compute loses while the rank issues small
+// all-to-alls, on the calling thread (weave's default below inline_max_bytes) or handed to the
+// stream's worker. A compute task runs on a host_stream, counting units, while the main thread
+// issues 2000 all-to-alls, each followed by synchronize(); the same span with the main thread
+// asleep gives the compute's rate alone. Arguments: bytes per peer, mode (0 inline, 1 hand-off).
+void compute_beside(benchmark::State& state) {
+  const int n = size_of();
+  const std::int64_t per_peer = state.range(0);
+  const bool hand_off = state.range(1) != 0;
+  const auto peers = static_cast<std::size_t>(n);
+  std::vector<std::int64_t> counts(peers, per_peer), displs(peers);
+  for (int j = 0; j < n; ++j)
+    displs[std::size_t(j)] = per_peer * j;
+  std::vector<std::byte> send(static_cast<std::size_t>(per_peer) * peers, std::byte{1}),
+      recv(static_cast<std::size_t>(per_peer) * peers, std::byte{0});
+  weave::mpi_options options;
+  if (hand_off)
+    options.inline_max_bytes = 0;
+  weave::mpi_communicator comm(MPI_COMM_WORLD, options);
+  weave::host_stream stream("comm"), compute("compute");
+  std::atomic<std::uint64_t> units{0};
+  std::atomic<bool> stop{false};
+  volatile float sink = 0;
+  const auto rate = [&](const std::function<void()>& during) { // units per second
+    stop = false;
+    compute.submit([&] {
+      float x = 1;
+      while (!stop.load(std::memory_order_relaxed)) {
+        x = compute_unit(x);
+        units.fetch_add(1, std::memory_order_relaxed);
+      }
+      sink = x;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(1)); // the compute is running
+    MPI_Barrier(MPI_COMM_WORLD);
+    const std::uint64_t before = units.load();
+    const auto start = std::chrono::steady_clock::now();
+    during();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::uint64_t done = units.load() - before;
+    stop = true;
+    compute.synchronize();
+    return std::pair{static_cast<double>(done) / seconds, seconds};
+  };
+  constexpr int calls = 2000;
+  std::vector<double> alone, beside, latency;
+  for (auto _ : state) {
+    const auto [with_rate, span] = rate([&] {
+      for (int c = 0; c < calls; ++c) {
+        comm.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts, displs);
+        stream.synchronize();
+      }
+    });
+    const auto [alone_rate, _span] = rate(
+        [&, span = span] { std::this_thread::sleep_for(std::chrono::duration<double>(span)); });
+    beside.push_back(with_rate);
+    alone.push_back(alone_rate);
+    latency.push_back(span / calls);
+    state.SetIterationTime(span);
+  }
+  state.counters["call_us"] = median(latency) * 1e6;
+  state.counters["compute_kept"] = median(beside) / median(alone); // 1: no compute lost
+  state.counters["bytes_per_peer"] = static_cast<double>(per_peer);
+  state.counters["hand_off"] = hand_off ? 1 : 0;
   state.counters["ranks"] = n;
 }
 
@@ -220,6 +322,14 @@ int main(int argc, char** argv) {
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }
+  for (const std::int64_t per_peer : {std::int64_t{4} << 10, std::int64_t{64} << 10})
+    for (const int hand_off : {0, 1})
+      benchmark::RegisterBenchmark("compute_beside", compute_beside)
+          ->Args({per_peer, hand_off})
+          ->ArgNames({"bytes_per_peer", "hand_off"})
+          ->Iterations(3)
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
   benchmark::Initialize(&count, args.data());
   // Every rank has the same arguments, so all stop together; rank 0 names the bad ones.
   if (count > 1) {

@@ -254,7 +254,7 @@ TEST_CASE("local_world rejects bad layouts with a typed error") {
 }
 
 TEST_CASE("operations return at once and complete in stream order while the caller computes") {
-  weave::local_world world(2);
+  weave::local_world world(2); // by default every operation runs on the stream's worker
   std::promise<void> gate;
   auto opened = gate.get_future().share();
   world.run([&](weave::local_communicator& comm) {
@@ -275,5 +275,79 @@ TEST_CASE("operations return at once and complete in stream order while the call
     }
     done.synchronize();
     CHECK(out == std::vector<std::int64_t>{2, 4});
+  });
+}
+
+TEST_CASE("a small operation on an idle stream runs on the caller, a large or queued one does "
+          "not") {
+  for (const std::size_t limit : {std::size_t{0}, std::size_t{64}, std::size_t{1} << 22}) {
+    CAPTURE(limit);
+    weave::local_world_options options;
+    options.inline_max_bytes = limit;
+    weave::local_world world(2, options);
+    world.run([&](weave::local_communicator& comm) {
+      weave::host_stream s;
+      const int peer = 1 - comm.rank();
+      // Counts filled by an exchange queued behind a gate: the all-to-all enqueued after it
+      // must read them only once the exchange ran (it is queued too, not inline).
+      std::promise<void> gate;
+      auto opened = gate.get_future().share();
+      s.submit([opened] { opened.wait(); });
+      std::vector<std::int64_t> send_counts{0, 0}, recv_counts(2, -7);
+      send_counts[static_cast<std::size_t>(peer)] = 24;
+      send_counts[static_cast<std::size_t>(comm.rank())] = 8;
+      comm.exchange_counts(s, send_counts, recv_counts);
+      const std::vector<std::int64_t> displs{0, 32};
+      std::vector<std::byte> send(64), recv(64);
+      for (std::size_t i = 0; i < send.size(); ++i)
+        send[i] = std::byte(comm.rank() * 100 + static_cast<int>(i));
+      std::vector<std::int64_t> send_displs{0, 32};
+      comm.all_to_all_v(s, send.data(), send_counts, send_displs, recv.data(), recv_counts, displs);
+      weave::host_event queued = s.record();
+      CHECK_FALSE(queued.query());
+      gate.set_value();
+      s.synchronize();
+      CHECK(recv_counts[static_cast<std::size_t>(peer)] == 24);
+      const auto me = static_cast<std::size_t>(comm.rank());
+      const auto from = static_cast<std::size_t>(peer);
+      for (std::int64_t i = 0; i < 24; ++i) // the peer's bytes at its displacement for this rank
+        CHECK(recv[static_cast<std::size_t>(displs[from] + i)] ==
+              std::byte(peer * 100 + static_cast<int>(displs[me] + i)));
+
+      // Idle stream: a small all-reduce runs here (complete when the call returns); a large
+      // one (above the limit) is queued.
+      std::vector<std::int64_t> v{comm.rank() + 1, 10}, out(2);
+      comm.all_reduce(s, std::span<const std::int64_t>(v), std::span<std::int64_t>(out),
+                      weave::reduce_op::sum);
+      const bool small = limit > 0 && 2 * v.size() * sizeof(std::int64_t) <= limit;
+      if (small)
+        CHECK(out == std::vector<std::int64_t>{3, 20});
+      s.synchronize();
+      CHECK(out == std::vector<std::int64_t>{3, 20});
+    });
+  }
+}
+
+TEST_CASE("an operation above the inline limit returns before its peers arrive") {
+  weave::local_world_options options;
+  options.inline_max_bytes = 64;
+  options.timeout = std::chrono::seconds(5); // were it run inline, rank 0 would time out
+  weave::local_world world(2, options);
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  world.run([&](weave::local_communicator& comm) {
+    weave::host_stream s;
+    std::vector<std::int64_t> v(16, comm.rank() + 1), out(16); // 256 bytes moved
+    if (comm.rank() == 1)
+      opened.wait();
+    comm.all_reduce(s, std::span<const std::int64_t>(v), std::span<std::int64_t>(out),
+                    weave::reduce_op::sum);
+    weave::host_event done = s.record();
+    if (comm.rank() == 0) {
+      CHECK_FALSE(done.query());
+      gate.set_value();
+    }
+    done.synchronize();
+    CHECK(out == std::vector<std::int64_t>(16, 3));
   });
 }

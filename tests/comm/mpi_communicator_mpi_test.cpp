@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -106,6 +107,47 @@ TEST_CASE("mpi_communicator equals MPI_Alltoallv, the reference and local_world"
       CHECK(got == comm_test::expected_recv(c, r));
       CHECK(got == local(c, r));
     }
+  }
+}
+
+TEST_CASE("inline and handed-off operations agree with MPI, and counts are read when they run") {
+  const int n = world_size(), r = world_rank();
+  for (const std::size_t limit : {std::size_t{0}, std::size_t{512}, std::size_t{1} << 22}) {
+    CAPTURE(limit);
+    weave::mpi_options options;
+    options.inline_max_bytes = limit;
+    weave::mpi_communicator comm(MPI_COMM_WORLD, options);
+    for (std::uint64_t seed = 1; seed <= 3; ++seed) { // small and large against the limit
+      const auto c = comm_test::make_case(n, 1, seed * 7, seed == 1 ? 40 : 3000);
+      CHECK(weave_mpi(c, comm) == reference(c, MPI_COMM_WORLD));
+    }
+    // The counts-then-all-to-all pattern behind a busy stream: the count exchange is queued,
+    // so the all-to-all enqueued after it must size itself (inline or not) only once the
+    // counts arrived.
+    const auto c = comm_test::make_case(n, 1, 99, 200);
+    const auto& L = c.ranks[std::size_t(r)];
+    weave::host_stream s;
+    std::promise<void> gate;
+    auto opened = gate.get_future().share();
+    s.submit([opened] { opened.wait(); });
+    std::vector<std::int64_t> recv_counts(std::size_t(n), -1);
+    comm.exchange_counts(s, L.send_counts, recv_counts);
+    std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
+    comm.all_to_all_v(s, L.send.data(), L.send_counts, L.send_displs, out.data(), recv_counts,
+                      L.recv_displs);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    gate.set_value();
+    s.synchronize();
+    CHECK(recv_counts == L.recv_counts);
+    CHECK(out == reference(c, MPI_COMM_WORLD));
+    // An idle stream and a small operation: complete when the call returns.
+    std::vector<std::int64_t> v{r + 1}, sum(1);
+    comm.all_reduce(s, std::span<const std::int64_t>(v), std::span<std::int64_t>(sum),
+                    weave::reduce_op::sum);
+    if (limit >= 16)
+      CHECK(sum[0] == std::int64_t(n) * (n + 1) / 2);
+    s.synchronize();
+    CHECK(sum[0] == std::int64_t(n) * (n + 1) / 2);
   }
 }
 

@@ -159,7 +159,8 @@ TEST_CASE("submit_always runs on a failed stream, sees the failure and decides w
   CHECK(seen == "first");
   CHECK(ran == std::vector<int>{2, 3, 5});
   CHECK_THROWS_AS(after.synchronize(), std::runtime_error); // events carry it
-  s.submit_always([](std::exception_ptr) -> std::exception_ptr { throw std::logic_error("thrown"); });
+  s.submit_always(
+      [](std::exception_ptr) -> std::exception_ptr { throw std::logic_error("thrown"); });
   CHECK_THROWS_AS(s.synchronize(), std::logic_error); // a throw fails the stream too
   s.synchronize();                                    // and synchronize cleared it
 }
@@ -200,4 +201,98 @@ TEST_CASE("event timestamps order with the stream and measure elapsed time") {
   s.synchronize();
   const double ms = weave::host_event::elapsed_ms(start, end);
   CHECK(ms >= 19.0); // a lower bound only: sleeping can overrun, never underrun
+}
+
+TEST_CASE("run_inline_or_submit runs on the caller's thread only when the stream is idle") {
+  weave::host_stream s;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  CHECK(s.run_inline_or_submit([&] { ran_on = std::this_thread::get_id(); }));
+  CHECK(ran_on == caller);
+  CHECK(s.query()); // nothing left to run: it completed before returning
+
+  // Busy: queued behind the running task, on the worker, in order.
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  std::vector<int> order;
+  s.submit([&, opened] {
+    opened.wait();
+    order.push_back(1);
+  });
+  CHECK_FALSE(s.run_inline_or_submit([&] {
+    order.push_back(2);
+    ran_on = std::this_thread::get_id();
+  }));
+  CHECK_FALSE(s.run_inline_or_submit_always([&](std::exception_ptr f) {
+    order.push_back(3);
+    return f;
+  }));
+  gate.set_value();
+  s.synchronize();
+  CHECK(order == std::vector<int>{1, 2, 3});
+  CHECK(ran_on != caller);
+}
+
+TEST_CASE("the worker starts nothing submitted while an inline task runs until it returns") {
+  weave::host_stream s;
+  std::atomic<bool> inline_done{false};
+  std::atomic<bool> later_saw_done{false};
+  std::atomic<bool> later_ran{false};
+  std::promise<void> submitted;
+  auto was_submitted = submitted.get_future();
+  CHECK(s.run_inline_or_submit([&] {
+    std::thread other([&] {
+      s.submit([&] {
+        later_saw_done = inline_done.load();
+        later_ran = true;
+      });
+      submitted.set_value();
+    });
+    was_submitted.wait();
+    other.join();
+    std::this_thread::sleep_for(5ms); // room for a wrongly started worker to run it
+    CHECK_FALSE(later_ran.load());
+    inline_done = true;
+  }));
+  weave::host_event after = s.record(); // queued behind the later task: not reached inline
+  s.synchronize();
+  CHECK(later_ran.load());
+  CHECK(later_saw_done.load());
+  CHECK(after.query());
+}
+
+TEST_CASE("inline tasks keep the stream's failure rules") {
+  weave::host_stream s;
+  // A throwing inline task fails the stream; the caller does not see the exception.
+  CHECK(s.run_inline_or_submit([] { throw std::runtime_error("inline boom"); }));
+  bool ran = false;
+  CHECK(s.run_inline_or_submit([&] { ran = true; })); // idle but failed: skipped
+  CHECK_FALSE(ran);
+  weave::host_event e = s.record(); // reached at once, carrying the failure
+  CHECK(e.query());
+  CHECK_THROWS_WITH(e.synchronize(), "inline boom");
+  std::exception_ptr seen;
+  CHECK(s.run_inline_or_submit_always([&](std::exception_ptr f) {
+    seen = f;
+    return f; // keeps it
+  }));
+  CHECK(seen != nullptr);
+  CHECK_THROWS_WITH(s.synchronize(), "inline boom");
+  // Recovered: inline tasks run again, and one that clears a failure clears it.
+  CHECK(s.run_inline_or_submit([&] { ran = true; }));
+  CHECK(ran);
+  CHECK(s.run_inline_or_submit([] { throw std::runtime_error("second"); }));
+  CHECK(s.run_inline_or_submit_always([](std::exception_ptr) { return std::exception_ptr{}; }));
+  CHECK_NOTHROW(s.synchronize());
+}
+
+TEST_CASE("a capturing stream never runs a task inline") {
+  weave::host_stream s;
+  s.begin_capture();
+  std::thread::id ran_on;
+  CHECK_FALSE(s.run_inline_or_submit([&] { ran_on = std::this_thread::get_id(); }));
+  weave::host_event e = s.record();
+  s.end_capture();
+  s.synchronize();
+  CHECK(ran_on != std::this_thread::get_id());
 }

@@ -5,11 +5,12 @@
 //! A communicator is a borrowed handle to one rank of a group. Its operations are asynchronous:
 //! they are enqueued on a stream of the communicator's `stream_type` (`host_stream` for the
 //! in-process world and MPI, `cuda_stream_ref` for NCCL), return at once, and complete in
-//! stream order; callers order them against compute with events. As in CUDA and NCCL, every
-//! buffer *and every count/displacement array* an operation names is borrowed until the stream
-//! reaches the operation: host backends read the arrays when the operation runs, which is what
-//! lets a count exchange fill the receive counts of an all-to-all enqueued right after it.
-//! All ranks must enqueue the same collectives in the same order.
+//! stream order; callers order them against compute with events. (A small MPI operation on an
+//! idle stream runs on the calling thread and returns complete: `mpi_options::inline_max_bytes`.)
+//! As in CUDA and NCCL, every buffer *and every count/displacement array* an operation names is
+//! borrowed until the stream reaches the operation: host backends read the arrays when the
+//! operation runs, which is what lets a count exchange fill the receive counts of an all-to-all
+//! enqueued right after it. All ranks must enqueue the same collectives in the same order.
 #pragma once
 
 #include "weave/comm/call_tag.hpp"
@@ -125,6 +126,20 @@ concept has_barrier = communicator<C> && requires(C& c, typename C::stream_type&
 };
 
 namespace detail {
+
+//! Bytes an all-to-all moves on one rank (sent plus received), saturating at SIZE_MAX; bad
+//! (negative) counts count as SIZE_MAX, so the operation that rejects them is never "small".
+inline std::size_t moved_bytes(std::span<const std::int64_t> send_counts,
+                               std::span<const std::int64_t> recv_counts, std::size_t unit) {
+  constexpr std::size_t all = static_cast<std::size_t>(-1);
+  std::size_t units = 0;
+  for (std::span<const std::int64_t> counts : {send_counts, recv_counts})
+    for (const std::int64_t c : counts)
+      units = c < 0 || units + static_cast<std::size_t>(c) < units
+                  ? all
+                  : units + static_cast<std::size_t>(c);
+  return unit != 0 && units > all / unit ? all : units * unit;
+}
 
 //! Validates one side of an all_to_all_v layout: one count and displacement per rank, none
 //! negative, and every block's end representable in bytes. Returns the bytes spanned.

@@ -7,7 +7,8 @@
 //! the caller's communicator and its handler are left untouched, and weave's traffic cannot
 //! match the caller's messages). Operations are non-blocking MPI calls (MPI_Ialltoallv,
 //! MPI_Ialltoall, MPI_Iallreduce, MPI_Ibarrier) issued and progressed by a task on a
-//! `host_stream`, so they compose with compute on other streams.
+//! `host_stream`, so they compose with compute on other streams; a small one on an idle stream
+//! runs on the calling thread instead, saving the hand-off (`mpi_options::inline_max_bytes`).
 //!
 //! Failures (fail-stop): `abort(why)` sends a failure notice to every peer over a second
 //! duplicate (`mpi_failure_notices`), where each rank keeps a receive posted; an operation waiting
@@ -32,6 +33,7 @@
 
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/mpi_failure_notices.hpp"
+#include "weave/comm/mpi_options.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -58,40 +60,11 @@
 
 WEAVE_NAMESPACE_BEGIN
 
-//! Settings of an `mpi_communicator`.
-struct mpi_options {
-  //! How long an operation may take once its stream reaches it before it fails with
-  //! `errc::timeout`. The timeout aborts the communicator (its peers learn it at once); MPI
-  //! cannot cancel a collective, so the communicator is unusable afterwards.
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
-  //! Peer blocks of more units than this go point to point, in pieces of at most this many
-  //! units (clamped to INT_MAX / size). Lower it only to test the large-message path.
-  std::int64_t max_chunk_units = INT_MAX;
-  //! Displacements above this many units make a side stage its blocks contiguously (clamped to
-  //! INT_MAX). Lower it only to test that path.
-  std::int64_t max_displacement_units = INT_MAX;
-};
-
-namespace detail {
-
-template <class T>
-MPI_Datatype mpi_type() {
-  if constexpr (std::is_same_v<T, float>)
-    return MPI_FLOAT;
-  else if constexpr (std::is_same_v<T, double>)
-    return MPI_DOUBLE;
-  else if constexpr (std::is_same_v<T, std::int32_t>)
-    return MPI_INT32_T;
-  else
-    return MPI_INT64_T;
-}
-
-} // namespace detail
-
 //! One rank of an MPI communicator. Not copyable or movable (queued tasks refer to it); its
 //! operations must run one at a time (enqueue them on one stream, or order the streams), and it
 //! must be destroyed before `MPI_Finalize` once its streams are drained. Needs MPI initialized
-//! with at least `MPI_THREAD_SERIALIZED` (operations run on the stream's thread); below
+//! with at least `MPI_THREAD_SERIALIZED` (operations run on the stream's thread, or inline on
+//! the caller's, one at a time); below
 //! `MPI_THREAD_MULTIPLE` no other thread may call MPI while operations are queued.
 class mpi_communicator {
  public:
@@ -192,22 +165,29 @@ class mpi_communicator {
                     std::span<const std::int64_t> recv_counts,
                     std::span<const std::int64_t> recv_displs, std::size_t unit = 1,
                     call_tag tag = {}) {
-    run(s, "all_to_all_v", [=, this] {
-      if (tag.tagged()) {
-        detail::check_layout(size_, send_counts, send_displs, unit, "send");
-        detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
-        check_header(tag, header_all_to_all, send_counts, recv_counts, unit, "all_to_all_v");
-      }
-      run_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
-                       static_cast<std::byte*>(recv), recv_counts, recv_displs, unit);
-    });
+    run(
+        s, "all_to_all_v",
+        [=, this] { return inline_allowed(detail::moved_bytes(send_counts, recv_counts, unit)); },
+        [=, this] {
+          if (tag.tagged()) {
+            detail::check_layout(size_, send_counts, send_displs, unit, "send");
+            detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
+            check_header(tag, header_all_to_all, send_counts, recv_counts, unit, "all_to_all_v");
+          }
+          run_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
+                           static_cast<std::byte*>(recv), recv_counts, recv_displs, unit);
+        });
   }
 
   //! Sends the j-th group of k counts of `send` to rank j and receives rank j's k counts into
   //! the j-th group of `recv`; a tagged exchange checks the peers' tags first, as `all_to_all_v`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv, call_tag tag = {}) {
-    s.submit_always(deferred_exchange_counts(send, recv, tag));
+    counts_task task = deferred_exchange_counts(send, recv, tag);
+    if (inline_allowed(2 * send.size() * sizeof(std::int64_t)))
+      s.run_inline_or_submit_always(std::move(task));
+    else
+      s.submit_always(std::move(task));
   }
 
   //! The task of a deferred `exchange_counts` (see `has_deferred_exchange_counts`).
@@ -249,23 +229,28 @@ class mpi_communicator {
     WEAVE_EXPECT(in.size() == out.size(), errc::size_mismatch, "all_reduce: ", in.size(),
                  " inputs for ", out.size(), " outputs");
     const int count = checked_cast<int>(in.size(), "all_reduce element count");
-    run(s, "all_reduce", [=, this] {
-      const void* source = in.data() == out.data() ? MPI_IN_PLACE : in.data();
-      MPI_Request request = MPI_REQUEST_NULL;
-      check(MPI_Iallreduce(source, out.data(), count, detail::mpi_type<T>(),
-                           op == reduce_op::sum ? MPI_SUM : MPI_MAX, comm_, &request),
-            "MPI_Iallreduce", "all_reduce");
-      wait_all(std::span<MPI_Request>(&request, 1), "all_reduce");
-    });
+    const bool small = inline_allowed(2 * in.size() * sizeof(T));
+    run(
+        s, "all_reduce", [small] { return small; },
+        [=, this] {
+          const void* source = in.data() == out.data() ? MPI_IN_PLACE : in.data();
+          MPI_Request request = MPI_REQUEST_NULL;
+          check(MPI_Iallreduce(source, out.data(), count, detail::mpi_type<T>(),
+                               op == reduce_op::sum ? MPI_SUM : MPI_MAX, comm_, &request),
+                "MPI_Iallreduce", "all_reduce");
+          wait_all(std::span<MPI_Request>(&request, 1), "all_reduce");
+        });
   }
 
   //! Completes once every rank reached its barrier.
   void barrier(host_stream& s) {
-    run(s, "barrier", [this] {
-      MPI_Request request = MPI_REQUEST_NULL;
-      check(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", "barrier");
-      wait_all(std::span<MPI_Request>(&request, 1), "barrier");
-    });
+    run(
+        s, "barrier", [this] { return inline_allowed(0); },
+        [this] {
+          MPI_Request request = MPI_REQUEST_NULL;
+          check(MPI_Ibarrier(comm_, &request), "MPI_Ibarrier", "barrier");
+          wait_all(std::span<MPI_Request>(&request, 1), "barrier");
+        });
   }
 
  private:
@@ -325,11 +310,21 @@ class mpi_communicator {
 
   // Runs an operation's task on `s`. On a failed stream it moves nothing but still sends the
   // notices of an abort that waited for this thread. A failed communicator fails at once.
-  template <class F>
-  void run(host_stream& s, const char* what, F body) {
-    s.submit_always([this, what, body = std::move(body)](std::exception_ptr failure) mutable {
+  // On the calling thread when the stream is idle and `small()` (asked then: see
+  // `inline_max_bytes`), else on the stream's worker.
+  template <class Small, class F>
+  void run(host_stream& s, const char* what, Small small, F body) {
+    auto task = [this, what, body = std::move(body)](std::exception_ptr failure) mutable {
       return step(what, std::move(failure), body);
-    });
+    };
+    if (options_.inline_max_bytes == 0)
+      s.submit_always(std::move(task));
+    else
+      s.run_inline_or_submit_always(std::move(task), std::move(small));
+  }
+
+  bool inline_allowed(std::size_t bytes) const noexcept {
+    return options_.inline_max_bytes > 0 && bytes <= options_.inline_max_bytes;
   }
 
   // The stream task of an operation (see `run`), given the stream's failure.
@@ -432,6 +427,12 @@ class mpi_communicator {
         guard.completed = true;
         return;
       }
+      if (spins > 64)
+        std::this_thread::yield(); // let oversubscribed peers run
+      // The notices and the clock every 8th round: a notice is another MPI_Test (another round
+      // of MPI's progress engine), which would double the cost of a small collective's wait.
+      if (spins % 8 != 7)
+        continue;
       check_notice(what);
       if (failed_flag_.load(std::memory_order_acquire)) { // aborted by another thread
         send_notices();
@@ -446,8 +447,6 @@ class mpi_communicator {
         send_notices();
         WEAVE_THROW(errc::timeout, message);
       }
-      if (spins > 64)
-        std::this_thread::yield(); // let oversubscribed peers run
     }
   }
 

@@ -173,6 +173,66 @@ class host_stream {
          /*is_marker=*/true);
   }
 
+  //! Runs `task` now, on the calling thread, when the stream is idle (nothing queued or running)
+  //! and not capturing; otherwise enqueues it as `submit` does. Returns whether it ran here.
+  //! For short tasks whose hand-off to the worker (two thread wake-ups, 5-40 us) would cost more
+  //! than the task. The stream's order holds: later tasks queue behind it, and the worker starts
+  //! none until it returns. A task that throws fails the stream (the caller does not see it),
+  //! and on a failed stream the task is skipped, as on the worker.
+  bool run_inline_or_submit(unique_task task) {
+    if (!try_begin_inline()) {
+      submit(std::move(task));
+      return false;
+    }
+    if (!current_failure()) {
+      try {
+        task();
+      } catch (...) {
+        fail(std::current_exception());
+      }
+    }
+    task.reset();
+    end_inline();
+    return true;
+  }
+
+  //! `submit_always` with `run_inline_or_submit`'s choice: `task(failure)` runs now on the
+  //! calling thread when the stream is idle, not capturing, and `choose()` agrees. `choose` is
+  //! asked only once everything before the task has run, so it may read what that work wrote
+  //! (the counts a queued exchange fills, for instance).
+  template <class F, class Choose = bool (*)()>
+  requires std::is_invocable_r_v<std::exception_ptr, F&, std::exception_ptr> &&
+      std::is_invocable_r_v<bool, Choose&>
+  bool run_inline_or_submit_always(
+      F task, Choose choose = [] { return true; }) {
+    if (!try_begin_inline()) {
+      submit_always(std::move(task));
+      return false;
+    }
+    bool here = false;
+    try {
+      here = choose();
+    } catch (...) {
+      end_inline();
+      throw;
+    }
+    if (!here) {
+      submit_always(std::move(task)); // the worker starts it once this claim ends
+      end_inline();
+      return false;
+    }
+    std::exception_ptr after;
+    try {
+      after = task(take_failure());
+    } catch (...) {
+      after = std::current_exception();
+    }
+    if (after)
+      fail(std::move(after));
+    end_inline();
+    return true;
+  }
+
   //! A new event at the current end of the queue.
   host_event record() {
     host_event e;
@@ -192,19 +252,24 @@ class host_stream {
       std::lock_guard lock(e.state_->mutex);
       point = ++e.state_->recorded;
     }
-    push(unique_task([this, state = e.state_, point] {
-           std::exception_ptr failure = current_failure();
-           {
-             std::lock_guard lock(state->mutex);
-             if (state->completed < point) {
-               state->completed = point;
-               state->completed_at = host_event::clock::now();
-               state->failure = std::move(failure);
-             }
-           }
-           state->reached.notify_all();
-         }),
-         /*is_marker=*/true);
+    auto reach = [this, state = e.state_, point] {
+      std::exception_ptr failure = current_failure();
+      {
+        std::lock_guard lock(state->mutex);
+        if (state->completed < point) {
+          state->completed = point;
+          state->completed_at = host_event::clock::now();
+          state->failure = std::move(failure);
+        }
+      }
+      state->reached.notify_all();
+    };
+    if (try_begin_inline()) { // everything before the point has run: reached now
+      reach();
+      end_inline();
+      return;
+    }
+    push(unique_task(std::move(reach)), /*is_marker=*/true);
   }
 
   //! Makes every later task wait until `e`'s current record point is reached. If the producer
@@ -344,6 +409,34 @@ class host_stream {
     }
   }
 
+  // Claims an idle stream (nothing queued or running, not capturing) for work on the calling
+  // thread: until `end_inline`, the worker starts nothing and later tasks queue behind it.
+  bool try_begin_inline() {
+    if (capturing_)
+      return false;
+    std::lock_guard lock(mutex_);
+    if (pending_ != 0 || stopping_)
+      return false;
+    pending_ = 1;
+    inline_running_ = true;
+    return true;
+  }
+
+  void end_inline() {
+    bool queued = false;
+    bool drained = false;
+    {
+      std::lock_guard lock(mutex_);
+      inline_running_ = false;
+      queued = !queue_.empty();
+      drained = --pending_ == 0;
+    }
+    if (queued)
+      work_ready_.notify_one();
+    if (drained)
+      drained_.notify_all();
+  }
+
   void push(unique_task task, bool is_marker = false) {
     {
       std::lock_guard lock(mutex_);
@@ -372,7 +465,7 @@ class host_stream {
   void run() {
     std::unique_lock lock(mutex_);
     for (;;) {
-      work_ready_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      work_ready_.wait(lock, [&] { return !inline_running_ && (stopping_ || !queue_.empty()); });
       if (queue_.empty())
         return; // stopping and drained
       entry next = std::move(queue_.front());
@@ -400,7 +493,8 @@ class host_stream {
   std::deque<entry> queue_;
   std::size_t pending_ = 0;
   bool stopping_ = false;
-  std::exception_ptr failure_; // first failure since the last synchronize(); under mutex_
+  bool inline_running_ = false; // a task runs on a caller's thread (see try_begin_inline)
+  std::exception_ptr failure_;  // first failure since the last synchronize(); under mutex_
   // The capture this stream belongs to (under `host_capture::lock()`), and whether it has one.
   std::shared_ptr<detail::host_capture> capture_;
   std::atomic<bool> capturing_{false};

@@ -39,6 +39,16 @@ concept host_executor = stream<S> && requires(S& s, void (*task)()) {
   s.submit(task);
 };
 
+//! Runs `task` on the calling thread when `s` is idle and can say so
+//! (`host_stream::run_inline_or_submit`), else submits it.
+template <host_executor S, class F>
+void run_inline_or_submit(S& s, F&& task) {
+  if constexpr (requires { s.run_inline_or_submit(std::forward<F>(task)); })
+    s.run_inline_or_submit(std::forward<F>(task));
+  else
+    s.submit(std::forward<F>(task));
+}
+
 //! Makes `consumer` wait for everything submitted to `producer` so far.
 template <stream S>
 void order_after(S& consumer, S& producer) {

@@ -154,7 +154,10 @@ class decode_exchange {
   //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights`
   //! (k per token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they
   //! fail the call on every rank as the file comment says. Throws `errc::invalid_state` when
-  //! a handle of this exchange is still alive.
+  //! a handle of this exchange is still alive. When `s` is idle the steps run on the calling
+  //! thread (`host_stream::run_inline_or_submit`), and so does the all-to-all where the
+  //! communicator runs small ones inline (`mpi_options::inline_max_bytes`): a decode call then
+  //! returns complete, without a hand-off to the stream's worker. Combine likewise.
   handle dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
                   std::span<const float> weights, stream_type& s) {
     WEAVE_EXPECT(!held_, errc::invalid_state,
@@ -163,9 +166,9 @@ class decode_exchange {
     const std::uint64_t call = ++calls_; // tasks of several calls may be queued at once
     held_ = true;
     combined_ = false;
-    s.submit([this, x, ids, weights] { pack_dispatch(x, ids, weights); });
+    run_inline_or_submit(s, [this, x, ids, weights] { pack_dispatch(x, ids, weights); });
     exchange(s, dispatch_);
-    s.submit([this, call] { unpack_dispatch(call); });
+    run_inline_or_submit(s, [this, call] { unpack_dispatch(call); });
     s.record(last_);
     return handle(this, call, life_);
   }
@@ -179,9 +182,9 @@ class decode_exchange {
                  "decode_exchange::combine: a handle of another exchange (or an empty one)");
     bind_stream(s);
     combined_ = true;
-    s.submit([this, y, call = h.call_] { pack_combine(y, call); });
+    run_inline_or_submit(s, [this, y, call = h.call_] { pack_combine(y, call); });
     exchange(s, combine_);
-    s.submit([this, y] { unpack_combine(y); });
+    run_inline_or_submit(s, [this, y] { unpack_combine(y); });
     s.record(last_);
     h.reset();
   }

@@ -1,0 +1,199 @@
+// Decode-sized MoE layers over MPI, under mpirun (one process per rank), in one run: per layer,
+// the decode exchange (weave's default: small operations on an idle stream run on the calling
+// thread), the same with every step handed to the stream's worker (`inline_max_bytes = 0`),
+// the dynamic moe_exchange, and the floor: the raw-MPI decode reference, two blocking
+// MPI_Alltoall of the decode's bytes (no packing, no weave). The experts copy their input.
+// Every iteration is one layer on every rank after a barrier, timed as the slowest rank's
+// (MPI_Allreduce max). Only rank 0 reports. Arguments: tokens per rank, hidden (bf16), experts
+// (k = 8), mode (0 decode, 1 decode handed off, 2 dynamic, 3 raw MPI). A decode shape whose
+// fixed slots exceed 64 MiB per peer is skipped (SkipWithError names it).
+#include <benchmark/benchmark.h>
+
+#include <weave/comm/mpi_communicator.hpp>
+#include <weave/core/dtype.hpp>
+#include <weave/core/host_matrix.hpp>
+#include <weave/overlap/decode_exchange.hpp>
+#include <weave/overlap/moe_exchange.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using row_t = weave::bfloat16;
+constexpr int k = 8;
+constexpr std::size_t max_decode_bytes_per_peer = std::size_t{64} << 20;
+
+int rank_of() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int size_of() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+// Runs `op` on every rank after a barrier; returns the slowest rank's seconds.
+template <class F>
+double slowest_rank_seconds(F&& op) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const auto start = std::chrono::steady_clock::now();
+  op();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return seconds;
+}
+
+// This rank's tokens: rows, k distinct uniform expert ids per token, equal weights.
+struct tokens_of_rank {
+  weave::host_matrix<row_t> x, y;
+  std::vector<std::int32_t> ids;
+  std::vector<float> weights;
+  tokens_of_rank(std::size_t tokens, std::size_t hidden, int experts)
+      : x(tokens, hidden)
+      , y(tokens, hidden) {
+    std::mt19937 rng(static_cast<unsigned>(rank_of()) * 7919u + 1u);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    for (row_t& v : x.elements())
+      v = row_t(n(rng));
+    std::vector<int> all(static_cast<std::size_t>(experts));
+    for (int e = 0; e < experts; ++e)
+      all[static_cast<std::size_t>(e)] = e;
+    for (std::size_t t = 0; t < tokens; ++t) {
+      std::shuffle(all.begin(), all.end(), rng);
+      for (int j = 0; j < k; ++j) {
+        ids.push_back(all[static_cast<std::size_t>(j)]);
+        weights.push_back(1.0f / k);
+      }
+    }
+  }
+};
+
+void decode_layer_mpi(benchmark::State& state) {
+  const auto tokens = static_cast<std::size_t>(state.range(0));
+  const auto hidden = static_cast<std::size_t>(state.range(1));
+  const auto experts = static_cast<int>(state.range(2));
+  const auto mode = state.range(3);
+  const int n = size_of();
+  const auto where = weave::placement::contiguous(experts, n);
+  tokens_of_rank d(tokens, hidden, experts);
+  weave::host_stream stream("comm"), compute("compute");
+  weave::mpi_options options;
+  if (mode == 1)
+    options.inline_max_bytes = 0;
+  weave::mpi_communicator comm(MPI_COMM_WORLD, options);
+  const weave::decode_options o{k, hidden, tokens};
+  const std::size_t slot_bytes = weave::detail::decode_message_bytes(o, hidden * sizeof(row_t));
+  const std::size_t decode_per_peer =
+      slot_bytes * static_cast<std::size_t>(where.slots_per_device());
+  if (mode != 2 && decode_per_peer > max_decode_bytes_per_peer) {
+    state.SkipWithError(("decode slots of " + std::to_string(decode_per_peer >> 20) +
+                         " MiB per peer (above 64 MiB)")
+                            .c_str());
+    return;
+  }
+  std::vector<double> times;
+  auto run = [&](auto&& layer) {
+    for (int warm = 0; warm < 3; ++warm)
+      slowest_rank_seconds(layer);
+    for (auto _ : state) {
+      times.push_back(slowest_rank_seconds(layer));
+      state.SetIterationTime(times.back());
+    }
+  };
+  if (mode == 0 || mode == 1) {
+    weave::decode_exchange<weave::mpi_communicator, row_t> ex(comm, where, o);
+    run([&] {
+      auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
+      weave::run_inline_or_submit(stream, [xs = h.experts()] { // the experts
+        for (int l = 0; l < xs.local_experts(); ++l)
+          std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
+      });
+      ex.combine(h, d.y.elements(), stream);
+      stream.synchronize();
+    });
+  } else if (mode == 2) {
+    weave::moe_options mo;
+    mo.k = k;
+    mo.hidden = hidden;
+    mo.element = weave::dtype::bf16;
+    mo.max_tokens = tokens;
+    mo.chunks = 1;
+    weave::moe_exchange<weave::mpi_communicator> ex(comm, where, mo);
+    run([&] {
+      ex.forward(
+          d.x.view(), d.ids, d.weights, d.y.view(),
+          [](const weave::expert_batch& b) {
+            std::memcpy(b.output.data(), b.input.data(), b.input.rows() * b.input.row_bytes());
+          },
+          compute, stream);
+      compute.synchronize();
+      stream.synchronize();
+    });
+  } else { // the floor: the decode's bytes in two blocking all-to-alls
+    const int per_peer = static_cast<int>(decode_per_peer);
+    std::vector<std::byte> send(decode_per_peer * std::size_t(n), std::byte{1}), recv(send.size());
+    MPI_Comm raw = MPI_COMM_NULL;
+    MPI_Comm_dup(MPI_COMM_WORLD, &raw);
+    run([&] {
+      MPI_Alltoall(send.data(), per_peer, MPI_BYTE, recv.data(), per_peer, MPI_BYTE, raw);
+      MPI_Alltoall(recv.data(), per_peer, MPI_BYTE, send.data(), per_peer, MPI_BYTE, raw);
+    });
+    MPI_Comm_free(&raw);
+  }
+  std::sort(times.begin(), times.end());
+  state.counters["layer_us"] = times.empty() ? 0 : times[times.size() / 2] * 1e6; // median
+  state.counters["decode_bytes_per_peer"] = static_cast<double>(decode_per_peer);
+  state.counters["ranks"] = n;
+  static const char* const labels[] = {"decode", "decode, handed off", "dynamic", "raw MPI floor"};
+  state.SetLabel(labels[mode]);
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  const bool root = rank_of() == 0;
+  std::vector<char*> args; // only rank 0 writes output files
+  for (int i = 0; i < argc; ++i)
+    if (root || std::string(argv[i]).rfind("--benchmark_out", 0) != 0)
+      args.push_back(argv[i]);
+  int count = static_cast<int>(args.size());
+  for (const int experts : {32, 256})
+    for (const int hidden : {256, 2048})
+      for (const int tokens : {1, 8, 64, 256, 512})
+        for (const int mode : {0, 1, 2, 3}) // each shape's modes side by side
+          benchmark::RegisterBenchmark("decode_layer_mpi", decode_layer_mpi)
+              ->Args({tokens, hidden, experts, mode})
+              ->ArgNames({"tokens", "hidden", "experts", "mode"})
+              ->Iterations(tokens * hidden >= 256 * 2048 ? 20 : 100) // the same on every rank
+              ->UseManualTime()
+              ->Unit(benchmark::kMicrosecond);
+  benchmark::Initialize(&count, args.data());
+  if (count > 1) { // every rank has the same arguments, so all stop together
+    if (root)
+      benchmark::ReportUnrecognizedArguments(count, args.data());
+    MPI_Finalize();
+    return 1;
+  }
+  struct silent : benchmark::BenchmarkReporter {
+    bool ReportContext(const Context&) override { return true; }
+    void ReportRuns(const std::vector<Run>&) override {}
+  } quiet;
+  if (root)
+    benchmark::RunSpecifiedBenchmarks();
+  else
+    benchmark::RunSpecifiedBenchmarks(&quiet);
+  benchmark::Shutdown();
+  MPI_Finalize();
+  return 0;
+}

@@ -1,0 +1,56 @@
+//! \file
+//! `mpi_options`, the settings of an `mpi_communicator` (component `weave::mpi`), and the
+//! MPI datatypes of the element types weave reduces.
+#pragma once
+
+#include "weave/core/config.hpp"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+WEAVE_NAMESPACE_BEGIN
+
+//! Settings of an `mpi_communicator`.
+struct mpi_options {
+  //! How long an operation may take once its stream reaches it before it fails with
+  //! `errc::timeout`. The timeout aborts the communicator (its peers learn it at once); MPI
+  //! cannot cancel a collective, so the communicator is unusable afterwards.
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  //! Peer blocks of more units than this go point to point, in pieces of at most this many
+  //! units (clamped to INT_MAX / size). Lower it only to test the large-message path.
+  std::int64_t max_chunk_units = INT_MAX;
+  //! Displacements above this many units make a side stage its blocks contiguously (clamped to
+  //! INT_MAX). Lower it only to test that path.
+  std::int64_t max_displacement_units = INT_MAX;
+  //! An operation moving at most this many bytes on this rank (sent plus received) runs on the
+  //! calling thread when its stream is idle (`host_stream::run_inline_or_submit`): it skips the
+  //! hand-off to the stream's worker (5-40 us; docs/perf.md, "MPI overhead"), and the call
+  //! returns once it completed. Operations then start in the order the calling threads issue
+  //! them, so a rank that issues operations of several communicators must issue them in the
+  //! same order as its peers do, as MPI's blocking calls require. 0: every operation runs on the
+  //! stream's worker, and calls never wait.
+  std::size_t inline_max_bytes = std::size_t{1} << 22;
+};
+
+namespace detail {
+
+template <class T>
+MPI_Datatype mpi_type() {
+  if constexpr (std::is_same_v<T, float>)
+    return MPI_FLOAT;
+  else if constexpr (std::is_same_v<T, double>)
+    return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<T, std::int32_t>)
+    return MPI_INT32_T;
+  else
+    return MPI_INT64_T;
+}
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END
