@@ -5,11 +5,14 @@
 // Arguments: bytes per rank, traffic (0 uniform, 1 skewed).
 //
 // `overhead/...` measures the cost of weave's path fairly: every iteration times, interleaved in
-// a rotating order, raw MPI_Alltoallv, weave's all_to_all_v, and two parts of weave's path on
-// their own (MPI_Ialltoallv polled with MPI_Testall on the calling thread; an empty task's round
-// trip through a host_stream). Each is reported as the median over the iterations, with the
-// ratio weave / raw, and weave's all-to-all tagged as a layer's (a 32-byte header per peer first,
+// a rotating order, raw MPI_Alltoallv, weave's all_to_all_v (default options: small operations
+// on an idle stream run on the calling thread), the same handed to the stream's worker
+// (inline_max_bytes = 0), and parts of weave's path on their own (MPI_Ialltoallv polled with
+// MPI_Testall on the calling thread; Irecv + Isend per peer, polled; an empty task's round trip
+// through a host_stream). Each is reported as the median over the iterations, with the ratio
+// weave / raw, and weave's all-to-all tagged as a layer's (a 32-byte header per peer first,
 // faults.md) beside the untagged one. Argument: bytes per peer (uniform traffic).
+// `compute_beside/...`: see compute_beside below.
 #include <benchmark/benchmark.h>
 
 #include "traffic.hpp"
