@@ -15,6 +15,7 @@
 // `compute_beside/...`: see compute_beside below.
 #include <benchmark/benchmark.h>
 
+#include "mpi_bench.hpp"
 #include "traffic.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
@@ -37,27 +38,9 @@ namespace {
 
 using comm_bench::traffic;
 
-int rank_of() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int size_of() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
-// Runs `op` on every rank after a barrier; returns the slowest rank's seconds.
-template <class F>
-double slowest_rank_seconds(F&& op) {
-  MPI_Barrier(MPI_COMM_WORLD);
-  const auto start = std::chrono::steady_clock::now();
-  op();
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return seconds;
-}
+using mpi_bench::rank_of;
+using mpi_bench::size_of;
+using mpi_bench::slowest_rank_seconds;
 
 struct setup {
   int n = size_of(), r = rank_of();
@@ -290,66 +273,40 @@ void compute_beside(benchmark::State& state) {
 } // namespace
 
 int main(int argc, char** argv) {
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  const bool root = rank_of() == 0;
-  // Only rank 0 writes output files; the others drop --benchmark_out*.
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i)
-    if (root || std::string(argv[i]).rfind("--benchmark_out", 0) != 0)
-      args.push_back(argv[i]);
-  int count = static_cast<int>(args.size());
-  for (int t : {0, 1})
-    for (int shift : {10, 14, 18, 20, 22, 24, 26, 28}) {
-      const std::int64_t bytes = std::int64_t(1) << shift;
-      // Fixed iterations: every rank must run the same number of collectives.
-      const auto iterations = std::clamp<std::int64_t>((std::int64_t(1) << 27) / bytes, 3, 400);
-      for (auto* b :
-           {benchmark::RegisterBenchmark("raw_mpi_alltoallv", raw_mpi_alltoallv),
-            benchmark::RegisterBenchmark("weave_mpi_all_to_all_v", weave_mpi_all_to_all_v)})
-        b->Args({bytes, t})
-            ->ArgNames({"bytes", "skewed"})
-            ->Iterations(iterations)
-            ->UseManualTime()
-            ->Unit(benchmark::kMicrosecond);
-    }
-  for (int shift = 12; shift <= 26; shift += 2) {
-    const std::int64_t per_peer = std::int64_t(1) << shift;
-    // Fixed iterations (every rank runs the same collectives); at least 9 for the medians.
-    const auto iterations =
-        std::clamp<std::int64_t>((std::int64_t(1) << 27) / (per_peer * size_of()), 9, 400);
-    benchmark::RegisterBenchmark("overhead", overhead)
-        ->Arg(per_peer)
-        ->ArgName("bytes_per_peer")
-        ->Iterations(iterations)
-        ->UseManualTime()
-        ->Unit(benchmark::kMicrosecond);
-  }
-  for (const std::int64_t per_peer : {std::int64_t{4} << 10, std::int64_t{64} << 10})
-    for (const int hand_off : {0, 1})
-      benchmark::RegisterBenchmark("compute_beside", compute_beside)
-          ->Args({per_peer, hand_off})
-          ->ArgNames({"bytes_per_peer", "hand_off"})
-          ->Iterations(3)
+  return mpi_bench::main(argc, argv, [] {
+    for (int t : {0, 1})
+      for (int shift : {10, 14, 18, 20, 22, 24, 26, 28}) {
+        const std::int64_t bytes = std::int64_t(1) << shift;
+        // Fixed iterations: every rank must run the same number of collectives.
+        const auto iterations = std::clamp<std::int64_t>((std::int64_t(1) << 27) / bytes, 3, 400);
+        for (auto* b :
+             {benchmark::RegisterBenchmark("raw_mpi_alltoallv", raw_mpi_alltoallv),
+              benchmark::RegisterBenchmark("weave_mpi_all_to_all_v", weave_mpi_all_to_all_v)})
+          b->Args({bytes, t})
+              ->ArgNames({"bytes", "skewed"})
+              ->Iterations(iterations)
+              ->UseManualTime()
+              ->Unit(benchmark::kMicrosecond);
+      }
+    for (int shift = 12; shift <= 26; shift += 2) {
+      const std::int64_t per_peer = std::int64_t(1) << shift;
+      // Fixed iterations (every rank runs the same collectives); at least 9 for the medians.
+      const auto iterations =
+          std::clamp<std::int64_t>((std::int64_t(1) << 27) / (per_peer * size_of()), 9, 400);
+      benchmark::RegisterBenchmark("overhead", overhead)
+          ->Arg(per_peer)
+          ->ArgName("bytes_per_peer")
+          ->Iterations(iterations)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
-  benchmark::Initialize(&count, args.data());
-  // Every rank has the same arguments, so all stop together; rank 0 names the bad ones.
-  if (count > 1) {
-    if (root)
-      benchmark::ReportUnrecognizedArguments(count, args.data());
-    MPI_Finalize();
-    return 1;
-  }
-  struct silent : benchmark::BenchmarkReporter {
-    bool ReportContext(const Context&) override { return true; }
-    void ReportRuns(const std::vector<Run>&) override {}
-  } quiet;
-  if (root)
-    benchmark::RunSpecifiedBenchmarks();
-  else
-    benchmark::RunSpecifiedBenchmarks(&quiet);
-  benchmark::Shutdown();
-  MPI_Finalize();
-  return 0;
+    }
+    for (const std::int64_t per_peer : {std::int64_t{4} << 10, std::int64_t{64} << 10})
+      for (const int hand_off : {0, 1})
+        benchmark::RegisterBenchmark("compute_beside", compute_beside)
+            ->Args({per_peer, hand_off})
+            ->ArgNames({"bytes_per_peer", "hand_off"})
+            ->Iterations(3)
+            ->UseManualTime()
+            ->Unit(benchmark::kMicrosecond);
+  });
 }

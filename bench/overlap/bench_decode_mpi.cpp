@@ -9,6 +9,8 @@
 // fixed slots exceed 64 MiB per peer is skipped (SkipWithError names it).
 #include <benchmark/benchmark.h>
 
+#include "../comm/mpi_bench.hpp"
+
 #include <weave/comm/mpi_communicator.hpp>
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
@@ -30,27 +32,9 @@ using row_t = weave::bfloat16;
 constexpr int k = 8;
 constexpr std::size_t max_decode_bytes_per_peer = std::size_t{64} << 20;
 
-int rank_of() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int size_of() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
-// Runs `op` on every rank after a barrier; returns the slowest rank's seconds.
-template <class F>
-double slowest_rank_seconds(F&& op) {
-  MPI_Barrier(MPI_COMM_WORLD);
-  const auto start = std::chrono::steady_clock::now();
-  op();
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-  return seconds;
-}
+using mpi_bench::rank_of;
+using mpi_bench::size_of;
+using mpi_bench::slowest_rank_seconds;
 
 // This rank's tokens: rows, k distinct uniform expert ids per token, equal weights.
 struct tokens_of_rank {
@@ -160,40 +144,16 @@ void decode_layer_mpi(benchmark::State& state) {
 } // namespace
 
 int main(int argc, char** argv) {
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  const bool root = rank_of() == 0;
-  std::vector<char*> args; // only rank 0 writes output files
-  for (int i = 0; i < argc; ++i)
-    if (root || std::string(argv[i]).rfind("--benchmark_out", 0) != 0)
-      args.push_back(argv[i]);
-  int count = static_cast<int>(args.size());
-  for (const int experts : {32, 256})
-    for (const int hidden : {256, 2048})
-      for (const int tokens : {1, 8, 64, 256, 512})
-        for (const int mode : {0, 1, 2, 3}) // each shape's modes side by side
-          benchmark::RegisterBenchmark("decode_layer_mpi", decode_layer_mpi)
-              ->Args({tokens, hidden, experts, mode})
-              ->ArgNames({"tokens", "hidden", "experts", "mode"})
-              ->Iterations(tokens * hidden >= 256 * 2048 ? 20 : 100) // the same on every rank
-              ->UseManualTime()
-              ->Unit(benchmark::kMicrosecond);
-  benchmark::Initialize(&count, args.data());
-  if (count > 1) { // every rank has the same arguments, so all stop together
-    if (root)
-      benchmark::ReportUnrecognizedArguments(count, args.data());
-    MPI_Finalize();
-    return 1;
-  }
-  struct silent : benchmark::BenchmarkReporter {
-    bool ReportContext(const Context&) override { return true; }
-    void ReportRuns(const std::vector<Run>&) override {}
-  } quiet;
-  if (root)
-    benchmark::RunSpecifiedBenchmarks();
-  else
-    benchmark::RunSpecifiedBenchmarks(&quiet);
-  benchmark::Shutdown();
-  MPI_Finalize();
-  return 0;
+  return mpi_bench::main(argc, argv, [] {
+    for (const int experts : {32, 256})
+      for (const int hidden : {256, 2048})
+        for (const int tokens : {1, 8, 64, 256, 512})
+          for (const int mode : {0, 1, 2, 3}) // each shape's modes side by side
+            benchmark::RegisterBenchmark("decode_layer_mpi", decode_layer_mpi)
+                ->Args({tokens, hidden, experts, mode})
+                ->ArgNames({"tokens", "hidden", "experts", "mode"})
+                ->Iterations(tokens * hidden >= 256 * 2048 ? 20 : 100) // the same on every rank
+                ->UseManualTime()
+                ->Unit(benchmark::kMicrosecond);
+  });
 }

@@ -160,16 +160,7 @@ class host_stream {
   requires std::is_invocable_r_v<std::exception_ptr, F&, std::exception_ptr>
   void submit_always(F task) {
     count_captured_work();
-    push(unique_task([this, task = std::move(task)]() mutable {
-           std::exception_ptr after;
-           try {
-             after = task(take_failure());
-           } catch (...) {
-             after = std::current_exception();
-           }
-           if (after)
-             fail(std::move(after));
-         }),
+    push(unique_task([this, task = std::move(task)]() mutable { run_always(task); }),
          /*is_marker=*/true);
   }
 
@@ -221,14 +212,10 @@ class host_stream {
       end_inline();
       return false;
     }
-    std::exception_ptr after;
-    try {
-      after = task(take_failure());
-    } catch (...) {
-      after = std::current_exception();
+    {
+      F claimed = std::move(task); // released before the stream is idle again, as on the worker
+      run_always(claimed);
     }
-    if (after)
-      fail(std::move(after));
     end_inline();
     return true;
   }
@@ -407,6 +394,20 @@ class host_stream {
       WEAVE_THROW(errc::invalid_state, "cudaErrorCapturedEvent: stream '", name_,
                   "' waits for an event last recorded in a capture that has ended");
     }
+  }
+
+  // Runs a `submit_always` task with the stream's pending failure; what it returns or throws
+  // becomes the failure.
+  template <class F>
+  void run_always(F& task) {
+    std::exception_ptr after;
+    try {
+      after = task(take_failure());
+    } catch (...) {
+      after = std::current_exception();
+    }
+    if (after)
+      fail(std::move(after));
   }
 
   // Claims an idle stream (nothing queued or running, not capturing) for work on the calling
