@@ -87,15 +87,32 @@ class decode_exchange {
     const auto spd = static_cast<std::size_t>(where_.slots_per_device());
     const auto k = static_cast<std::size_t>(options_.k);
     const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
-    dispatch_ = phase_of(detail::decode_wire_row_bytes(options_, row_bytes), D, spd);
-    combine_ = phase_of(row_bytes, D, spd);
-    const std::size_t peer_bytes = std::max(dispatch_.bytes_per_peer(), combine_.bytes_per_peer());
+    const std::size_t M = options_.max_tokens_per_rank;
+    choices_ = std::min(k, spd);
+    const std::size_t wire_rows =
+        checked_mul(M, detail::decode_wire_row_bytes(options_, row_bytes), "dispatch rows");
+    side_at_ = checked_add(sizeof(decode_header), wire_rows, "dispatch message");
+    const std::size_t side =
+        checked_mul(checked_mul(M, choices_, "choices"), sizeof(std::int32_t), "side table");
+    dispatch_ = phase_of(round_up16(checked_add(side_at_, side, "dispatch message")), D);
+    combine_ = phase_of(
+        round_up16(checked_add(sizeof(decode_header),
+                               checked_mul(checked_mul(M, choices_, "pairs"), row_bytes, "rows"),
+                               "combine message")),
+        D);
+    const std::size_t peer_bytes = std::max(dispatch_.stride, combine_.stride);
     send_.assign(checked_mul(D, peer_bytes, "send bytes"), std::byte{0});
     recv_.assign(send_.size(), std::byte{0});
-    const std::size_t pairs = checked_mul(options_.max_tokens_per_rank, k, "pairs");
+    const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
-    fill_.assign(checked_mul(D, spd, "slots"), 0);
+    records_.assign(D, 0);
+    pairs_to_.assign(D, 0);
+    last_token_.assign(D, -1);
+    next_choice_.assign(D, 0);
+    record_slots_.assign(choices_, 0);
+    arrivals_.assign(checked_mul(D, checked_mul(M, choices_, "pairs"), "arrivals"), {});
+    arrived_pairs_.assign(D, 0);
     received_.assign(spd * D, 0);
     expert_rows_.assign(spd, 0);
     slot_rows_ = checked_mul(D, options_.max_tokens_per_rank, "rows per expert");
@@ -146,10 +163,12 @@ class decode_exchange {
 
   const decode_options& options() const noexcept { return options_; }
   const placement& where() const noexcept { return where_; }
-  //! Bytes this rank sends to each peer in a dispatch (FP8 rows with an FP8 dispatch).
-  std::size_t dispatch_bytes_per_peer() const noexcept { return dispatch_.bytes_per_peer(); }
-  //! Bytes this rank sends to each peer in a combine (rows of T).
-  std::size_t combine_bytes_per_peer() const noexcept { return combine_.bytes_per_peer(); }
+  //! Bytes this rank sends to each peer in a dispatch (FP8 rows with an FP8 dispatch): one
+  //! message of room for `max_tokens_per_rank` tokens and their local choices.
+  std::size_t dispatch_bytes_per_peer() const noexcept { return dispatch_.stride; }
+  //! The most bytes this rank sends to a peer in a combine (rows of T): a combine sends the
+  //! header and one row per (token, expert) pair that peer dispatched here, no more.
+  std::size_t combine_bytes_per_peer() const noexcept { return combine_.stride; }
 
   //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights`
   //! (k per token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they
@@ -206,50 +225,52 @@ class decode_exchange {
                  "decode_exchange: every call runs on the stream of the first call");
   }
 
-  // The messages of a phase: one per (slot, source), of a fixed size, so counts never change.
+  // A phase's all-to-all: one message per peer, `stride` bytes apart. The dispatch's messages
+  // have a fixed size (`stride`); the combine's are set per call (`set_combine_counts`), to
+  // sizes both sides know from the dispatch.
   struct phase_layout {
-    std::size_t message_bytes = 0;
-    std::vector<std::int64_t> counts, displs; // bytes per peer
-    std::size_t bytes_per_peer() const noexcept { return static_cast<std::size_t>(counts[0]); }
+    std::size_t stride = 0;
+    std::vector<std::int64_t> send_counts, recv_counts, displs; // bytes per peer
   };
-  phase_layout phase_of(std::size_t row_bytes, std::size_t D, std::size_t spd) const {
+  static std::size_t round_up16(std::size_t bytes) {
+    return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
+  }
+  static phase_layout phase_of(std::size_t stride, std::size_t D) {
     phase_layout p;
-    p.message_bytes = detail::decode_message_bytes(options_, row_bytes);
-    const std::size_t peer = checked_mul(spd, p.message_bytes, "bytes per peer");
+    p.stride = stride;
     for (std::size_t d = 0; d < D; ++d) {
-      p.counts.push_back(static_cast<std::int64_t>(peer));
-      p.displs.push_back(static_cast<std::int64_t>(checked_mul(d, peer, "displacement")));
+      p.send_counts.push_back(static_cast<std::int64_t>(stride));
+      p.displs.push_back(static_cast<std::int64_t>(checked_mul(d, stride, "displacement")));
     }
+    p.recv_counts = p.send_counts;
     return p;
   }
 
   // The one all-to-all of a phase.
   void exchange(stream_type& s, const phase_layout& p) {
-    weave::all_to_all_v(*comm_, s, send_.data(), p.counts, p.displs, recv_.data(), p.counts,
-                        p.displs, 1);
+    weave::all_to_all_v(*comm_, s, send_.data(), p.send_counts, p.displs, recv_.data(),
+                        p.recv_counts, p.displs, 1);
   }
 
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
-  std::size_t world() const noexcept { return dispatch_.counts.size(); }
-  static std::byte* message(std::vector<std::byte>& buf, std::size_t at, const phase_layout& p) {
-    return buf.data() + at * p.message_bytes;
+  std::size_t world() const noexcept { return dispatch_.displs.size(); }
+  static std::byte* block(std::vector<std::byte>& buf, std::size_t d, const phase_layout& p) {
+    return buf.data() + d * p.stride;
   }
-  std::byte* message(std::vector<std::byte>& buf, std::size_t rank, std::size_t l,
-                     const phase_layout& p) noexcept {
-    return message(buf, rank * spd() + l, p);
-  }
-  std::byte* payload(std::vector<std::byte>& buf, std::size_t rank, std::size_t l,
-                     const phase_layout& p) noexcept {
-    return message(buf, rank, l, p) + sizeof(decode_header);
-  }
-  decode_header header(std::size_t rank, std::size_t l, const phase_layout& p) noexcept {
+  decode_header header(std::size_t d, const phase_layout& p) noexcept {
     decode_header h;
-    std::memcpy(&h, message(recv_, rank, l, p), sizeof h);
+    std::memcpy(&h, block(recv_, d, p), sizeof h);
     return h;
   }
-  void put_header(std::size_t rank, std::size_t l, const decode_header& h,
-                  const phase_layout& p) noexcept {
-    std::memcpy(message(send_, rank, l, p), &h, sizeof h);
+  void put_header(std::size_t d, const decode_header& h, const phase_layout& p) noexcept {
+    std::memcpy(block(send_, d, p), &h, sizeof h);
+  }
+  // Record r of a dispatch message: the token's wire row, and its local choices (side table).
+  std::byte* record_row(std::byte* message, std::size_t r) const noexcept {
+    return message + sizeof(decode_header) + r * wire_row();
+  }
+  std::byte* record_choices(std::byte* message, std::size_t r) const noexcept {
+    return message + side_at_ + r * choices_ * sizeof(std::int32_t);
   }
 
   // Runs `fill`, which writes the send messages of phase `p`; on failure every header says so
@@ -271,8 +292,7 @@ class decode_exchange {
   void mark_failed(errc code, const std::string& what, const phase_layout& p) noexcept {
     const decode_header h = detail::failed_header(rank_, code, what);
     for (std::size_t d = 0; d < world(); ++d)
-      for (std::size_t l = 0; l < spd(); ++l)
-        put_header(d, l, h, p);
+      put_header(d, h, p);
   }
 
   // Checks every received header of phase `p`: this rank's own failure first (the root
@@ -280,12 +300,12 @@ class decode_exchange {
   // writes. A failure its peers may not know (a header no sender writes, a sender that failed in
   // some of its headers only) aborts the communicator, so that no peer waits for this rank in a
   // later collective.
-  void check_headers(const phase_layout& p) {
+  void check_headers(const phase_layout& p, std::size_t max_rows) {
     if (local_failure_)
       std::rethrow_exception(local_failure_);
     const detail::decode_headers_verdict verdict = detail::check_decode_headers(
-        world(), spd(), static_cast<std::int64_t>(options_.max_tokens_per_rank), 0,
-        "decode_exchange", [&](std::size_t d, std::size_t l) { return header(d, l, p); },
+        world(), 1, static_cast<std::int64_t>(max_rows), 0, "decode_exchange",
+        [&](std::size_t d, std::size_t) { return header(d, p); },
         [](const decode_header& h) {
           return failure_record{h.source, static_cast<errc>(h.code), true,
                                 std::string(h.cause, ::strnlen(h.cause, sizeof h.cause))};
@@ -321,67 +341,122 @@ class decode_exchange {
                           options_.fp8_dispatch->blocks);
             rows = token_wire_.data();
           }
+          // One record per (token, device): the row once, then the token's local slots there
+          // in choice order (-1 after the last); one combine row per (token, expert) pair.
           const std::size_t row = wire_row();
           const std::span<const std::int32_t> kept = plan_.kept_experts();
-          std::fill(fill_.begin(), fill_.end(), 0);
+          std::fill(records_.begin(), records_.end(), 0);
+          std::fill(pairs_to_.begin(), pairs_to_.end(), 0);
+          std::fill(last_token_.begin(), last_token_.end(), -1);
           for (std::size_t p = 0; p < tokens * k; ++p) {
             pair_slot_[p] = -1;
             if (kept[p] < 0)
               continue;
-            const int slot = where_.slot_for(kept[p], p / k, rank_);
-            const std::int64_t pos = fill_[static_cast<std::size_t>(slot)]++;
+            const std::size_t t = p / k;
+            const int slot = where_.slot_for(kept[p], t, rank_);
+            const auto d = static_cast<std::size_t>(slot) / spd();
+            const auto l = static_cast<std::int32_t>(static_cast<std::size_t>(slot) % spd());
+            std::byte* message = block(send_, d, dispatch_);
+            if (last_token_[d] != static_cast<std::int64_t>(t)) { // the token's record on d
+              last_token_[d] = static_cast<std::int64_t>(t);
+              const auto r = static_cast<std::size_t>(records_[d]++);
+              std::memcpy(record_row(message, r), rows + t * row, row);
+              const std::int32_t none = -1;
+              for (std::size_t c = 0; c < choices_; ++c)
+                std::memcpy(record_choices(message, r) + c * sizeof none, &none, sizeof none);
+              next_choice_[d] = 0;
+            }
+            const auto r = static_cast<std::size_t>(records_[d] - 1);
+            const std::size_t c = next_choice_[d]++; // distinct experts: at most choices_
+            std::memcpy(record_choices(message, r) + c * sizeof l, &l, sizeof l);
             pair_slot_[p] = slot;
-            pair_pos_[p] = pos;
-            const auto d = static_cast<std::size_t>(slot) / spd(),
-                       l = static_cast<std::size_t>(slot) % spd();
-            std::memcpy(payload(send_, d, l, dispatch_) + static_cast<std::size_t>(pos) * row,
-                        rows + (p / k) * row, row);
+            pair_pos_[p] = pairs_to_[d]++;
           }
-          put_counts(fill_, dispatch_);
+          for (std::size_t d = 0; d < world(); ++d) {
+            decode_header h;
+            h.rows = records_[d];
+            h.source = rank_;
+            put_header(d, h, dispatch_);
+            combine_.recv_counts[d] = static_cast<std::int64_t>(
+                sizeof(decode_header) +
+                static_cast<std::size_t>(pairs_to_[d]) * options_.hidden * sizeof(T));
+          }
           tokens_ = tokens;
         },
         dispatch_);
   }
 
-  // Headers of a successful pack: `rows[d * spd + l]` rows for slot l of rank d.
-  void put_counts(std::span<const std::int64_t> rows, const phase_layout& p) noexcept {
-    for (std::size_t d = 0; d < world(); ++d)
-      for (std::size_t l = 0; l < spd(); ++l) {
-        decode_header h;
-        h.rows = rows[d * spd() + l];
-        h.source = rank_;
-        put_header(d, l, h, p);
-      }
-  }
-
   void unpack_dispatch(std::uint64_t call) {
     try {
-      check_headers(dispatch_);
+      check_headers(dispatch_, options_.max_tokens_per_rank);
+      deliver_records();
     } catch (...) {
       failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
       throw;
     }
     const bool fp8 = options_.fp8_dispatch.has_value();
-    const std::size_t row = wire_row();
-    for (std::size_t l = 0; l < spd(); ++l) {
-      std::size_t at = 0;
-      std::byte* in =
-          (fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data())) +
-          l * slot_rows_ * row;
-      for (std::size_t d = 0; d < world(); ++d) {
-        const auto n = static_cast<std::size_t>(header(d, l, dispatch_).rows);
-        received_[l * world() + d] = static_cast<std::int64_t>(n);
-        std::memcpy(in + at * row, payload(recv_, d, l, dispatch_), n * row);
-        at += n;
-      }
-      expert_rows_[l] = static_cast<std::int64_t>(at);
-      if (fp8 && options_.fp8_dispatch->dequantized_inputs) {
-        const auto [codes, scales] = wire_views(in, at);
+    if (fp8 && options_.fp8_dispatch->dequantized_inputs)
+      for (std::size_t l = 0; l < spd(); ++l) {
+        const auto at = static_cast<std::size_t>(expert_rows_[l]);
+        const auto [codes, scales] =
+            wire_views(expert_wire_.data() + l * slot_rows_ * wire_row(), at);
         dequantize_rows(codes, scales, expert_rows_view(expert_in_.data(), l, at),
                         options_.fp8_dispatch->blocks);
       }
-    }
     arrived_.store(call, std::memory_order_release);
+  }
+
+  // Copies every received record's row to each local expert it names, in (source, record)
+  // order, and notes where each pair's row went for the combine. A side table no sender writes
+  // (no choice, a slot outside [0, spd), a slot twice, a choice after the end) is a protocol
+  // error; the peers, which may wait in the combine, are told.
+  void deliver_records() {
+    const bool fp8 = options_.fp8_dispatch.has_value();
+    const std::size_t row = wire_row(), pairs_per_source = options_.max_tokens_per_rank * choices_;
+    std::fill(expert_rows_.begin(), expert_rows_.end(), 0);
+    std::fill(received_.begin(), received_.end(), 0);
+    std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data());
+    for (std::size_t d = 0; d < world(); ++d) {
+      std::byte* message = block(recv_, d, dispatch_);
+      const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
+      std::size_t pairs = 0;
+      for (std::size_t r = 0; r < n; ++r) {
+        std::size_t m = 0; // the record's choices: distinct slots, then -1 to the end
+        for (std::size_t c = 0; c < choices_; ++c) {
+          std::int32_t l = 0;
+          std::memcpy(&l, record_choices(message, r) + c * sizeof l, sizeof l);
+          if (l == -1 && m > 0)
+            continue;
+          const bool valid = m == c && l >= 0 && static_cast<std::size_t>(l) < spd() &&
+                             std::find(record_slots_.begin(),
+                                       record_slots_.begin() + static_cast<std::ptrdiff_t>(m),
+                                       l) == record_slots_.begin() + static_cast<std::ptrdiff_t>(m);
+          if (!valid)
+            bad_record(d, r, c, l);
+          record_slots_[m++] = l;
+        }
+        for (std::size_t c = 0; c < m; ++c) {
+          const auto slot = static_cast<std::size_t>(record_slots_[c]);
+          const auto at = static_cast<std::size_t>(expert_rows_[slot]++);
+          std::memcpy(in + (slot * slot_rows_ + at) * row, record_row(message, r), row);
+          arrivals_[d * pairs_per_source + pairs++] = {record_slots_[c],
+                                                       static_cast<std::int64_t>(at)};
+          ++received_[slot * world() + d];
+        }
+      }
+      arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
+      combine_.send_counts[d] =
+          static_cast<std::int64_t>(sizeof(decode_header) + pairs * options_.hidden * sizeof(T));
+    }
+  }
+  [[noreturn]] void bad_record(std::size_t d, std::size_t r, std::size_t c, std::int32_t l) {
+    const auto failure = std::make_exception_ptr(error(
+        errc::protocol, detail::concat("decode_exchange: rank ", d,
+                                       " sent a token record no weave "
+                                       "rank writes (record ",
+                                       r, ", choice ", c, ": local slot ", l, " of ", spd(), ")")));
+    abort_peers(*comm_, failure);
+    std::rethrow_exception(failure);
   }
   token_view expert_rows_view(T* base, std::size_t l, std::size_t rows) const {
     return token_view(reinterpret_cast<std::byte*>(base + l * slot_rows_ * options_.hidden), rows,
@@ -396,25 +471,36 @@ class decode_exchange {
           WEAVE_EXPECT(y.size() == tokens_ * options_.hidden, errc::size_mismatch,
                        "decode_exchange::combine: an output of ", y.size(), " elements for ",
                        tokens_, " tokens of hidden = ", options_.hidden);
-          const std::size_t H = options_.hidden;
-          for (std::size_t l = 0; l < spd(); ++l) {
-            std::size_t at = 0;
-            const T* out = expert_out_.data() + l * slot_rows_ * H;
-            for (std::size_t d = 0; d < world(); ++d) {
-              const auto n = static_cast<std::size_t>(received_[l * world() + d]);
-              std::memcpy(payload(send_, d, l, combine_), out + at * H, n * H * sizeof(T));
-              fill_[d * spd() + l] = static_cast<std::int64_t>(n);
-              at += n;
+          const std::size_t H = options_.hidden, row = H * sizeof(T);
+          const std::size_t pairs_per_source = options_.max_tokens_per_rank * choices_;
+          for (std::size_t d = 0; d < world(); ++d) { // each pair's output, in arrival order
+            std::byte* out = block(send_, d, combine_) + sizeof(decode_header);
+            const auto n = static_cast<std::size_t>(arrived_pairs_[d]);
+            for (std::size_t i = 0; i < n; ++i) {
+              const arrival a = arrivals_[d * pairs_per_source + i];
+              std::memcpy(out + i * row,
+                          expert_out_.data() + (static_cast<std::size_t>(a.slot) * slot_rows_ +
+                                                static_cast<std::size_t>(a.row)) *
+                                                   H,
+                          row);
             }
+            decode_header h;
+            h.rows = static_cast<std::int64_t>(n);
+            h.source = rank_;
+            put_header(d, h, combine_);
           }
-          put_counts(fill_, combine_);
         },
         combine_);
   }
 
   // The weighted sum of each token's returned rows, in choice order.
   void unpack_combine(std::span<T> y) {
-    check_headers(combine_);
+    check_headers(combine_, options_.max_tokens_per_rank * choices_);
+    for (std::size_t d = 0; d < world(); ++d) {
+      const std::int64_t returned = header(d, combine_).rows;
+      WEAVE_EXPECT(returned == pairs_to_[d], errc::size_mismatch, "decode_exchange::combine: rank ",
+                   d, " returned ", returned, " rows for the ", pairs_to_[d], " pairs sent to it");
+    }
     const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
     for (std::size_t t = 0; t < tokens_; ++t) {
       std::fill(sum_.begin(), sum_.end(), 0.0f);
@@ -422,15 +508,11 @@ class decode_exchange {
         const std::int32_t slot = pair_slot_[t * k + j];
         if (slot < 0)
           continue;
-        const auto d = static_cast<std::size_t>(slot) / spd(),
-                   l = static_cast<std::size_t>(slot) % spd();
-        const std::int64_t returned = header(d, l, combine_).rows;
-        WEAVE_EXPECT(pair_pos_[t * k + j] < returned, errc::size_mismatch,
-                     "decode_exchange::combine: rank ", d, " returned ", returned, " rows of slot ",
-                     l, ", fewer than were sent");
+        const auto d = static_cast<std::size_t>(slot) / spd();
         const float w = weights_[t * k + j];
-        const T* row = reinterpret_cast<const T*>(payload(recv_, d, l, combine_)) +
-                       static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
+        const T* row =
+            reinterpret_cast<const T*>(block(recv_, d, combine_) + sizeof(decode_header)) +
+            static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
         for (std::size_t i = 0; i < H; ++i)
           sum_[i] += w * static_cast<float>(row[i]);
       }
@@ -503,19 +585,31 @@ class decode_exchange {
   int rank_ = 0;
   dispatch_plan plan_;
   std::size_t slot_rows_ = 0, tokens_ = 0;
-  phase_layout dispatch_, combine_;       // the two all-to-alls' messages
-  std::vector<std::byte> send_, recv_;    // [rank][local slot][message] of the larger phase
-  quantized_row_layout wire_;             // FP8 dispatch: a row's codes, then its scales
-  std::vector<std::byte> token_wire_;     // FP8 dispatch: the call's tokens quantised
-  std::vector<std::byte> expert_wire_;    // FP8 dispatch: [local slot][D * max tokens][wire row]
-  std::vector<std::int32_t> pair_slot_;   // (token, choice) -> physical slot, or -1
-  std::vector<std::int64_t> pair_pos_;    // (token, choice) -> row in its slot's message
-  std::vector<std::int64_t> fill_;        // rows per (rank, local slot) being sent
-  std::vector<std::int64_t> received_;    // rows per (local slot, source)
-  std::vector<std::int64_t> expert_rows_; // rows per local slot
-  std::vector<T> expert_in_, expert_out_; // [local slot][D * max_tokens_per_rank][hidden]
-  std::vector<float> sum_;                // one token's f32 accumulator
-  std::span<const float> weights_;        // the call's gate weights
+  struct arrival {
+    std::int32_t slot = 0; // the local slot a received pair went to
+    std::int64_t row = 0;  // its row there
+  };
+  phase_layout dispatch_, combine_;         // the two all-to-alls' messages
+  std::vector<std::byte> send_, recv_;      // [rank][message] of the larger phase
+  std::size_t choices_ = 0;                 // local choices a token record holds: min(k, spd)
+  std::size_t side_at_ = 0;                 // where a dispatch message's side table starts
+  quantized_row_layout wire_;               // FP8 dispatch: a row's codes, then its scales
+  std::vector<std::byte> token_wire_;       // FP8 dispatch: the call's tokens quantised
+  std::vector<std::byte> expert_wire_;      // FP8 dispatch: [local slot][D * max tokens][wire row]
+  std::vector<std::int32_t> pair_slot_;     // (token, choice) -> physical slot, or -1
+  std::vector<std::int64_t> pair_pos_;      // (token, choice) -> row in its device's combine
+  std::vector<std::int64_t> records_;       // token records per device being sent
+  std::vector<std::int64_t> pairs_to_;      // (token, expert) pairs per device being sent
+  std::vector<std::int64_t> last_token_;    // per device: the token of its last record
+  std::vector<std::size_t> next_choice_;    // per device: the last record's next free choice
+  std::vector<arrival> arrivals_;           // [source][pair]: where each received pair went
+  std::vector<std::int64_t> arrived_pairs_; // pairs received per source
+  std::vector<std::int32_t> record_slots_;  // one received record's choices (scratch)
+  std::vector<std::int64_t> received_;      // rows per (local slot, source)
+  std::vector<std::int64_t> expert_rows_;   // rows per local slot
+  std::vector<T> expert_in_, expert_out_;   // [local slot][D * max_tokens_per_rank][hidden]
+  std::vector<float> sum_;                  // one token's f32 accumulator
+  std::span<const float> weights_;          // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
