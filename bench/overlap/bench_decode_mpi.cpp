@@ -5,8 +5,8 @@
 // MPI_Alltoall of the decode's bytes (no packing, no weave). The experts copy their input.
 // Every iteration is one layer on every rank after a barrier, timed as the slowest rank's
 // (MPI_Allreduce max). Only rank 0 reports. Arguments: tokens per rank, hidden (bf16), experts
-// (k = 8), mode (0 decode, 1 decode handed off, 2 dynamic, 3 raw MPI). A decode shape whose
-// fixed slots exceed 64 MiB per peer is skipped (SkipWithError names it).
+// (k = 8), mode (0 decode, 1 decode handed off, 2 dynamic, 3 raw MPI: one MPI_Alltoall of the
+// decode's dispatch messages, one MPI_Alltoallv of its combine's rows).
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
@@ -30,7 +30,6 @@ namespace {
 
 using row_t = weave::bfloat16;
 constexpr int k = 8;
-constexpr std::size_t max_decode_bytes_per_peer = std::size_t{64} << 20;
 
 using mpi_bench::rank_of;
 using mpi_bench::size_of;
@@ -75,15 +74,22 @@ void decode_layer_mpi(benchmark::State& state) {
     options.inline_max_bytes = 0;
   weave::mpi_communicator comm(MPI_COMM_WORLD, options);
   const weave::decode_options o{k, hidden, tokens};
-  const std::size_t slot_bytes = weave::detail::decode_message_bytes(o, hidden * sizeof(row_t));
-  const std::size_t decode_per_peer =
-      slot_bytes * static_cast<std::size_t>(where.slots_per_device());
-  if (mode != 2 && decode_per_peer > max_decode_bytes_per_peer) {
-    state.SkipWithError(("decode slots of " + std::to_string(decode_per_peer >> 20) +
-                         " MiB per peer (above 64 MiB)")
-                            .c_str());
-    return;
+  const std::size_t row = hidden * sizeof(row_t);
+  // The decode's bytes: a fixed dispatch message per peer, and a combine of one row per
+  // (token, expert) pair the peer's experts took (counted here for the floor).
+  const std::size_t dispatch_per_peer =
+      weave::decode_exchange<weave::mpi_communicator, row_t>(comm, where, o)
+          .dispatch_bytes_per_peer();
+  std::vector<int> combine_send(std::size_t(n), int(sizeof(weave::decode_header))),
+      combine_recv(combine_send.size());
+  for (std::size_t p = 0; p < d.ids.size(); ++p) {
+    const int slot = where.slot_for(d.ids[p], p / k, rank_of());
+    combine_recv[std::size_t(slot / where.slots_per_device())] += static_cast<int>(row);
   }
+  MPI_Alltoall(combine_recv.data(), 1, MPI_INT, combine_send.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  std::size_t combine_bytes = 0;
+  for (const int b : combine_send)
+    combine_bytes += static_cast<std::size_t>(b);
   std::vector<double> times;
   auto run = [&](auto&& layer) {
     for (int warm = 0; warm < 3; ++warm)
@@ -122,20 +128,30 @@ void decode_layer_mpi(benchmark::State& state) {
       compute.synchronize();
       stream.synchronize();
     });
-  } else { // the floor: the decode's bytes in two blocking all-to-alls
-    const int per_peer = static_cast<int>(decode_per_peer);
-    std::vector<std::byte> send(decode_per_peer * std::size_t(n), std::byte{1}), recv(send.size());
+  } else { // the floor: the decode's bytes in two blocking all-to-alls, no packing
+    const int per_peer = static_cast<int>(dispatch_per_peer);
+    std::vector<int> send_displs(static_cast<std::size_t>(n)), recv_displs(send_displs);
+    for (std::size_t j = 1; j < std::size_t(n); ++j) {
+      send_displs[j] = send_displs[j - 1] + combine_send[j - 1];
+      recv_displs[j] = recv_displs[j - 1] + combine_recv[j - 1];
+    }
+    const std::size_t received = static_cast<std::size_t>(recv_displs.back() + combine_recv.back());
+    const std::size_t bytes =
+        std::max({dispatch_per_peer * std::size_t(n), combine_bytes, received});
+    std::vector<std::byte> send(bytes, std::byte{1}), recv(bytes);
     MPI_Comm raw = MPI_COMM_NULL;
     MPI_Comm_dup(MPI_COMM_WORLD, &raw);
     run([&] {
       MPI_Alltoall(send.data(), per_peer, MPI_BYTE, recv.data(), per_peer, MPI_BYTE, raw);
-      MPI_Alltoall(recv.data(), per_peer, MPI_BYTE, send.data(), per_peer, MPI_BYTE, raw);
+      MPI_Alltoallv(recv.data(), combine_send.data(), send_displs.data(), MPI_BYTE, send.data(),
+                    combine_recv.data(), recv_displs.data(), MPI_BYTE, raw);
     });
     MPI_Comm_free(&raw);
   }
   std::sort(times.begin(), times.end());
   state.counters["layer_us"] = times.empty() ? 0 : times[times.size() / 2] * 1e6; // median
-  state.counters["decode_bytes_per_peer"] = static_cast<double>(decode_per_peer);
+  state.counters["decode_dispatch_bytes_per_peer"] = static_cast<double>(dispatch_per_peer);
+  state.counters["decode_combine_bytes"] = static_cast<double>(combine_bytes); // sent, all peers
   state.counters["ranks"] = n;
   static const char* const labels[] = {"decode", "decode, handed off", "dynamic", "raw MPI floor"};
   state.SetLabel(labels[mode]);

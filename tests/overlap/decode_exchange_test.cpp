@@ -140,7 +140,7 @@ TEST_CASE("decode_exchange example: one layer, experts queued between dispatch a
     weave::decode_options o;
     o.k = k;
     o.hidden = hidden;
-    o.max_tokens_per_rank = 16; // the slots: every buffer is allocated here, once
+    o.max_tokens_per_rank = 16; // the messages: every buffer is allocated here, once
     weave::decode_exchange<weave::local_communicator, float> layer(
         comm, weave::placement::contiguous(experts, comm.size()), o);
     weave::host_stream stream("decode");

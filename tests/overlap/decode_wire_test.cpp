@@ -352,3 +352,44 @@ TEST_CASE("decode header checks accept every header the senders write") {
     CHECK(weave::detail::decode_header_fault_of(ok, 2, 8, 0) == weave::decode_header_fault::none);
   }
 }
+
+TEST_CASE("decode_exchange sends each token once per device and returns exactly its pairs") {
+  // Rank r's dispatch message to every rank has the fixed size; its combine message to rank d
+  // holds one row per (token, expert) pair rank d dispatched to rank r's experts.
+  weave::local_world world(2, {20s, {}});
+  std::vector<std::vector<std::size_t>> dispatch_sizes(2), combine_sizes(2);
+  std::vector<std::size_t> fixed(2);
+  world.run([&](weave::local_communicator& local) {
+    const auto r = static_cast<std::size_t>(local.rank());
+    corrupting_communicator comm(local, {}, [&, r](int n, int, std::span<std::byte> bytes) {
+      (n == 0 ? dispatch_sizes : combine_sizes)[r].push_back(bytes.size());
+    });
+    weave::host_stream s("decode");
+    weave::decode_exchange<corrupting_communicator, float> ex(comm, where(),
+                                                              decode_test::options());
+    fixed[r] = ex.dispatch_bytes_per_peer();
+    (void)decode_test::decode_call(ex, input_of(local.rank()), experts_fn(), s);
+  });
+  const weave::placement w = where();
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    REQUIRE(dispatch_sizes[r].size() == 2);
+    REQUIRE(combine_sizes[r].size() == 2);
+    for (std::size_t d = 0; d < 2; ++d) {
+      CHECK(dispatch_sizes[r][d] == fixed[r]);
+      // Pairs rank d routed to rank r's experts (unreplicated: expert e lives on one rank).
+      const auto in = input_of(static_cast<int>(d));
+      std::size_t pairs = 0;
+      for (const std::int32_t e : in.ids)
+        pairs += static_cast<std::size_t>(w.slot_for(e, 0, static_cast<int>(d)) /
+                                          w.slots_per_device()) == r;
+      CHECK(combine_sizes[r][d] ==
+            sizeof(weave::decode_header) + pairs * decode_test::hidden * sizeof(float));
+    }
+  }
+  // The fixed dispatch message: a header, max_tokens rows, and min(k, 4) choices per token.
+  CHECK(fixed[0] == (sizeof(weave::decode_header) +
+                     decode_test::max_tokens * decode_test::hidden * sizeof(float) +
+                     decode_test::max_tokens * 3 * sizeof(std::int32_t) + 15) /
+                        16 * 16);
+}

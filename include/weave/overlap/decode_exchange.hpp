@@ -1,25 +1,29 @@
 //! \file
 //! `decode_exchange`: the low-latency MoE exchange for decoding (1 to a few hundred tokens per
-//! rank), on host streams (local_world, MPI). The protocol of DeepEP's low-latency mode:
-//! - every (local expert slot, source rank) pair has a fixed receive slot of
-//!   `max_tokens_per_rank` rows, allocated at construction;
-//! - each slot's row count travels in the header of its message (`decode_header`), so a layer
-//!   is one all-to-all of fixed-size messages for the dispatch and one for the combine, with
-//!   no count exchange and no allocation per call;
-//! - rows are sent once per (token, expert) pair; the gate weights stay on the source rank,
-//!   which sums the returned expert outputs in token order (choice order within a token).
+//! rank), on host streams (local_world, MPI). Fixed buffers and counts inside the messages, as
+//! DeepEP's low-latency mode, sending what is routed:
+//! - every (source rank, destination device) pair has one fixed receive message with room for
+//!   `max_tokens_per_rank` token records, allocated at construction; a record is the token's
+//!   row, sent once to each device it is routed to, and its local expert choices there (a side
+//!   table after the rows: `min(k, local experts)` slots, -1 after the last);
+//! - the record count travels in the message's header (`decode_header`), so a dispatch is one
+//!   all-to-all of fixed-size messages, with no count exchange and no allocation per call;
+//! - the combine returns one row per (token, expert) pair, exactly those dispatched: both sides
+//!   know the counts from the dispatch, so it is one all-to-all of exact sizes, again with no
+//!   count exchange. The gate weights stay on the source rank, which sums the returned expert
+//!   outputs in token order (choice order within a token).
 //!
 //! With `decode_options::fp8_dispatch` the dispatch sends each token quantised to FP8 with one
 //! scale per block (codes, then scales, in one wire row) and the experts get codes, scales and,
 //! on request, the dequantised rows; the combine keeps T.
 //!
-//! Full slots cannot happen: a token sends at most one row to each expert slot (its k experts
-//! are distinct, and a slot holds one expert), so a slot receives at most as many rows as its
-//! source has tokens. A call of more than `max_tokens_per_rank` tokens is refused with
-//! `errc::invalid_argument` before anything is copied, never truncated.
+//! Full messages cannot happen: a token sends at most one record to a device, so a message
+//! holds at most as many records as its source has tokens. A call of more than
+//! `max_tokens_per_rank` tokens is refused with `errc::invalid_argument` before anything is
+//! copied, never truncated.
 //!
 //! Fail-stop without a side channel: a rank whose inputs are bad (a shape, more tokens than
-//! the slots hold, an expert id outside [-1, E), an expert chosen twice, a non-finite weight)
+//! the messages hold, an expert id outside [-1, E), an expert chosen twice, a non-finite weight)
 //! still sends every message, with the status word `failed` and the cause in the headers. Its
 //! own stream then fails with the original typed error, and every peer's with
 //! `errc::peer_failure` naming the rank and the cause; nobody waits for a message that never
@@ -38,6 +42,7 @@
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
+#include "weave/overlap/decode_records.hpp"
 #include "weave/overlap/layer_life.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
@@ -88,18 +93,9 @@ class decode_exchange {
     const auto k = static_cast<std::size_t>(options_.k);
     const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
     const std::size_t M = options_.max_tokens_per_rank;
-    choices_ = std::min(k, spd);
-    const std::size_t wire_rows =
-        checked_mul(M, detail::decode_wire_row_bytes(options_, row_bytes), "dispatch rows");
-    side_at_ = checked_add(sizeof(decode_header), wire_rows, "dispatch message");
-    const std::size_t side =
-        checked_mul(checked_mul(M, choices_, "choices"), sizeof(std::int32_t), "side table");
-    dispatch_ = phase_of(round_up16(checked_add(side_at_, side, "dispatch message")), D);
-    combine_ = phase_of(
-        round_up16(checked_add(sizeof(decode_header),
-                               checked_mul(checked_mul(M, choices_, "pairs"), row_bytes, "rows"),
-                               "combine message")),
-        D);
+    records_layout_ = detail::decode_record_layout::of(options_, row_bytes, spd);
+    dispatch_ = phase_of(records_layout_.dispatch_bytes, D);
+    combine_ = phase_of(records_layout_.combine_bytes, D);
     const std::size_t peer_bytes = std::max(dispatch_.stride, combine_.stride);
     send_.assign(checked_mul(D, peer_bytes, "send bytes"), std::byte{0});
     recv_.assign(send_.size(), std::byte{0});
@@ -110,21 +106,23 @@ class decode_exchange {
     pairs_to_.assign(D, 0);
     last_token_.assign(D, -1);
     next_choice_.assign(D, 0);
-    record_slots_.assign(choices_, 0);
-    arrivals_.assign(checked_mul(D, checked_mul(M, choices_, "pairs"), "arrivals"), {});
+    record_slots_.assign(records_layout_.choices, 0);
+    arrivals_.assign(checked_mul(D, records_layout_.pairs(), "arrivals"), {});
     arrived_pairs_.assign(D, 0);
     received_.assign(spd * D, 0);
     expert_rows_.assign(spd, 0);
-    slot_rows_ = checked_mul(D, options_.max_tokens_per_rank, "rows per expert");
-    const std::size_t expert_elems =
-        checked_mul(checked_mul(spd, slot_rows_, "expert rows"), options_.hidden, "elements");
+    // One pool of expert rows for every local expert: a source's tokens reach at most
+    // `choices` of them each, so D * max_tokens * choices rows hold any call.
+    pool_rows_ = checked_mul(D, records_layout_.pairs(), "expert rows");
+    expert_first_.assign(spd, 0);
+    const std::size_t expert_elems = checked_mul(pool_rows_, options_.hidden, "elements");
     expert_in_.assign(expert_elems, T{});
     expert_out_.assign(expert_elems, T{});
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
       token_wire_.assign(checked_mul(options_.max_tokens_per_rank, wire_.stride, "wire bytes"),
                          std::byte{0});
-      expert_wire_.assign(checked_mul(spd * slot_rows_, wire_.stride, "wire bytes"), std::byte{0});
+      expert_wire_.assign(checked_mul(pool_rows_, wire_.stride, "wire bytes"), std::byte{0});
     }
     sum_.assign(options_.hidden, 0.0f);
     // Sizes the plan's buffers for the largest call (every token choosing k experts spread over
@@ -225,6 +223,13 @@ class decode_exchange {
                  "decode_exchange: every call runs on the stream of the first call");
   }
 
+  // A received (token, expert) pair: its local slot, its row among that expert's, its record.
+  struct arrival {
+    std::int32_t slot = 0;
+    std::int64_t row = 0;
+    std::int64_t record = 0;
+  };
+
   // A phase's all-to-all: one message per peer, `stride` bytes apart. The dispatch's messages
   // have a fixed size (`stride`); the combine's are set per call (`set_combine_counts`), to
   // sizes both sides know from the dispatch.
@@ -232,9 +237,6 @@ class decode_exchange {
     std::size_t stride = 0;
     std::vector<std::int64_t> send_counts, recv_counts, displs; // bytes per peer
   };
-  static std::size_t round_up16(std::size_t bytes) {
-    return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
-  }
   static phase_layout phase_of(std::size_t stride, std::size_t D) {
     phase_layout p;
     p.stride = stride;
@@ -265,14 +267,6 @@ class decode_exchange {
   void put_header(std::size_t d, const decode_header& h, const phase_layout& p) noexcept {
     std::memcpy(block(send_, d, p), &h, sizeof h);
   }
-  // Record r of a dispatch message: the token's wire row, and its local choices (side table).
-  std::byte* record_row(std::byte* message, std::size_t r) const noexcept {
-    return message + sizeof(decode_header) + r * wire_row();
-  }
-  std::byte* record_choices(std::byte* message, std::size_t r) const noexcept {
-    return message + side_at_ + r * choices_ * sizeof(std::int32_t);
-  }
-
   // Runs `fill`, which writes the send messages of phase `p`; on failure every header says so
   // instead, and the failure is kept for this rank's own stream.
   template <class F>
@@ -360,15 +354,13 @@ class decode_exchange {
             if (last_token_[d] != static_cast<std::int64_t>(t)) { // the token's record on d
               last_token_[d] = static_cast<std::int64_t>(t);
               const auto r = static_cast<std::size_t>(records_[d]++);
-              std::memcpy(record_row(message, r), rows + t * row, row);
-              const std::int32_t none = -1;
-              for (std::size_t c = 0; c < choices_; ++c)
-                std::memcpy(record_choices(message, r) + c * sizeof none, &none, sizeof none);
+              std::memcpy(records_layout_.row(message, r), rows + t * row, row);
+              records_layout_.clear_choices(message, r);
               next_choice_[d] = 0;
             }
             const auto r = static_cast<std::size_t>(records_[d] - 1);
-            const std::size_t c = next_choice_[d]++; // distinct experts: at most choices_
-            std::memcpy(record_choices(message, r) + c * sizeof l, &l, sizeof l);
+            // Distinct experts in distinct slots: at most `choices` per record.
+            records_layout_.put_choice(message, r, next_choice_[d]++, l);
             pair_slot_[p] = slot;
             pair_pos_[p] = pairs_to_[d]++;
           }
@@ -394,53 +386,41 @@ class decode_exchange {
       failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
       throw;
     }
-    const bool fp8 = options_.fp8_dispatch.has_value();
-    if (fp8 && options_.fp8_dispatch->dequantized_inputs)
-      for (std::size_t l = 0; l < spd(); ++l) {
-        const auto at = static_cast<std::size_t>(expert_rows_[l]);
-        const auto [codes, scales] =
-            wire_views(expert_wire_.data() + l * slot_rows_ * wire_row(), at);
-        dequantize_rows(codes, scales, expert_rows_view(expert_in_.data(), l, at),
-                        options_.fp8_dispatch->blocks);
-      }
+    if (options_.fp8_dispatch && options_.fp8_dispatch->dequantized_inputs) { // the whole pool
+      std::size_t rows = 0;
+      for (const std::int64_t n : expert_rows_)
+        rows += static_cast<std::size_t>(n);
+      const auto [codes, scales] = wire_views(expert_wire_.data(), rows);
+      dequantize_rows(codes, scales,
+                      token_view(reinterpret_cast<std::byte*>(expert_in_.data()), rows,
+                                 options_.hidden, dtype_of_v<T>),
+                      options_.fp8_dispatch->blocks);
+    }
     arrived_.store(call, std::memory_order_release);
   }
 
-  // Copies every received record's row to each local expert it names, in (source, record)
-  // order, and notes where each pair's row went for the combine. A side table no sender writes
-  // (no choice, a slot outside [0, spd), a slot twice, a choice after the end) is a protocol
-  // error; the peers, which may wait in the combine, are told.
+  // Copies every received record's row to each local expert it names, each expert's rows
+  // together in (source, record) order, and notes where each pair's row went for the combine.
+  // First the side tables (checked: one no sender writes, with no choice, a slot outside
+  // [0, spd), a slot twice or a choice after the end, is a protocol error, and the peers, which
+  // may wait in the combine, are told), then the rows.
   void deliver_records() {
     const bool fp8 = options_.fp8_dispatch.has_value();
-    const std::size_t row = wire_row(), pairs_per_source = options_.max_tokens_per_rank * choices_;
+    const std::size_t row = wire_row(), per_source = records_layout_.pairs();
     std::fill(expert_rows_.begin(), expert_rows_.end(), 0);
     std::fill(received_.begin(), received_.end(), 0);
-    std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data());
     for (std::size_t d = 0; d < world(); ++d) {
       std::byte* message = block(recv_, d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
       std::size_t pairs = 0;
       for (std::size_t r = 0; r < n; ++r) {
-        std::size_t m = 0; // the record's choices: distinct slots, then -1 to the end
-        for (std::size_t c = 0; c < choices_; ++c) {
-          std::int32_t l = 0;
-          std::memcpy(&l, record_choices(message, r) + c * sizeof l, sizeof l);
-          if (l == -1 && m > 0)
-            continue;
-          const bool valid = m == c && l >= 0 && static_cast<std::size_t>(l) < spd() &&
-                             std::find(record_slots_.begin(),
-                                       record_slots_.begin() + static_cast<std::ptrdiff_t>(m),
-                                       l) == record_slots_.begin() + static_cast<std::ptrdiff_t>(m);
-          if (!valid)
-            bad_record(d, r, c, l);
-          record_slots_[m++] = l;
-        }
-        for (std::size_t c = 0; c < m; ++c) {
+        const auto got = records_layout_.read_choices(message, r, spd(), record_slots_);
+        if (got.bad >= 0)
+          bad_record(d, r, static_cast<std::size_t>(got.bad), got.value);
+        for (std::size_t c = 0; c < got.count; ++c) {
           const auto slot = static_cast<std::size_t>(record_slots_[c]);
-          const auto at = static_cast<std::size_t>(expert_rows_[slot]++);
-          std::memcpy(in + (slot * slot_rows_ + at) * row, record_row(message, r), row);
-          arrivals_[d * pairs_per_source + pairs++] = {record_slots_[c],
-                                                       static_cast<std::int64_t>(at)};
+          arrivals_[d * per_source + pairs++] = {record_slots_[c], expert_rows_[slot]++,
+                                                 static_cast<std::int64_t>(r)};
           ++received_[slot * world() + d];
         }
       }
@@ -448,6 +428,24 @@ class decode_exchange {
       combine_.send_counts[d] =
           static_cast<std::int64_t>(sizeof(decode_header) + pairs * options_.hidden * sizeof(T));
     }
+    std::size_t first = 0;
+    for (std::size_t l = 0; l < spd(); ++l) {
+      expert_first_[l] = static_cast<std::int64_t>(first);
+      first += static_cast<std::size_t>(expert_rows_[l]);
+    }
+    std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data());
+    for (std::size_t d = 0; d < world(); ++d) {
+      std::byte* message = block(recv_, d, dispatch_);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
+        const arrival a = arrivals_[d * per_source + i];
+        std::memcpy(in + pool_row(a) * row,
+                    records_layout_.row(message, static_cast<std::size_t>(a.record)), row);
+      }
+    }
+  }
+  // Where a received pair's row is in the expert pool.
+  std::size_t pool_row(const arrival& a) const noexcept {
+    return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(a.slot)] + a.row);
   }
   [[noreturn]] void bad_record(std::size_t d, std::size_t r, std::size_t c, std::int32_t l) {
     const auto failure = std::make_exception_ptr(error(
@@ -458,11 +456,6 @@ class decode_exchange {
     abort_peers(*comm_, failure);
     std::rethrow_exception(failure);
   }
-  token_view expert_rows_view(T* base, std::size_t l, std::size_t rows) const {
-    return token_view(reinterpret_cast<std::byte*>(base + l * slot_rows_ * options_.hidden), rows,
-                      options_.hidden, dtype_of_v<T>);
-  }
-
   void pack_combine(std::span<T> y, std::uint64_t call) {
     pack(
         [&] {
@@ -472,17 +465,13 @@ class decode_exchange {
                        "decode_exchange::combine: an output of ", y.size(), " elements for ",
                        tokens_, " tokens of hidden = ", options_.hidden);
           const std::size_t H = options_.hidden, row = H * sizeof(T);
-          const std::size_t pairs_per_source = options_.max_tokens_per_rank * choices_;
+          const std::size_t pairs_per_source = records_layout_.pairs();
           for (std::size_t d = 0; d < world(); ++d) { // each pair's output, in arrival order
             std::byte* out = block(send_, d, combine_) + sizeof(decode_header);
             const auto n = static_cast<std::size_t>(arrived_pairs_[d]);
             for (std::size_t i = 0; i < n; ++i) {
               const arrival a = arrivals_[d * pairs_per_source + i];
-              std::memcpy(out + i * row,
-                          expert_out_.data() + (static_cast<std::size_t>(a.slot) * slot_rows_ +
-                                                static_cast<std::size_t>(a.row)) *
-                                                   H,
-                          row);
+              std::memcpy(out + i * row, expert_out_.data() + pool_row(a) * H, row);
             }
             decode_header h;
             h.rows = static_cast<std::int64_t>(n);
@@ -495,7 +484,7 @@ class decode_exchange {
 
   // The weighted sum of each token's returned rows, in choice order.
   void unpack_combine(std::span<T> y) {
-    check_headers(combine_, options_.max_tokens_per_rank * choices_);
+    check_headers(combine_, records_layout_.pairs());
     for (std::size_t d = 0; d < world(); ++d) {
       const std::int64_t returned = header(d, combine_).rows;
       WEAVE_EXPECT(returned == pairs_to_[d], errc::size_mismatch, "decode_exchange::combine: rank ",
@@ -552,22 +541,24 @@ class decode_exchange {
                  "decode_exchange: an FP8 dispatch without dequantized_inputs delivers codes and "
                  "scales only (input_codes, input_scales)");
     const auto n = static_cast<std::size_t>(received_rows(l));
-    return {expert_in_.data() + static_cast<std::size_t>(l) * slot_rows_ * options_.hidden,
-            n * options_.hidden};
+    return {expert_in_.data() + first_row(l) * options_.hidden, n * options_.hidden};
   }
   std::pair<const_token_view, const_token_view> expert_wire(int l) const {
     WEAVE_EXPECT(options_.fp8_dispatch.has_value(), errc::invalid_state,
                  "decode_exchange: codes and scales exist with an FP8 dispatch only");
     const auto n = static_cast<std::size_t>(received_rows(l));
     auto* base = const_cast<std::byte*>(expert_wire_.data()) + // read-only views
-                 static_cast<std::size_t>(l) * slot_rows_ * wire_.stride;
+                 first_row(l) * wire_.stride;
     const auto [codes, scales] = wire_views(base, n);
     return {codes, scales};
   }
   std::span<T> expert_output(int l) const {
     const auto n = static_cast<std::size_t>(received_rows(l));
     auto* out = const_cast<T*>(expert_out_.data()); // the handle's view of this exchange's rows
-    return {out + static_cast<std::size_t>(l) * slot_rows_ * options_.hidden, n * options_.hidden};
+    return {out + first_row(l) * options_.hidden, n * options_.hidden};
+  }
+  std::size_t first_row(int l) const noexcept {
+    return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(l)]);
   }
 
   void release_handle(std::uint64_t call) noexcept {
@@ -584,32 +575,28 @@ class decode_exchange {
   decode_options options_;
   int rank_ = 0;
   dispatch_plan plan_;
-  std::size_t slot_rows_ = 0, tokens_ = 0;
-  struct arrival {
-    std::int32_t slot = 0; // the local slot a received pair went to
-    std::int64_t row = 0;  // its row there
-  };
-  phase_layout dispatch_, combine_;         // the two all-to-alls' messages
-  std::vector<std::byte> send_, recv_;      // [rank][message] of the larger phase
-  std::size_t choices_ = 0;                 // local choices a token record holds: min(k, spd)
-  std::size_t side_at_ = 0;                 // where a dispatch message's side table starts
-  quantized_row_layout wire_;               // FP8 dispatch: a row's codes, then its scales
-  std::vector<std::byte> token_wire_;       // FP8 dispatch: the call's tokens quantised
-  std::vector<std::byte> expert_wire_;      // FP8 dispatch: [local slot][D * max tokens][wire row]
-  std::vector<std::int32_t> pair_slot_;     // (token, choice) -> physical slot, or -1
-  std::vector<std::int64_t> pair_pos_;      // (token, choice) -> row in its device's combine
-  std::vector<std::int64_t> records_;       // token records per device being sent
-  std::vector<std::int64_t> pairs_to_;      // (token, expert) pairs per device being sent
-  std::vector<std::int64_t> last_token_;    // per device: the token of its last record
-  std::vector<std::size_t> next_choice_;    // per device: the last record's next free choice
-  std::vector<arrival> arrivals_;           // [source][pair]: where each received pair went
-  std::vector<std::int64_t> arrived_pairs_; // pairs received per source
-  std::vector<std::int32_t> record_slots_;  // one received record's choices (scratch)
-  std::vector<std::int64_t> received_;      // rows per (local slot, source)
-  std::vector<std::int64_t> expert_rows_;   // rows per local slot
-  std::vector<T> expert_in_, expert_out_;   // [local slot][D * max_tokens_per_rank][hidden]
-  std::vector<float> sum_;                  // one token's f32 accumulator
-  std::span<const float> weights_;          // the call's gate weights
+  std::size_t pool_rows_ = 0, tokens_ = 0;
+  phase_layout dispatch_, combine_;             // the two all-to-alls' messages
+  std::vector<std::byte> send_, recv_;          // [rank][message] of the larger phase
+  detail::decode_record_layout records_layout_; // the messages' wire format
+  quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales
+  std::vector<std::byte> token_wire_;           // FP8 dispatch: the call's tokens quantised
+  std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
+  std::vector<std::int32_t> pair_slot_;         // (token, choice) -> physical slot, or -1
+  std::vector<std::int64_t> pair_pos_;          // (token, choice) -> row in its device's combine
+  std::vector<std::int64_t> records_;           // token records per device being sent
+  std::vector<std::int64_t> pairs_to_;          // (token, expert) pairs per device being sent
+  std::vector<std::int64_t> last_token_;        // per device: the token of its last record
+  std::vector<std::size_t> next_choice_;        // per device: the last record's next free choice
+  std::vector<arrival> arrivals_;               // [source][pair]: where each received pair went
+  std::vector<std::int64_t> arrived_pairs_;     // pairs received per source
+  std::vector<std::int32_t> record_slots_;      // one received record's choices (scratch)
+  std::vector<std::int64_t> received_;          // rows per (local slot, source)
+  std::vector<std::int64_t> expert_rows_;       // rows per local slot
+  std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
+  std::vector<T> expert_in_, expert_out_;       // the pool: [row][hidden], each slot's together
+  std::vector<float> sum_;                      // one token's f32 accumulator
+  std::span<const float> weights_;              // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed

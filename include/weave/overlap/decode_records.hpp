@@ -1,0 +1,109 @@
+//! \file
+//! The wire format of the host `decode_exchange`'s messages (`detail::decode_record_layout`).
+//!
+//! A dispatch message, one per (source rank, destination device), is a `decode_header` (its
+//! `rows`: the records that follow), room for `max_tokens_per_rank` token rows (the token's row
+//! on the wire: T, or its FP8 codes and scales), then the side table: per record,
+//! `choices = min(k, local experts)` int32 local slots in the token's choice order, -1 after
+//! the last; rounded up to 16 bytes. A combine message, one per (device, source), is a header
+//! and one row of T per (token, expert) pair the source dispatched there, in record order,
+//! choices in order within a record; it is sent at its exact size.
+#pragma once
+
+#include "weave/core/checked.hpp"
+#include "weave/core/config.hpp"
+#include "weave/overlap/decode_options.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+WEAVE_NAMESPACE_BEGIN
+
+namespace detail {
+
+struct decode_record_layout {
+  std::size_t wire_row = 0;       //!< bytes of a dispatched token row
+  std::size_t combine_row = 0;    //!< bytes of a returned row (T)
+  std::size_t records = 0;        //!< room per dispatch message: max_tokens_per_rank
+  std::size_t choices = 0;        //!< local slots a record holds: min(k, local experts)
+  std::size_t side_at = 0;        //!< where a dispatch message's side table starts
+  std::size_t dispatch_bytes = 0; //!< a dispatch message (a multiple of 16)
+  std::size_t combine_bytes = 0;  //!< the largest combine message (a multiple of 16)
+
+  //! The layout of a decode exchange with `options`, rows of `row_bytes` (T) and
+  //! `local_experts` slots per device (`errc::size_overflow` where a size does not fit).
+  static decode_record_layout of(const decode_options& options, std::size_t row_bytes,
+                                 std::size_t local_experts) {
+    decode_record_layout L;
+    L.wire_row = decode_wire_row_bytes(options, row_bytes);
+    L.combine_row = row_bytes;
+    L.records = options.max_tokens_per_rank;
+    L.choices = std::min(static_cast<std::size_t>(options.k), local_experts);
+    L.side_at = checked_add(sizeof(decode_header), checked_mul(L.records, L.wire_row, "rows"),
+                            "dispatch message");
+    const std::size_t pairs = checked_mul(L.records, L.choices, "pairs");
+    L.dispatch_bytes = round_up16(checked_add(
+        L.side_at, checked_mul(pairs, sizeof(std::int32_t), "side table"), "dispatch message"));
+    L.combine_bytes = round_up16(checked_add(
+        sizeof(decode_header), checked_mul(pairs, row_bytes, "combine rows"), "combine message"));
+    return L;
+  }
+
+  //! The most (token, expert) pairs one source sends one device.
+  std::size_t pairs() const noexcept { return records * choices; }
+
+  std::byte* row(std::byte* message, std::size_t r) const noexcept {
+    return message + sizeof(decode_header) + r * wire_row;
+  }
+  //! Starts record r's choices: none yet (every entry -1).
+  void clear_choices(std::byte* message, std::size_t r) const noexcept {
+    const std::int32_t none = -1;
+    for (std::size_t c = 0; c < choices; ++c)
+      std::memcpy(entry(message, r, c), &none, sizeof none);
+  }
+  void put_choice(std::byte* message, std::size_t r, std::size_t c,
+                  std::int32_t slot) const noexcept {
+    std::memcpy(entry(message, r, c), &slot, sizeof slot);
+  }
+
+  //! What `read_choices` found: `count` valid choices, or the first entry no sender writes
+  //! (`bad` its index, `value` the entry).
+  struct choices_read {
+    std::size_t count = 0;
+    std::ptrdiff_t bad = -1;
+    std::int32_t value = 0;
+  };
+  //! Reads record r's choices into `out` (room for `choices`): distinct slots in
+  //! [0, `local_experts`), at least one, then -1 to the end, or the first entry that breaks it.
+  choices_read read_choices(std::byte* message, std::size_t r, std::size_t local_experts,
+                            std::span<std::int32_t> out) const noexcept {
+    choices_read got;
+    for (std::size_t c = 0; c < choices; ++c) {
+      std::int32_t slot = 0;
+      std::memcpy(&slot, entry(message, r, c), sizeof slot);
+      if (slot == -1 && got.count > 0)
+        continue;
+      const auto seen = out.begin() + static_cast<std::ptrdiff_t>(got.count);
+      if (got.count != c || slot < 0 || static_cast<std::size_t>(slot) >= local_experts ||
+          std::find(out.begin(), seen, slot) != seen)
+        return {got.count, static_cast<std::ptrdiff_t>(c), slot};
+      out[got.count++] = slot;
+    }
+    return got;
+  }
+
+ private:
+  static std::size_t round_up16(std::size_t bytes) {
+    return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
+  }
+  std::byte* entry(std::byte* message, std::size_t r, std::size_t c) const noexcept {
+    return message + side_at + (r * choices + c) * sizeof(std::int32_t);
+  }
+};
+
+} // namespace detail
+
+WEAVE_NAMESPACE_END
