@@ -96,9 +96,20 @@ class decode_exchange {
     records_layout_ = detail::decode_record_layout::of(options_, row_bytes, spd);
     dispatch_ = phase_of(records_layout_.dispatch_bytes, D);
     combine_ = phase_of(records_layout_.combine_bytes, D);
-    const std::size_t peer_bytes = std::max(dispatch_.stride, combine_.stride);
-    send_.assign(checked_mul(D, peer_bytes, "send bytes"), std::byte{0});
-    recv_.assign(send_.size(), std::byte{0});
+    // The combine's messages lie back to back: a device sends at most a row per pair of its
+    // expert pool, a source gets back at most its max_tokens * k pairs.
+    const std::size_t headers = checked_mul(D, sizeof(decode_header), "headers");
+    const std::size_t dispatch_bytes = checked_mul(D, dispatch_.stride, "dispatch bytes");
+    const std::size_t pool = checked_mul(D, records_layout_.pairs(), "expert rows");
+    send_.assign(
+        std::max(dispatch_bytes, checked_add(headers, checked_mul(pool, row_bytes, "combine bytes"),
+                                             "combine bytes")),
+        std::byte{0});
+    recv_.assign(
+        std::max(dispatch_bytes,
+                 checked_add(headers, checked_mul(checked_mul(M, k, "pairs"), row_bytes, "rows"),
+                             "combine bytes")),
+        std::byte{0});
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
@@ -230,42 +241,57 @@ class decode_exchange {
     std::int64_t record = 0;
   };
 
-  // A phase's all-to-all: one message per peer, `stride` bytes apart. The dispatch's messages
-  // have a fixed size (`stride`); the combine's are set per call (`set_combine_counts`), to
-  // sizes both sides know from the dispatch.
+  // A phase's all-to-all: one message per peer, back to back (bytes). The dispatch's have a
+  // fixed size (`stride`); the combine's are set per call (`set_sizes`), to sizes both sides
+  // know from the dispatch (`stride`: the largest).
   struct phase_layout {
     std::size_t stride = 0;
-    std::vector<std::int64_t> send_counts, recv_counts, displs; // bytes per peer
+    std::vector<std::int64_t> send_counts, recv_counts, send_displs, recv_displs;
   };
   static phase_layout phase_of(std::size_t stride, std::size_t D) {
     phase_layout p;
     p.stride = stride;
-    for (std::size_t d = 0; d < D; ++d) {
-      p.send_counts.push_back(static_cast<std::int64_t>(stride));
-      p.displs.push_back(static_cast<std::int64_t>(checked_mul(d, stride, "displacement")));
-    }
+    p.send_counts.assign(D, static_cast<std::int64_t>(stride));
     p.recv_counts = p.send_counts;
+    p.send_displs.assign(D, 0);
+    set_displs(p.send_counts, p.send_displs);
+    p.recv_displs = p.send_displs;
     return p;
+  }
+  static void set_displs(std::span<const std::int64_t> counts, std::span<std::int64_t> displs) {
+    std::int64_t at = 0;
+    for (std::size_t d = 0; d < counts.size(); ++d) {
+      displs[d] = at;
+      at += counts[d];
+    }
+  }
+  // A combine message of `pairs` rows, to or from peer d.
+  static std::int64_t combine_bytes(std::size_t pairs, std::size_t row) {
+    return static_cast<std::int64_t>(sizeof(decode_header) + pairs * row);
   }
 
   // The one all-to-all of a phase.
   void exchange(stream_type& s, const phase_layout& p) {
-    weave::all_to_all_v(*comm_, s, send_.data(), p.send_counts, p.displs, recv_.data(),
-                        p.recv_counts, p.displs, 1);
+    weave::all_to_all_v(*comm_, s, send_.data(), p.send_counts, p.send_displs, recv_.data(),
+                        p.recv_counts, p.recv_displs, 1);
   }
 
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
-  std::size_t world() const noexcept { return dispatch_.displs.size(); }
-  static std::byte* block(std::vector<std::byte>& buf, std::size_t d, const phase_layout& p) {
-    return buf.data() + d * p.stride;
+  std::size_t world() const noexcept { return dispatch_.send_counts.size(); }
+  // The message to peer d in `send_`, and the one from peer d in `recv_`.
+  std::byte* sent(std::size_t d, const phase_layout& p) noexcept {
+    return send_.data() + p.send_displs[d];
+  }
+  std::byte* received(std::size_t d, const phase_layout& p) noexcept {
+    return recv_.data() + p.recv_displs[d];
   }
   decode_header header(std::size_t d, const phase_layout& p) noexcept {
     decode_header h;
-    std::memcpy(&h, block(recv_, d, p), sizeof h);
+    std::memcpy(&h, received(d, p), sizeof h);
     return h;
   }
   void put_header(std::size_t d, const decode_header& h, const phase_layout& p) noexcept {
-    std::memcpy(block(send_, d, p), &h, sizeof h);
+    std::memcpy(sent(d, p), &h, sizeof h);
   }
   // Runs `fill`, which writes the send messages of phase `p`; on failure every header says so
   // instead, and the failure is kept for this rank's own stream.
@@ -350,7 +376,7 @@ class decode_exchange {
             const int slot = where_.slot_for(kept[p], t, rank_);
             const auto d = static_cast<std::size_t>(slot) / spd();
             const auto l = static_cast<std::int32_t>(static_cast<std::size_t>(slot) % spd());
-            std::byte* message = block(send_, d, dispatch_);
+            std::byte* message = sent(d, dispatch_);
             if (last_token_[d] != static_cast<std::int64_t>(t)) { // the token's record on d
               last_token_[d] = static_cast<std::int64_t>(t);
               const auto r = static_cast<std::size_t>(records_[d]++);
@@ -369,10 +395,10 @@ class decode_exchange {
             h.rows = records_[d];
             h.source = rank_;
             put_header(d, h, dispatch_);
-            combine_.recv_counts[d] = static_cast<std::int64_t>(
-                sizeof(decode_header) +
-                static_cast<std::size_t>(pairs_to_[d]) * options_.hidden * sizeof(T));
+            combine_.recv_counts[d] =
+                combine_bytes(static_cast<std::size_t>(pairs_to_[d]), options_.hidden * sizeof(T));
           }
+          set_displs(combine_.recv_counts, combine_.recv_displs);
           tokens_ = tokens;
         },
         dispatch_);
@@ -410,7 +436,7 @@ class decode_exchange {
     std::fill(expert_rows_.begin(), expert_rows_.end(), 0);
     std::fill(received_.begin(), received_.end(), 0);
     for (std::size_t d = 0; d < world(); ++d) {
-      std::byte* message = block(recv_, d, dispatch_);
+      std::byte* message = received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
       std::size_t pairs = 0;
       for (std::size_t r = 0; r < n; ++r) {
@@ -425,9 +451,9 @@ class decode_exchange {
         }
       }
       arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
-      combine_.send_counts[d] =
-          static_cast<std::int64_t>(sizeof(decode_header) + pairs * options_.hidden * sizeof(T));
+      combine_.send_counts[d] = combine_bytes(pairs, options_.hidden * sizeof(T));
     }
+    set_displs(combine_.send_counts, combine_.send_displs);
     std::size_t first = 0;
     for (std::size_t l = 0; l < spd(); ++l) {
       expert_first_[l] = static_cast<std::int64_t>(first);
@@ -435,7 +461,7 @@ class decode_exchange {
     }
     std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data());
     for (std::size_t d = 0; d < world(); ++d) {
-      std::byte* message = block(recv_, d, dispatch_);
+      std::byte* message = received(d, dispatch_);
       for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
         const arrival a = arrivals_[d * per_source + i];
         std::memcpy(in + pool_row(a) * row,
@@ -467,7 +493,7 @@ class decode_exchange {
           const std::size_t H = options_.hidden, row = H * sizeof(T);
           const std::size_t pairs_per_source = records_layout_.pairs();
           for (std::size_t d = 0; d < world(); ++d) { // each pair's output, in arrival order
-            std::byte* out = block(send_, d, combine_) + sizeof(decode_header);
+            std::byte* out = sent(d, combine_) + sizeof(decode_header);
             const auto n = static_cast<std::size_t>(arrived_pairs_[d]);
             for (std::size_t i = 0; i < n; ++i) {
               const arrival a = arrivals_[d * pairs_per_source + i];
@@ -499,9 +525,8 @@ class decode_exchange {
           continue;
         const auto d = static_cast<std::size_t>(slot) / spd();
         const float w = weights_[t * k + j];
-        const T* row =
-            reinterpret_cast<const T*>(block(recv_, d, combine_) + sizeof(decode_header)) +
-            static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
+        const T* row = reinterpret_cast<const T*>(received(d, combine_) + sizeof(decode_header)) +
+                       static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
         for (std::size_t i = 0; i < H; ++i)
           sum_[i] += w * static_cast<float>(row[i]);
       }
