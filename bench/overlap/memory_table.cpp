@@ -12,6 +12,7 @@
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
+#include <weave/overlap/decode_exchange.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
 #include <weave/overlap/device_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
@@ -142,7 +143,8 @@ int run(int argc, char** argv) {
   std::vector<row_out> dynamic(static_cast<std::size_t>(s.ranks)),
       with_backward(static_cast<std::size_t>(s.ranks)), fixed(static_cast<std::size_t>(s.ranks)),
       fixed_capped(static_cast<std::size_t>(s.ranks));
-  std::vector<std::size_t> decode128(static_cast<std::size_t>(s.ranks)), decode256(decode128);
+  std::vector<std::size_t> decode128(static_cast<std::size_t>(s.ranks)), decode256(decode128),
+      host128(decode128), host256(decode128);
   weave::local_world world(s.ranks);
   world.run([&](weave::local_communicator& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
@@ -193,6 +195,10 @@ int run(int argc, char** argv) {
                                           weave::bfloat16>
           layer(comm, where, dec);
       (m == 128 ? decode128 : decode256)[r] = layer.workspace_size();
+      (m == 128 ? host128 : host256)[r] = // sized, not built: 64 ranks in one process
+          weave::decode_exchange<weave::local_communicator, weave::bfloat16>::buffer_bytes(
+              static_cast<std::size_t>(s.ranks), static_cast<std::size_t>(where.slots_per_device()),
+              dec);
     }
   });
   const auto worst = [](const std::vector<row_out>& v) {
@@ -221,9 +227,12 @@ int run(int argc, char** argv) {
        {std::pair{"static, dropless", fix}, std::pair{"static, capacity 1.25", fix_capped}})
     std::printf("| %s (sends %s per call) | | %s | %s | %.2f | |\n", what, size(v.sent).c_str(),
                 size(v.after).c_str(), size(dyn.used).c_str(), ratio(v.after, dyn.used));
-  std::printf("| decode, 128 / 256 tokens per rank | | %s / %s | | | |\n",
+  std::printf("| decode (device), 128 / 256 tokens per rank | | %s / %s | | | |\n",
               size(*std::max_element(decode128.begin(), decode128.end())).c_str(),
               size(*std::max_element(decode256.begin(), decode256.end())).c_str());
+  std::printf("| decode (host), 128 / 256 tokens per rank | | %s / %s | | | |\n",
+              size(*std::max_element(host128.begin(), host128.end())).c_str(),
+              size(*std::max_element(host256.begin(), host256.end())).c_str());
   return 0;
 }
 

@@ -368,6 +368,12 @@ TEST_CASE("decode_exchange sends each token once per device and returns exactly 
     weave::decode_exchange<corrupting_communicator, float> ex(comm, where(),
                                                               decode_test::options());
     fixed[r] = ex.dispatch_bytes_per_peer();
+    using exchange = weave::decode_exchange<corrupting_communicator, float>;
+    CHECK(ex.buffer_bytes() == exchange::buffer_bytes(2, 4, decode_test::options()));
+    weave::decode_options fp8 = decode_test::options(); // the sizes without building agree
+    fp8.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {8}, true};
+    fp8.max_tokens_per_rank = 5;
+    CHECK(exchange(comm, where(), fp8).buffer_bytes() == exchange::buffer_bytes(2, 4, fp8));
     (void)decode_test::decode_call(ex, input_of(local.rank()), experts_fn(), s);
   });
   const weave::placement w = where();

@@ -96,20 +96,9 @@ class decode_exchange {
     records_layout_ = detail::decode_record_layout::of(options_, row_bytes, spd);
     dispatch_ = phase_of(records_layout_.dispatch_bytes, D);
     combine_ = phase_of(records_layout_.combine_bytes, D);
-    // The combine's messages lie back to back: a device sends at most a row per pair of its
-    // expert pool, a source gets back at most its max_tokens * k pairs.
-    const std::size_t headers = checked_mul(D, sizeof(decode_header), "headers");
-    const std::size_t dispatch_bytes = checked_mul(D, dispatch_.stride, "dispatch bytes");
-    const std::size_t pool = checked_mul(D, records_layout_.pairs(), "expert rows");
-    send_.assign(
-        std::max(dispatch_bytes, checked_add(headers, checked_mul(pool, row_bytes, "combine bytes"),
-                                             "combine bytes")),
-        std::byte{0});
-    recv_.assign(
-        std::max(dispatch_bytes,
-                 checked_add(headers, checked_mul(checked_mul(M, k, "pairs"), row_bytes, "rows"),
-                             "combine bytes")),
-        std::byte{0});
+    const auto sizes = records_layout_.buffers_for(D, k);
+    send_.assign(sizes.send_bytes, std::byte{0}); // also the pool's inputs (`expert_in`)
+    recv_.assign(sizes.recv_bytes, std::byte{0});
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
@@ -122,12 +111,9 @@ class decode_exchange {
     arrived_pairs_.assign(D, 0);
     received_.assign(spd * D, 0);
     expert_rows_.assign(spd, 0);
-    // One pool of expert rows for every local expert: a source's tokens reach at most
-    // `choices` of them each, so D * max_tokens * choices rows hold any call.
-    pool_rows_ = checked_mul(D, records_layout_.pairs(), "expert rows");
+    pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     expert_first_.assign(spd, 0);
     const std::size_t expert_elems = checked_mul(pool_rows_, options_.hidden, "elements");
-    expert_in_.assign(expert_elems, T{});
     expert_out_.assign(expert_elems, T{});
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
@@ -178,6 +164,30 @@ class decode_exchange {
   //! The most bytes this rank sends to a peer in a combine (rows of T): a combine sends the
   //! header and one row per (token, expert) pair that peer dispatched here, no more.
   std::size_t combine_bytes_per_peer() const noexcept { return combine_.stride; }
+
+  //! Bytes of the message buffers and the expert rows' pool (inputs, outputs, FP8 rows): what
+  //! the layer allocates at construction for `max_tokens_per_rank`, beside the routing plan's
+  //! per-pair arrays.
+  std::size_t buffer_bytes() const noexcept {
+    return send_.size() + recv_.size() + token_wire_.size() + expert_wire_.size() +
+           expert_out_.size() * sizeof(T);
+  }
+  //! `buffer_bytes()` of a layer of `ranks` ranks and `local_experts` slots per rank built with
+  //! `options`, without building it.
+  static std::size_t buffer_bytes(std::size_t ranks, std::size_t local_experts,
+                                  const decode_options& options) {
+    const std::size_t row = checked_mul(options.hidden, sizeof(T), "row bytes");
+    const auto L = detail::decode_record_layout::of(options, row, local_experts);
+    const auto b = L.buffers_for(ranks, static_cast<std::size_t>(options.k));
+    std::size_t bytes = checked_add(b.send_bytes, b.recv_bytes, "buffer bytes");
+    bytes = checked_add(bytes, checked_mul(b.pool_rows, row, "pool bytes"), "buffer bytes");
+    if (options.fp8_dispatch)
+      bytes = checked_add(bytes,
+                          checked_mul(checked_add(b.pool_rows, options.max_tokens_per_rank, "rows"),
+                                      L.wire_row, "wire bytes"),
+                          "buffer bytes");
+    return bytes;
+  }
 
   //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights`
   //! (k per token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they
@@ -418,8 +428,8 @@ class decode_exchange {
         rows += static_cast<std::size_t>(n);
       const auto [codes, scales] = wire_views(expert_wire_.data(), rows);
       dequantize_rows(codes, scales,
-                      token_view(reinterpret_cast<std::byte*>(expert_in_.data()), rows,
-                                 options_.hidden, dtype_of_v<T>),
+                      token_view(reinterpret_cast<std::byte*>(expert_in()), rows, options_.hidden,
+                                 dtype_of_v<T>),
                       options_.fp8_dispatch->blocks);
     }
     arrived_.store(call, std::memory_order_release);
@@ -459,7 +469,7 @@ class decode_exchange {
       expert_first_[l] = static_cast<std::int64_t>(first);
       first += static_cast<std::size_t>(expert_rows_[l]);
     }
-    std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in_.data());
+    std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in());
     for (std::size_t d = 0; d < world(); ++d) {
       std::byte* message = received(d, dispatch_);
       for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
@@ -566,7 +576,7 @@ class decode_exchange {
                  "decode_exchange: an FP8 dispatch without dequantized_inputs delivers codes and "
                  "scales only (input_codes, input_scales)");
     const auto n = static_cast<std::size_t>(received_rows(l));
-    return {expert_in_.data() + first_row(l) * options_.hidden, n * options_.hidden};
+    return {expert_in() + first_row(l) * options_.hidden, n * options_.hidden};
   }
   std::pair<const_token_view, const_token_view> expert_wire(int l) const {
     WEAVE_EXPECT(options_.fp8_dispatch.has_value(), errc::invalid_state,
@@ -582,6 +592,10 @@ class decode_exchange {
     auto* out = const_cast<T*>(expert_out_.data()); // the handle's view of this exchange's rows
     return {out + first_row(l) * options_.hidden, n * options_.hidden};
   }
+  // The pool's inputs live in the send buffer, idle from the dispatch's end to the combine's
+  // pack (which the experts precede in stream order); a view read later is refused as stale.
+  T* expert_in() noexcept { return reinterpret_cast<T*>(send_.data()); }
+  const T* expert_in() const noexcept { return reinterpret_cast<const T*>(send_.data()); }
   std::size_t first_row(int l) const noexcept {
     return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(l)]);
   }
@@ -619,9 +633,9 @@ class decode_exchange {
   std::vector<std::int64_t> received_;          // rows per (local slot, source)
   std::vector<std::int64_t> expert_rows_;       // rows per local slot
   std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
-  std::vector<T> expert_in_, expert_out_;       // the pool: [row][hidden], each slot's together
-  std::vector<float> sum_;                      // one token's f32 accumulator
-  std::span<const float> weights_;              // the call's gate weights
+  std::vector<T> expert_out_;      // the pool's outputs: [row][hidden], each slot's together
+  std::vector<float> sum_;         // one token's f32 accumulator
+  std::span<const float> weights_; // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed

@@ -55,6 +55,29 @@ struct decode_record_layout {
   //! The most (token, expert) pairs one source sends one device.
   std::size_t pairs() const noexcept { return records * choices; }
 
+  //! The buffers of an exchange over `ranks` ranks taking `k` experts per token: the expert
+  //! pool (a source's tokens reach at most `choices` local experts each), the send buffer (the
+  //! dispatch's messages; the combine's, back to back, a row per pool row at most; the pool's
+  //! inputs between the two) and the receive buffer (the dispatch's; the combine's: at most
+  //! the k pairs of each of its max_tokens_per_rank tokens).
+  struct buffers {
+    std::size_t pool_rows = 0, send_bytes = 0, recv_bytes = 0;
+  };
+  buffers buffers_for(std::size_t ranks, std::size_t k) const {
+    buffers b;
+    b.pool_rows = checked_mul(ranks, pairs(), "expert rows");
+    const std::size_t headers = checked_mul(ranks, sizeof(decode_header), "headers");
+    const std::size_t dispatch = checked_mul(ranks, dispatch_bytes, "dispatch bytes");
+    b.send_bytes = std::max(
+        dispatch, checked_add(headers, checked_mul(b.pool_rows, combine_row, "combine bytes"),
+                              "combine bytes"));
+    b.recv_bytes = std::max(
+        dispatch,
+        checked_add(headers, checked_mul(checked_mul(records, k, "pairs"), combine_row, "rows"),
+                    "combine bytes"));
+    return b;
+  }
+
   std::byte* row(std::byte* message, std::size_t r) const noexcept {
     return message + sizeof(decode_header) + r * wire_row;
   }
