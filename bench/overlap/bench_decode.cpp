@@ -1,4 +1,4 @@
-// Decode-sized MoE layers: the low-latency decode_exchange (fixed slots, counts in the message
+// Decode-sized MoE layers: the low-latency decode_exchange (one record per (token, device), counts in the message
 // headers, two all-to-alls per layer) against the dynamic moe_exchange (count exchange, then
 // routes and rows, then the combine: four collectives per layer), at 1, 8, 64 and 256 tokens
 // per rank, registered side by side so one run measures them all. A third mode is the device
