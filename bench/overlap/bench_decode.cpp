@@ -1,11 +1,11 @@
-// Decode-sized MoE layers: the low-latency decode_exchange (one record per (token, device), counts in the message
-// headers, two all-to-alls per layer) against the dynamic moe_exchange (count exchange, then
-// routes and rows, then the combine: four collectives per layer), at 1, 8, 64 and 256 tokens
-// per rank, registered side by side so one run measures them all. A third mode is the device
-// decode exchange (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run
-// on host streams: the same protocol with every step written for a GPU (no host wait inside
-// the layer; the host waits once, in `check_errors`). A fourth is decode_exchange with its
-// dispatch in FP8 (e4m3, one scale per 128 elements, dequantised on arrival).
+// Decode-sized MoE layers: the low-latency decode_exchange (one record per (token, device), counts
+// in the message headers, two all-to-alls per layer) against the dynamic moe_exchange (count
+// exchange, then routes and rows, then the combine: four collectives per layer), at 1, 8, 64 and
+// 256 tokens per rank, registered side by side so one run measures them all. A third mode is the
+// device decode exchange (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`)
+// run on host streams: the protocol in DeepEP's per-slot layout with every step written for a GPU
+// (no host wait inside the layer; the host waits once, in `check_errors`). A fourth is decode_exchange with its dispatch in
+// FP8 (e4m3, one scale per 128 elements, dequantised on arrival).
 //
 // 4 in-process ranks, E = 32, k = 4, hidden 256 bf16 (moe_bench_setup.hpp), on an emulated link of
 // 20 us per message and 25 GB/s per rank pair. The experts copy their input (no compute): the layer
@@ -159,12 +159,8 @@ class layer_ranks {
     } else {
       weave::moe_exchange<counting_comm> ex(comm, where, options(tokens, 1));
       loop(r, comm, [&] {
-        ex.forward(
-            d.x.view(), d.ids, d.weights, d.y.view(),
-            [](const weave::expert_batch& b) {
-              std::memcpy(b.output.data(), b.input.data(), b.input.rows() * b.input.row_bytes());
-            },
-            compute, stream);
+        ex.forward(d.x.view(), d.ids, d.weights, d.y.view(), moe_bench::copy_experts, compute,
+                   stream);
         compute.synchronize();
         stream.synchronize();
       });

@@ -10,6 +10,7 @@
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
+#include "moe_bench_setup.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
 #include <weave/core/dtype.hpp>
@@ -119,12 +120,8 @@ void decode_layer_mpi(benchmark::State& state) {
     mo.chunks = 1;
     weave::moe_exchange<weave::mpi_communicator> ex(comm, where, mo);
     run([&] {
-      ex.forward(
-          d.x.view(), d.ids, d.weights, d.y.view(),
-          [](const weave::expert_batch& b) {
-            std::memcpy(b.output.data(), b.input.data(), b.input.rows() * b.input.row_bytes());
-          },
-          compute, stream);
+      ex.forward(d.x.view(), d.ids, d.weights, d.y.view(), moe_bench::copy_experts, compute,
+                 stream);
       compute.synchronize();
       stream.synchronize();
     });

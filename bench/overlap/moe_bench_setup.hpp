@@ -87,4 +87,10 @@ inline void emulated_experts(weave::const_token_view in, weave::token_view out,
       static_cast<std::int64_t>(ns_per_row * static_cast<double>(offsets.back()))));
 }
 
+// The decode benchmarks' experts: each output row a copy of its input (no compute), so a layer's
+// time is its exchange's.
+inline void copy_experts(const weave::expert_batch& b) {
+  std::memcpy(b.output.data(), b.input.data(), b.input.rows() * b.input.row_bytes());
+}
+
 } // namespace moe_bench
