@@ -252,8 +252,8 @@ class decode_exchange {
   };
 
   // A phase's all-to-all: one message per peer, back to back (bytes). The dispatch's have a
-  // fixed size (`stride`); the combine's are set per call (`set_sizes`), to sizes both sides
-  // know from the dispatch (`stride`: the largest).
+  // fixed size (`stride`); the combine's are set per call (`combine_bytes`, `set_displs`), to
+  // sizes both sides know from the dispatch (`stride`: the largest).
   struct phase_layout {
     std::size_t stride = 0;
     std::vector<std::int64_t> send_counts, recv_counts, send_displs, recv_displs;

@@ -86,14 +86,6 @@ inline std::size_t decode_wire_row_bytes(const decode_options& o, std::size_t ro
                         : row_bytes;
 }
 
-//! Bytes of one (slot, source) message of rows of `row_bytes` (header + a full slot, rounded
-//! up to 16 so every header stays aligned).
-inline std::size_t decode_message_bytes(const decode_options& o, std::size_t row_bytes) {
-  const std::size_t payload = checked_mul(o.max_tokens_per_rank, row_bytes, "slot bytes");
-  const std::size_t bytes = checked_add(sizeof(decode_header), payload, "message bytes");
-  return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
-}
-
 //! The tokens of a call of `who` with `elements` input elements and `ids` / `weights` entries:
 //! whole rows, at most `max_tokens_per_rank`, k entries per token (typed errors otherwise).
 inline std::size_t decode_call_tokens(const decode_options& o, std::size_t elements,
