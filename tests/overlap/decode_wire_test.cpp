@@ -1,11 +1,10 @@
-// Every header of a decode message is checked, in both decode exchanges (the host
-// `decode_exchange`, one message per peer, and the device one in host_space and in
-// emulated_gpu_space, which takes cuda_space's host-side path, one per slot): a failed header
-// fails the call with its sender's cause, and a header no sender writes is an `errc::protocol`
+// Every header and token record of a decode message is checked, in both decode exchanges (the
+// host `decode_exchange`, and the device one in host_space and in emulated_gpu_space, which
+// takes cuda_space's host-side path; both send one message per peer): a failed header fails the
+// call with its sender's cause, and a header or record no sender writes is an `errc::protocol`
 // error naming the sender, never rows read as valid, a NaN output without an error, or a peer
-// left waiting; so is a host token record whose choices no sender writes. Rank 1 of a 2-rank
-// local_world sends a header (or record) of its dispatch replaced through a corrupting
-// communicator, to every rank or to rank 0 only.
+// left waiting. Rank 1 of a 2-rank local_world sends a header (or record) of its dispatch
+// replaced through a corrupting communicator, to every rank or to rank 0 only.
 #include "aligned_buffer.hpp"
 #include "corrupting_communicator.hpp"
 #include "device_decode_cases.hpp"
@@ -49,10 +48,8 @@ ending ending_of(F&& f) {
   return {};
 }
 
-// Rank 1's dispatch header of local slot `slot` to `dest` (-1: every rank, itself included)
-// becomes `header`.
+// Rank 1's dispatch header to `dest` (-1: every rank, itself included) becomes `header`.
 struct injection {
-  int slot = 1;
   int dest = -1;
   weave::decode_header header;
   std::function<void(std::span<std::byte>)> edit{}; // set: edits the message instead
@@ -71,27 +68,24 @@ moe_test::rank_input<float> input_of(int rank) {
   return in;
 }
 
-// Runs one call per rank on a 2-rank world whose rank 1 sends `inj`; `header_at(ex, slot)` is
-// the offset of a slot's header in a message block; `call(ex, in, s)` runs the call to its end.
-template <class Make, class HeaderAt, class Call>
-std::vector<ending> run_injected(const injection& inj, Make&& make, HeaderAt&& header_at,
-                                 Call&& call) {
+// Runs one call per rank on a 2-rank world whose rank 1 sends `inj` (the header starts the
+// message); `call(ex, in, s)` runs the call to its end.
+template <class Make, class Call>
+std::vector<ending> run_injected(const injection& inj, Make&& make, Call&& call) {
   weave::local_world world(2, {20s, {}});
   std::vector<ending> got(2);
   world.run([&](weave::local_communicator& local) {
     const int r = local.rank();
-    std::function<std::size_t(int)> at;
     corrupting_communicator comm(local, {}, [&, r](int n, int dest, std::span<std::byte> bytes) {
       if (r == 1 && n == 0 && (inj.dest < 0 || dest == inj.dest)) {
         if (inj.edit)
           inj.edit(bytes);
         else
-          std::memcpy(bytes.data() + at(inj.slot), &inj.header, sizeof inj.header);
+          std::memcpy(bytes.data(), &inj.header, sizeof inj.header);
       }
     });
     weave::host_stream s("decode");
     auto layer = make(comm, s);
-    at = [&](int slot) { return header_at(*layer, slot); };
     got[static_cast<std::size_t>(r)] = ending_of([&] { call(*layer, input_of(r), s); });
     try {
       s.synchronize();
@@ -118,7 +112,6 @@ std::vector<ending> host_run(const injection& inj) {
       [](corrupting_communicator& c, weave::host_stream&) {
         return std::make_unique<exchange>(c, where(), decode_test::options());
       },
-      [](exchange&, int) { return std::size_t{0}; }, // one message, one header per peer
       [](exchange& ex, const moe_test::rank_input<float>& in, weave::host_stream& s) {
         (void)decode_test::decode_call(ex, in, experts_fn(), s);
       });
@@ -143,16 +136,13 @@ std::vector<ending> device_run(const injection& inj) {
       [](corrupting_communicator& c, weave::host_stream& s) {
         return std::make_unique<device_layer<Space>>(c, s);
       },
-      [](device_layer<Space>&, int slot) {
-        return static_cast<std::size_t>(slot) * sizeof(weave::decode_header);
-      },
       [](device_layer<Space>& layer, const moe_test::rank_input<float>& in, weave::host_stream& s) {
         (void)decode_test::device_decode_call(layer.ex, in, experts_fn(), s);
       });
 }
 
-weave::decode_header failed_in_slot() {
-  return weave::detail::failed_header(1, weave::errc::out_of_range, "injected: slot 1 failed");
+weave::decode_header failed_header() {
+  return weave::detail::failed_header(1, weave::errc::out_of_range, "injected: rank 1 failed");
 }
 
 // Headers no sender writes, each with the words its error names.
@@ -185,16 +175,16 @@ std::vector<bad_header> bad_headers(std::uint32_t unknown_flag) {
   h = ok();
   h.code = 4;
   out.push_back({"a code in an ok header", h, "code 4 in a header of status ok"});
-  h = failed_in_slot();
+  h = failed_header();
   h.code = 99;
   out.push_back({"a code that is no errc", h, "code 99, which is no errc"});
-  h = failed_in_slot();
+  h = failed_header();
   h.rows = 3;
   out.push_back({"a failed header with rows", h, "a failed header of 3 rows"});
-  h = failed_in_slot();
+  h = failed_header();
   h.flags = static_cast<std::int32_t>(unknown_flag);
   out.push_back({"unknown flags", h, "flags"});
-  h = failed_in_slot();
+  h = failed_header();
   std::memset(h.cause, 'x', sizeof h.cause);
   out.push_back({"a cause without its zero byte", h, "a cause without its zero byte"});
   return out;
@@ -206,7 +196,7 @@ void check_failed_everywhere(const std::vector<ending>& got) {
     CHECK(e.code == weave::errc::peer_failure);
     CHECK(e.origin == 1);
     CHECK(e.origin_code == weave::errc::out_of_range);
-    CHECK(e.message.find("injected: slot 1 failed") != std::string::npos);
+    CHECK(e.message.find("injected: rank 1 failed") != std::string::npos);
   }
 }
 
@@ -221,18 +211,17 @@ void check_refused(const ending& e, const char* exchange, const char* says) {
 
 TEST_CASE("decode_exchange: a failed header fails the call on every rank") {
   const auto started = std::chrono::steady_clock::now();
-  check_failed_everywhere(host_run({0, -1, failed_in_slot()}));
+  check_failed_everywhere(host_run({-1, failed_header()}));
   // (A failed message to some ranks only is trusted as every sender's failure is, told to all:
-  // with one message per peer a receiver cannot tell it from one; the device exchange, one
-  // message per slot, catches a sender failed in some slots only.)
+  // with one message per peer a receiver cannot tell it from one.)
   CHECK(std::chrono::steady_clock::now() - started < 10s);
 }
 
-TEST_CASE("decode_exchange: a token record whose choices no sender writes is a protocol error") {
-  // Rank 1's first token chooses experts 0, 1 and 2, all on rank 0 (local slots 0-2): its
-  // record there lists them after the rows of up to max_tokens tokens.
-  const std::size_t side_at =
-      sizeof(weave::decode_header) + decode_test::max_tokens * decode_test::hidden * sizeof(float);
+// Rank 1's first token chooses experts 0, 1 and 2, all on rank 0 (local slots 0-2): its record
+// there is the first, listing them at `side_at` bytes into the message. Each case replaces them:
+// `run(inj)` runs an exchange, `who` names it, and `peer` checks how rank 1's call ended.
+template <class Run, class Peer>
+void check_bad_records(Run&& run, std::size_t side_at, const char* who, Peer&& peer) {
   struct bad_choices {
     const char* what;
     std::vector<std::int32_t> choices;
@@ -248,74 +237,86 @@ TEST_CASE("decode_exchange: a token record whose choices no sender writes is a p
   const auto started = std::chrono::steady_clock::now();
   for (const bad_choices& bad : cases) {
     CAPTURE(bad.what);
-    injection inj{0, 0, {}, [&](std::span<std::byte> bytes) {
+    injection inj{0, {}, [&](std::span<std::byte> bytes) {
                     std::memcpy(bytes.data() + side_at, bad.choices.data(),
                                 bad.choices.size() * sizeof(std::int32_t));
                   }};
-    const auto got = host_run(inj);
+    const auto got = run(inj);
     CHECK(got[0].code == weave::errc::protocol);
-    CHECK(got[0].message.find("decode_exchange: rank 1 sent a token record no weave rank "
-                              "writes") == 0);
+    CHECK(got[0].message.find(std::string(who) +
+                              ": rank 1 sent a token record no weave rank writes (record 0") == 0);
     CHECK(got[0].message.find(bad.says) != std::string::npos);
-    CHECK(got[1].code == weave::errc::peer_failure); // rank 0 aborted the world
-    CHECK(got[1].origin == 0);
-    CHECK(got[1].origin_code == weave::errc::protocol);
+    peer(got[1]);
   }
   // The same choices in another order, or fewer of them, are records a sender could write:
   // the call runs (and matches the reference in the other tests).
-  injection fine{0, 0, {}, [&](std::span<std::byte> bytes) {
+  injection fine{0, {}, [&](std::span<std::byte> bytes) {
                    const std::int32_t same[] = {2, 0, 1};
                    std::memcpy(bytes.data() + side_at, same, sizeof same);
                  }};
-  const auto got = host_run(fine);
+  const auto got = run(fine);
   CHECK(got[0].code == weave::errc{});
   CHECK(got[1].code == weave::errc{});
   CHECK(std::chrono::steady_clock::now() - started < 10s);
 }
 
+TEST_CASE("decode_exchange: a token record whose choices no sender writes is a protocol error") {
+  // The side table follows the rows of up to max_tokens tokens.
+  const std::size_t side_at =
+      sizeof(weave::decode_header) + decode_test::max_tokens * decode_test::hidden * sizeof(float);
+  check_bad_records(host_run, side_at, "decode_exchange", [](const ending& e) {
+    CHECK(e.code == weave::errc::peer_failure); // rank 0 aborted the world
+    CHECK(e.origin == 0);
+    CHECK(e.origin_code == weave::errc::protocol);
+  });
+}
+
+TEST_CASE_TEMPLATE("device decode exchange: a token record whose choices no sender writes is a "
+                   "protocol error",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // The side table follows the header's rows and max_tokens record rows, all of one stride.
+  const auto at =
+      weave::detail::decode_layout::dispatch(2, decode_test::max_tokens, decode_test::k,
+                                             (decode_test::hidden * sizeof(float) + 15) / 16 * 16);
+  const auto side_at = static_cast<std::size_t>(at.header_rows + at.M) * at.stride;
+  check_bad_records(device_run<Space>, side_at, "device_decode_exchange", [](const ending& e) {
+    CHECK(e.code == weave::errc::size_mismatch); // rank 0 returned none of its rows
+  });
+}
+
 TEST_CASE("decode_exchange: a header no sender writes is a protocol error naming the sender") {
   const auto started = std::chrono::steady_clock::now();
   for (const bad_header& bad : bad_headers(1)) {
-    for (const int slot : {0}) {
-      CAPTURE(bad.what);
-      CAPTURE(slot);
-      const auto got = host_run({slot, 0, bad.header});
-      check_refused(got[0], "decode_exchange", bad.says);
-      CHECK(got[1].code == weave::errc::peer_failure); // rank 0 aborted the world
-      CHECK(got[1].origin == 0);
-      CHECK(got[1].origin_code == weave::errc::protocol);
-    }
+    CAPTURE(bad.what);
+    const auto got = host_run({0, bad.header});
+    check_refused(got[0], "decode_exchange", bad.says);
+    CHECK(got[1].code == weave::errc::peer_failure); // rank 0 aborted the world
+    CHECK(got[1].origin == 0);
+    CHECK(got[1].origin_code == weave::errc::protocol);
   }
   CHECK(std::chrono::steady_clock::now() - started < 10s);
 }
 
-TEST_CASE_TEMPLATE("device decode exchange: a failed header in any slot fails the call on every "
-                   "rank",
-                   Space, weave::host_space, weave::emulated_gpu_space) {
-  for (const int slot : {1, 3}) {
-    CAPTURE(slot);
-    check_failed_everywhere(device_run<Space>({slot, -1, failed_in_slot()}));
-    // Sent to rank 0 alone: rank 0 fails with the cause; rank 1 finds that rank 0 returned none
-    // of the rows it sent to that slot.
-    const auto got = device_run<Space>({slot, 0, failed_in_slot()});
-    CHECK(got[0].code == weave::errc::peer_failure);
-    CHECK(got[0].origin == 1);
-    CHECK(got[0].message.find("injected: slot 1 failed") != std::string::npos);
-    CHECK(got[1].code == weave::errc::size_mismatch);
-  }
+TEST_CASE_TEMPLATE("device decode exchange: a failed header fails the call on every rank", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
+  check_failed_everywhere(device_run<Space>({-1, failed_header()}));
+  // Sent to rank 0 alone: rank 0 fails with the cause; rank 1 finds that rank 0 returned none
+  // of the rows it sent there.
+  const auto got = device_run<Space>({0, failed_header()});
+  CHECK(got[0].code == weave::errc::peer_failure);
+  CHECK(got[0].origin == 1);
+  CHECK(got[0].message.find("injected: rank 1 failed") != std::string::npos);
+  CHECK(got[1].code == weave::errc::size_mismatch);
 }
 
 TEST_CASE_TEMPLATE("device decode exchange: a header no sender writes is a protocol error naming "
                    "the sender",
                    Space, weave::host_space, weave::emulated_gpu_space) {
   for (const bad_header& bad : bad_headers(1u << 12)) {
-    for (const int slot : {0, 2}) {
-      CAPTURE(bad.what);
-      CAPTURE(slot);
-      const auto got = device_run<Space>({slot, 0, bad.header});
-      check_refused(got[0], "device_decode_exchange", bad.says);
-      CHECK(got[1].code == weave::errc::size_mismatch); // rank 0 returned none of slot's rows
-    }
+    CAPTURE(bad.what);
+    const auto got = device_run<Space>({0, bad.header});
+    check_refused(got[0], "device_decode_exchange", bad.says);
+    CHECK(got[1].code == weave::errc::size_mismatch); // rank 0 returned none of its rows
   }
 }
 

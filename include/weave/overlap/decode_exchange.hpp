@@ -453,7 +453,7 @@ class decode_exchange {
         const auto got = records_layout_.read_choices(message, r, spd(), record_slots_);
         if (got.bad >= 0)
           bad_record(d, r, static_cast<std::size_t>(got.bad), got.value);
-        for (std::size_t c = 0; c < got.count; ++c) {
+        for (std::size_t c = 0; c < static_cast<std::size_t>(got.count); ++c) {
           const auto slot = static_cast<std::size_t>(record_slots_[c]);
           arrivals_[d * per_source + pairs++] = {record_slots_[c], expert_rows_[slot]++,
                                                  static_cast<std::int64_t>(r)};

@@ -24,6 +24,36 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 
+// What a record's side-table entries hold (`read_record`): `count` valid choices, or the first
+// entry no sender writes (`bad` its index, `value` the entry).
+struct record_read {
+  std::int64_t count = 0;
+  std::int64_t bad = -1;
+  std::int32_t value = 0;
+};
+
+// Reads a record's `choices` entries (`entry(c)`): distinct local slots in [0, `local`), at least
+// one, then -1 to the end, or the first entry that breaks it. Shared by both decode exchanges.
+template <class Entry>
+WEAVE_HOST_DEVICE record_read read_record(Entry&& entry, std::int64_t choices, std::int64_t local) {
+  record_read got;
+  for (std::int64_t c = 0; c < choices; ++c) {
+    const std::int32_t slot = entry(c);
+    if (slot == -1 && got.count > 0)
+      continue;
+    bool seen = false;
+    for (std::int64_t j = 0; j < c; ++j)
+      seen = seen || entry(j) == slot;
+    if (got.count != c || slot < 0 || slot >= local || seen) {
+      got.bad = c;
+      got.value = slot;
+      return got;
+    }
+    ++got.count;
+  }
+  return got;
+}
+
 struct decode_record_layout {
   std::size_t wire_row = 0;       //!< bytes of a dispatched token row
   std::size_t combine_row = 0;    //!< bytes of a returned row (T)
@@ -92,29 +122,19 @@ struct decode_record_layout {
     std::memcpy(entry(message, r, c), &slot, sizeof slot);
   }
 
-  //! What `read_choices` found: `count` valid choices, or the first entry no sender writes
-  //! (`bad` its index, `value` the entry).
-  struct choices_read {
-    std::size_t count = 0;
-    std::ptrdiff_t bad = -1;
-    std::int32_t value = 0;
-  };
-  //! Reads record r's choices into `out` (room for `choices`): distinct slots in
-  //! [0, `local_experts`), at least one, then -1 to the end, or the first entry that breaks it.
-  choices_read read_choices(std::byte* message, std::size_t r, std::size_t local_experts,
-                            std::span<std::int32_t> out) const noexcept {
-    choices_read got;
-    for (std::size_t c = 0; c < choices; ++c) {
-      std::int32_t slot = 0;
-      std::memcpy(&slot, entry(message, r, c), sizeof slot);
-      if (slot == -1 && got.count > 0)
-        continue;
-      const auto seen = out.begin() + static_cast<std::ptrdiff_t>(got.count);
-      if (got.count != c || slot < 0 || static_cast<std::size_t>(slot) >= local_experts ||
-          std::find(out.begin(), seen, slot) != seen)
-        return {got.count, static_cast<std::ptrdiff_t>(c), slot};
-      out[got.count++] = slot;
-    }
+  //! Reads record r's choices into `out` (room for `choices`) with `read_record`.
+  record_read read_choices(std::byte* message, std::size_t r, std::size_t local_experts,
+                           std::span<std::int32_t> out) const noexcept {
+    const record_read got = read_record(
+        [&](std::int64_t c) {
+          std::int32_t slot = 0;
+          std::memcpy(&slot, entry(message, r, static_cast<std::size_t>(c)), sizeof slot);
+          return slot;
+        },
+        static_cast<std::int64_t>(choices), static_cast<std::int64_t>(local_experts));
+    for (std::int64_t c = 0; c < got.count; ++c)
+      std::memcpy(&out[static_cast<std::size_t>(c)], entry(message, r, static_cast<std::size_t>(c)),
+                  sizeof(std::int32_t));
     return got;
   }
 

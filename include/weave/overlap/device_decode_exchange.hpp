@@ -6,12 +6,16 @@
 //! `weave/routing/host_row_moves.hpp` and `host_quant_moves.hpp`), which is how CI checks it
 //! against the host `decode_exchange` and a naive reference.
 //!
-//! The protocol is `decode_exchange`'s: fixed per-(expert slot, source) receive slots of
-//! `max_tokens_per_rank` rows, each slot's row count and status in a header inside its message,
-//! one all-to-all of fixed-size messages for the dispatch and one for the combine. What changes
-//! on a device: the routes, slot positions, headers and received layout are computed by steps
-//! (kernels) of the space, so the host never waits for the stream inside a call; the caller's
-//! experts read the received rows and their counts from memory of the space, in stream order.
+//! The protocol is `decode_exchange`'s: one message per (source, destination device) with room
+//! for `max_tokens_per_rank` token records (the token's row, sent once to each device it is
+//! routed to, and its local expert choices there in a side table), the record count and status
+//! in a header inside the message, one all-to-all each way. What changes on a device: the
+//! routes, records, headers and received layout are computed by steps (kernels) of the space, so
+//! the host never waits for the stream inside a call, and every message is sent whole (the
+//! host does not know the counts): the combine returns a row per (record, choice) in a message
+//! of `max_tokens_per_rank` x min(k, local experts) rows. The caller's experts read the received
+//! rows and their counts from memory of the space, in stream order
+//! (`device_decode_steps.hpp` has the wire layout).
 //!
 //! Fail-stop, without waiting for the device: a rank whose call is bad (shapes or more tokens
 //! than the slots hold, found on the host; ids, weights or, with an FP8 dispatch, a non-finite
@@ -87,20 +91,22 @@ class basic_device_decode_exchange {
     const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
     const auto spd = where_.slots_per_device();
     const std::size_t M = options_.max_tokens_per_rank;
-    at_ = detail::decode_layout::of(comm.size(), spd, M,
-                                    checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16);
+    const std::size_t choices =
+        std::min(static_cast<std::size_t>(options_.k), static_cast<std::size_t>(spd));
+    const std::size_t row_stride = checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16;
     if (options_.fp8_dispatch)
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
-    dispatch_at_ =
-        options_.fp8_dispatch ? detail::decode_layout::of(comm.size(), spd, M, wire_.stride) : at_;
+    at_ = detail::decode_layout::combine(comm.size(), M, choices, row_stride);
+    dispatch_at_ = detail::decode_layout::dispatch(
+        comm.size(), M, choices, options_.fp8_dispatch ? wire_.stride : row_stride);
     for (std::int64_t d = 0; d < at_.D; ++d) { // fixed: rows per peer
       counts_.push_back(at_.block_rows);
       displs_.push_back(d * at_.block_rows);
       dispatch_counts_.push_back(dispatch_at_.block_rows);
       dispatch_displs_.push_back(d * dispatch_at_.block_rows);
     }
-    for (int l = 0; l < at_.spd; ++l)
-      local_experts_.push_back(where_.expert_of_slot(rank_ * static_cast<int>(at_.spd) + l));
+    for (int l = 0; l < spd; ++l)
+      local_experts_.push_back(where_.expert_of_slot(rank_ * spd + l));
   }
 
   //! Waits for the work the layer queued (its workspace must outlive it); with a handle alive
@@ -166,7 +172,6 @@ class basic_device_decode_exchange {
     } catch (...) {
       rejected = reject(std::current_exception());
     }
-    const auto k = static_cast<std::int64_t>(options_.k);
     tokens_ = tokens;
     rejected_ = rejected.status != decode_status::ok;
     weights_ = weights.data();
@@ -175,6 +180,7 @@ class basic_device_decode_exchange {
     Space::fill(s, send_index_, 0xFF, dispatch_at_.rows() * sizeof(std::int64_t));
     if (options_.fp8_dispatch)
       Space::fill(s, bad_token_, 0xFF, sizeof(std::int64_t)); // -1: every token finite
+    Space::fill(s, return_index_, 0xFF, at_.rows() * sizeof(std::int64_t));
     const auto n = static_cast<std::int64_t>(tokens);
     if (n > 0)
       Space::for_each(s, n,
@@ -182,19 +188,21 @@ class basic_device_decode_exchange {
                           ids.data(), weights.data(), options_.k, where_.num_experts(), table_,
                           table_ + where_.num_experts(), table_ + 2 * where_.num_experts() + 1,
                           pair_slot_, words_ + call_flags});
-    Space::for_each(s, slots(),
-                    detail::decode_position_step{dispatch_at_, n * k, options_.k, pair_slot_,
-                                                 pair_pos_, slot_rows_, send_index_});
+    Space::for_each(s, at_.D,
+                    detail::decode_position_step{dispatch_at_, n, options_.k, spd(), pair_slot_,
+                                                 send_, pair_pos_, records_, pairs_to_,
+                                                 send_index_});
     if (n > 0)
       send_rows(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens));
-    send_headers(s, dispatch_at_, rejected, slot_rows_, at_.spd, 1);
-    Space::for_each(s, at_.spd,
-                    detail::decode_receive_step{
-                        dispatch_at_, recv_, known_flags, nullptr, source_rows_, source_offsets_,
-                        expert_rows_, words_ + call_failed, words_ + sticky_error, kept_});
-    Space::for_each(s, expert_capacity(),
-                    detail::decode_expert_index_step{dispatch_at_, source_rows_, source_offsets_,
-                                                     expert_rows_, expert_index_});
+    send_headers(s, dispatch_at_, rejected, records_);
+    Space::for_each(s, at_.D,
+                    detail::decode_receive_step{dispatch_at_, recv_, known_flags, spd(), nullptr,
+                                                arrived_, words_ + call_failed,
+                                                words_ + sticky_error, kept_});
+    Space::for_each(s, spd(),
+                    detail::decode_slot_layout_step{dispatch_at_, at_, recv_, words_ + call_failed,
+                                                    source_rows_, source_offsets_, expert_rows_,
+                                                    expert_index_, return_index_});
     receive_rows(s);
     note_enqueued(s);
     return handle(this, calls_, life_);
@@ -219,21 +227,19 @@ class basic_device_decode_exchange {
       rejected = reject(std::current_exception());
     }
     Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
-    Space::for_each(
-        s, static_cast<std::int64_t>(at_.rows()),
-        detail::decode_return_index_step{at_, source_rows_, source_offsets_, send_index_});
-    moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), send_index_, nullptr, nullptr);
-    send_headers(s, at_, rejected, source_rows_, 1, at_.D);
-    Space::for_each(s, at_.spd,
-                    detail::decode_receive_step{at_, recv_, known_flags, slot_rows_, nullptr,
-                                                nullptr, nullptr, words_ + call_failed,
-                                                words_ + sticky_error, kept_});
+    moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), return_index_, nullptr,
+                  nullptr);
+    send_headers(s, at_, rejected, arrived_);
+    Space::for_each(s, at_.D,
+                    detail::decode_receive_step{at_, recv_, known_flags, spd(), pairs_to_, nullptr,
+                                                words_ + call_failed, words_ + sticky_error,
+                                                kept_});
     const bool sums = !rejected_ && rejected.status == decode_status::ok && tokens_ > 0;
     if (sums) {
       const auto pairs = static_cast<std::int64_t>(tokens_) * options_.k;
       Space::for_each(s, pairs,
-                      detail::decode_pair_row_step{at_, pair_slot_, pair_pos_, words_ + call_failed,
-                                                   pair_row_});
+                      detail::decode_pair_row_step{at_, spd(), pair_slot_, pair_pos_,
+                                                   words_ + call_failed, pair_row_});
       moves::merge(s, buffer(recv_, at_), rows(reinterpret_cast<std::byte*>(y.data()), tokens_),
                    pair_row_, options_.k, weights_, nullptr, false);
     }
@@ -248,9 +254,9 @@ class basic_device_decode_exchange {
   //! Waits for `stream`, then throws for what failed since the last check: this rank's own
   //! failure first (a call refused on the host with its typed error; flagged ids or weights:
   //! `errc::out_of_range` / `errc::invalid_argument`), else the first failed header's sender
-  //! (`peer_error` naming it and its cause; a failed header in any slot counts), else a header
-  //! no sender writes (`errc::protocol` naming its sender and slot), else a combine message that
-  //! returned other rows than were sent (`errc::size_mismatch`). Clears what it reported.
+  //! (`peer_error` naming it and its cause), else a header or a token record no sender writes
+  //! (`errc::protocol` naming its sender), else a combine message that returned other rows than
+  //! were sent (`errc::size_mismatch`). Clears what it reported.
   void check_errors(stream_arg stream) {
     WEAVE_EXPECT(initialized_, errc::invalid_state, "device_decode_exchange is not initialised");
     // Copied into pinned memory on CUDA: the host blocks only in the watched wait.
@@ -267,10 +273,14 @@ class basic_device_decode_exchange {
       throw peer_error(peer_record(kept.peer), "device_decode_exchange");
     if (kept.bad_claimed != 0)
       WEAVE_THROW(errc::protocol, "device_decode_exchange: rank ", kept.bad_sender,
-                  " sent a header no weave rank writes (local slot ", kept.bad_slot, ": ",
+                  " sent a header no weave rank writes (",
                   detail::describe_header_fault(static_cast<decode_header_fault>(kept.bad_fault),
-                                                kept.bad, at_.M),
+                                                kept.bad, kept.bad_limit),
                   ")");
+    if (kept.record_claimed != 0)
+      WEAVE_THROW(errc::protocol, "device_decode_exchange: rank ", kept.record_sender,
+                  " sent a token record no weave rank writes (record ", kept.record, ", choice ",
+                  kept.record_choice, ": local slot ", kept.record_value, " of ", spd(), ")");
     WEAVE_EXPECT((flags & device_decode_bad_message) == 0, errc::size_mismatch,
                  "device_decode_exchange: a peer returned other rows than were sent to it "
                  "(its dispatch failed)");
@@ -287,7 +297,7 @@ class basic_device_decode_exchange {
 
   device_decode_experts<T> experts_of(std::uint64_t) const {
     device_decode_experts<T> v;
-    v.local_experts = static_cast<int>(at_.spd);
+    v.local_experts = static_cast<int>(spd());
     v.sources = static_cast<int>(at_.D);
     v.hidden = options_.hidden;
     v.rows_per_expert = static_cast<std::size_t>(at_.D * at_.M);
@@ -368,15 +378,16 @@ class basic_device_decode_exchange {
     return record_of_call(h.source, [&] { throw_flagged(static_cast<std::uint32_t>(h.flags)); });
   }
 
-  // The headers of a phase's messages, then its one all-to-all of fixed-size messages.
+  // The headers of a phase's messages (`rows` per destination), then its one all-to-all of
+  // fixed-size messages.
   void send_headers(stream_arg s, const detail::decode_layout& at, const decode_header& rejected,
-                    const std::int64_t* counts, std::int64_t per_rank, std::int64_t per_slot) {
+                    const std::int64_t* rows) {
     const bool dispatch = &at == &dispatch_at_;
-    Space::for_each(s, slots(),
+    Space::for_each(s, at.D,
                     detail::decode_header_step{
-                        at, send_, rejected, counts, per_rank, per_slot, words_ + call_flags,
+                        at, send_, rejected, rows, words_ + call_flags,
                         dispatch && options_.fp8_dispatch ? bad_token_ : nullptr,
-                        words_ + sticky_error, rank_});
+                        dispatch ? nullptr : words_ + call_failed, words_ + sticky_error, rank_});
     const std::vector<std::int64_t>& c = dispatch ? dispatch_counts_ : counts_;
     const std::vector<std::int64_t>& d = dispatch ? dispatch_displs_ : displs_;
     all_to_all_v(*comm_, s, send_, c, d, recv_, c, d, at.stride);
@@ -430,8 +441,8 @@ class basic_device_decode_exchange {
   std::size_t scales_per_row() const noexcept {
     return options_.fp8_dispatch ? options_.hidden / options_.fp8_dispatch->blocks.block : 0;
   }
-  std::int64_t slots() const noexcept { return at_.D * at_.spd; }
-  std::int64_t expert_capacity() const noexcept { return at_.spd * at_.D * at_.M; }
+  std::int64_t spd() const noexcept { return where_.slots_per_device(); }
+  std::int64_t expert_capacity() const noexcept { return spd() * at_.D * at_.M; }
   template <class Byte>
   basic_token_view<Byte> rows(Byte* p, std::size_t n) const {
     return basic_token_view<Byte>(p, n, options_.hidden, dtype_of_v<T>, Space::memory);
@@ -449,7 +460,7 @@ class basic_device_decode_exchange {
     const auto set = carve_into<Self>(c);
     const auto pairs =
         self.options_.max_tokens_per_rank * static_cast<std::size_t>(self.options_.k);
-    const auto slots = static_cast<std::size_t>(self.slots());
+    const auto D = static_cast<std::size_t>(self.at_.D);
     const std::size_t expert_bytes = checked_mul(static_cast<std::size_t>(self.expert_capacity()),
                                                  self.options_.hidden * sizeof(T), "expert rows");
     set(self.table_, self.table_host_.size());
@@ -462,11 +473,15 @@ class basic_device_decode_exchange {
     set(self.pair_slot_, pairs);
     set(self.pair_pos_, pairs);
     set(self.pair_row_, pairs);
-    set(self.slot_rows_, slots);
+    const auto slots = static_cast<std::size_t>(self.spd()) * D;
+    set(self.records_, D);
+    set(self.pairs_to_, D);
+    set(self.arrived_, D);
     set(self.source_rows_, slots);
     set(self.source_offsets_, slots);
-    set(self.expert_rows_, static_cast<std::size_t>(self.at_.spd));
-    set(self.send_index_, std::max(self.at_.rows(), self.dispatch_at_.rows()));
+    set(self.expert_rows_, static_cast<std::size_t>(self.spd()));
+    set(self.send_index_, self.dispatch_at_.rows());
+    set(self.return_index_, self.at_.rows());
     if (self.options_.fp8_dispatch) {
       const auto capacity = static_cast<std::size_t>(self.expert_capacity());
       set(self.bad_token_, 1);
@@ -499,9 +514,11 @@ class basic_device_decode_exchange {
   detail::decode_kept* kept_ = nullptr; // the headers kept since the last check
   std::byte *send_ = nullptr, *recv_ = nullptr, *expert_in_ = nullptr, *expert_out_ = nullptr;
   std::int32_t* pair_slot_ = nullptr;
-  std::int64_t *pair_pos_ = nullptr, *pair_row_ = nullptr, *slot_rows_ = nullptr;
+  std::int64_t *pair_pos_ = nullptr, *pair_row_ = nullptr; // per (token, choice)
+  // Per rank: records and pairs sent, pairs received.
+  std::int64_t *records_ = nullptr, *pairs_to_ = nullptr, *arrived_ = nullptr;
   std::int64_t *source_rows_ = nullptr, *source_offsets_ = nullptr, *expert_rows_ = nullptr;
-  std::int64_t *send_index_ = nullptr, *expert_index_ = nullptr;
+  std::int64_t *send_index_ = nullptr, *return_index_ = nullptr, *expert_index_ = nullptr;
   std::int64_t* bad_token_ = nullptr; // FP8 dispatch: the call's first non-finite token, or -1
   std::byte* expert_codes_ = nullptr; // FP8 dispatch: [slot][D * max tokens][hidden]
   float* expert_scales_ = nullptr;    // FP8 dispatch: [slot][D * max tokens][hidden / block]

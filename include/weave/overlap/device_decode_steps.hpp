@@ -2,16 +2,21 @@
 //! The steps of `basic_device_decode_exchange` (functors over raw pointers, run by any execution
 //! space) and its wire layout.
 //!
-//! Every rank's block of a decode message buffer is `block_rows` rows of `stride` bytes: first
-//! `header_rows` rows holding one 128-byte `decode_header` per local expert slot (padded), then
-//! each slot's `max_tokens_per_rank` payload rows. All rows share one stride, so a single row
-//! view covers the whole buffer and the row moves address any payload row by its index.
+//! A message, one per (source rank, destination device) and phase, is a block of `block_rows`
+//! rows of one stride: first `header_rows` rows holding its 128-byte `decode_header` (padded),
+//! then `payload` rows, then (dispatch only) the side table: per record, `choices` int32 local
+//! slots in the token's choice order, -1 after the last. A dispatch record is a token's row, sent
+//! once to each device it is routed to (room for `max_tokens_per_rank` records); a combine row is
+//! the output of one (record, choice) pair, at row record * choices + choice. All rows share one
+//! stride, so a single row view covers a whole buffer and the row moves address any payload row
+//! by its index; every message is sent whole (its size is fixed: no host sync, capturable).
 #pragma once
 
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/overlap/decode_options.hpp"
+#include "weave/overlap/decode_records.hpp"
 #include "weave/routing/device_dispatch_plan.hpp"
 
 #include <cstddef>
@@ -20,7 +25,7 @@
 WEAVE_NAMESPACE_BEGIN
 
 //! Bit of a device decode exchange's error word: a combine message returning other rows than
-//! were sent to it (headers no sender writes are kept apart, see `decode_header_fault`).
+//! were sent to it (headers and records no sender writes are kept apart, see `decode_kept`).
 inline constexpr std::uint32_t device_decode_bad_message = 1u << 8;
 //! Bit of a device decode exchange's error word and of a failed header's flags: with an FP8
 //! dispatch, a token held a NaN or an infinity (the call fails on every rank).
@@ -30,41 +35,66 @@ namespace detail {
 
 // The wire layout shared by every step (see the file comment).
 struct decode_layout {
-  std::int64_t D = 0, spd = 0, M = 0; // ranks, local slots, max_tokens_per_rank
-  std::int64_t header_rows = 0, block_rows = 0;
+  std::int64_t D = 0, M = 0; // ranks, max_tokens_per_rank
+  std::int64_t payload = 0;  // payload rows per message (the most a header may announce)
+  std::int64_t choices = 0;  // local slots per record: min(k, local experts)
+  std::int64_t header_rows = 0, side_rows = 0, block_rows = 0;
   std::size_t stride = 0; // bytes per row
+  bool side = false;      // a dispatch layout: records and their side table
 
-  // The layout of `ranks` blocks of `slots` slots of `max_tokens` rows of `stride` bytes.
-  static decode_layout of(int ranks, int slots, std::size_t max_tokens, std::size_t stride) {
-    decode_layout at;
-    at.D = ranks;
-    at.spd = slots;
-    at.M = static_cast<std::int64_t>(max_tokens);
-    at.stride = stride;
-    const std::size_t headers =
-        checked_mul(static_cast<std::size_t>(slots), sizeof(decode_header), "header bytes");
-    at.header_rows = static_cast<std::int64_t>((headers + stride - 1) / stride);
-    at.block_rows = static_cast<std::int64_t>(
-        checked_add(static_cast<std::size_t>(at.header_rows),
-                    checked_mul(static_cast<std::size_t>(slots), max_tokens, "rows"), "rows"));
-    (void)checked_mul(checked_mul(static_cast<std::size_t>(ranks),
-                                  static_cast<std::size_t>(at.block_rows), "rows"),
-                      stride, "message buffer bytes");
-    return at;
+  // The dispatch's messages over `ranks` ranks: `max_tokens` records of `stride` bytes each, then
+  // their side table.
+  static decode_layout dispatch(int ranks, std::size_t max_tokens, std::size_t choices,
+                                std::size_t stride) {
+    const std::size_t side_bytes = checked_mul(checked_mul(max_tokens, choices, "records"),
+                                               sizeof(std::int32_t), "side table bytes");
+    return of(ranks, max_tokens, choices, max_tokens, (side_bytes + stride - 1) / stride, stride,
+              true);
   }
+  // The combine's messages: a row of `stride` bytes per (record, choice).
+  static decode_layout combine(int ranks, std::size_t max_tokens, std::size_t choices,
+                               std::size_t stride) {
+    return of(ranks, max_tokens, choices, checked_mul(max_tokens, choices, "pairs"), 0, stride,
+              false);
+  }
+
   std::size_t rows() const noexcept { return static_cast<std::size_t>(D * block_rows); }
   std::size_t bytes_per_peer() const noexcept {
     return static_cast<std::size_t>(block_rows) * stride;
   }
-
-  // Row index, in a message buffer, of row r of local slot l's payload in rank d's block.
-  WEAVE_HOST_DEVICE std::int64_t payload_row(std::int64_t d, std::int64_t l, std::int64_t r) const {
-    return d * block_rows + header_rows + l * M + r;
+  // Row index, in a message buffer, of payload row r of rank d's message.
+  WEAVE_HOST_DEVICE std::int64_t payload_row(std::int64_t d, std::int64_t r) const {
+    return d * block_rows + header_rows + r;
   }
-  WEAVE_HOST_DEVICE decode_header* header(std::byte* buffer, std::int64_t d, std::int64_t l) const {
+  WEAVE_HOST_DEVICE decode_header* header(std::byte* buffer, std::int64_t d) const {
     return reinterpret_cast<decode_header*>(buffer +
-                                            static_cast<std::size_t>(d * block_rows) * stride +
-                                            static_cast<std::size_t>(l) * sizeof(decode_header));
+                                            static_cast<std::size_t>(d * block_rows) * stride);
+  }
+  // Rank d's side table (a dispatch layout): record r's choices at [r * choices, + choices).
+  WEAVE_HOST_DEVICE std::int32_t* side_table(std::byte* buffer, std::int64_t d) const {
+    return reinterpret_cast<std::int32_t*>(
+        buffer + static_cast<std::size_t>(payload_row(d, payload)) * stride);
+  }
+
+ private:
+  static decode_layout of(int ranks, std::size_t max_tokens, std::size_t choices,
+                          std::size_t payload, std::size_t side_rows, std::size_t stride,
+                          bool side) {
+    decode_layout at;
+    at.D = ranks;
+    at.M = static_cast<std::int64_t>(max_tokens);
+    at.choices = static_cast<std::int64_t>(choices);
+    at.payload = static_cast<std::int64_t>(payload);
+    at.stride = stride;
+    at.side = side;
+    at.header_rows = static_cast<std::int64_t>((sizeof(decode_header) + stride - 1) / stride);
+    at.side_rows = static_cast<std::int64_t>(side_rows);
+    at.block_rows = static_cast<std::int64_t>(checked_add(
+        checked_add(static_cast<std::size_t>(at.header_rows), payload, "rows"), side_rows, "rows"));
+    (void)checked_mul(checked_mul(static_cast<std::size_t>(ranks),
+                                  static_cast<std::size_t>(at.block_rows), "rows"),
+                      stride, "message buffer bytes");
+    return at;
   }
 };
 
@@ -91,46 +121,69 @@ struct decode_route_step {
   }
 };
 
-// Per physical slot: its pairs in token order get rows 0, 1, ... of the slot's message (so the
-// rows come out in the same order in every space), recorded for the combine and as the send
-// gather's index.
+// Per destination device d: one record per token routed there, in token order (so the rows come
+// out in the same order in every space): the token's local slots on d in its choice order go to
+// the record's side-table entries, -1 after the last; each pair gets its combine row (record *
+// choices + choice); the record's row index becomes the send gather's. Counts the records and
+// pairs sent to d.
 struct decode_position_step {
-  decode_layout at;
-  std::int64_t pairs;
+  decode_layout at; // the dispatch's
+  std::int64_t tokens;
   int k;
+  std::int64_t spd;
   const std::int32_t* pair_slot;
-  std::int64_t *pair_pos, *slot_rows, *send_index;
+  std::byte* send;
+  std::int64_t *pair_pos, *records, *pairs_to, *send_index;
 
-  WEAVE_HOST_DEVICE void operator()(std::int64_t s) const {
-    const std::int64_t d = s / at.spd, l = s % at.spd;
-    std::int64_t n = 0;
-    for (std::int64_t p = 0; p < pairs; ++p)
-      if (pair_slot[p] == s) {
-        pair_pos[p] = n;
-        send_index[at.payload_row(d, l, n)] = p / k;
-        ++n;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t d) const {
+    std::int32_t* side = at.side_table(send, d);
+    std::int64_t n = 0, pairs = 0;
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      std::int64_t c = 0;
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t p = t * k + j;
+        const std::int32_t s = pair_slot[p];
+        if (s < 0 || s / spd != d)
+          continue;
+        // A token's choices are distinct experts, so distinct slots: at most `choices` of them.
+        if (c == at.choices) {
+          pair_pos[p] = -1;
+          continue;
+        }
+        side[n * at.choices + c] = static_cast<std::int32_t>(s - d * spd);
+        pair_pos[p] = n * at.choices + c;
+        ++c;
       }
-    slot_rows[s] = n;
+      if (c == 0)
+        continue;
+      for (std::int64_t rest = c; rest < at.choices; ++rest)
+        side[n * at.choices + rest] = -1;
+      send_index[at.payload_row(d, n)] = t;
+      pairs += c;
+      ++n;
+    }
+    records[d] = n;
+    pairs_to[d] = pairs;
   }
 };
 
-// Per (rank d, local slot l) message: its header. `rejected` is the host's failure of this call
+// Per destination rank d: its message's header. `rejected` is the host's failure of this call
 // (status `ok` when none); the call's flagged choices, or a non-finite token of an FP8 dispatch
-// (`bad_token` >= 0), fail it too; else the header carries rows[d * rows_d + l * rows_l].
-// Index 0 also adds the call's flags to the sticky error word.
+// (`bad_token` >= 0), fail it too; else the header carries rows[d], or 0 once `empty_if` (the
+// combine: the call failed here, so its experts' rows were never filled) is set. Index 0 also
+// adds the call's flags to the sticky error word.
 struct decode_header_step {
   decode_layout at;
   std::byte* send;
   decode_header rejected;
   const std::int64_t* rows;
-  std::int64_t rows_d, rows_l;
   const std::uint32_t* call_flags;
   const std::int64_t* bad_token; // FP8 dispatch: the first non-finite token, or -1; else null
+  const std::uint32_t* empty_if; // combine: the call failed word; else null
   std::uint32_t* error;
   int rank;
 
-  WEAVE_HOST_DEVICE void operator()(std::int64_t s) const {
-    const std::int64_t d = s / at.spd, l = s % at.spd;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t d) const {
     decode_header h;
     const std::uint32_t flags =
         *call_flags | (bad_token != nullptr && *bad_token >= 0 ? device_decode_nonfinite : 0u);
@@ -142,125 +195,141 @@ struct decode_header_step {
           (flags & device_plan_bad_expert) != 0 ? errc::out_of_range : errc::invalid_argument);
       h.flags = static_cast<std::int32_t>(flags); // the peers rebuild the message from them
     } else {
-      h.rows = rows[d * rows_d + l * rows_l];
+      h.rows = empty_if != nullptr && *empty_if != 0 ? 0 : rows[d];
     }
     h.source = rank;
-    *at.header(send, d, l) = h;
-    if (s == 0 && flags != 0)
+    *at.header(send, d) = h;
+    if (d == 0 && flags != 0)
       atomic_or(error, flags);
   }
 };
 
 // What a device decode exchange's receive steps keep for `check_errors` since its last check
 // (memory of the space; all zero: nothing kept). Each is kept by the first index of a step that
-// claims it; a sender that failed writes the same header to every slot, so which index keeps its
-// header does not matter.
+// claims it.
 struct decode_kept {
-  decode_header peer;             // the first failed header received (this rank's own too)
-  decode_header bad;              // the first header no sender writes
-  std::int32_t bad_sender = 0;    // where `bad` came from: the rank,
-  std::int32_t bad_slot = 0;      // the local slot,
-  std::int32_t bad_fault = 0;     // and its `decode_header_fault`
-  std::uint32_t peer_claimed = 0; // 1 once `peer` is kept
-  std::uint32_t bad_claimed = 0;  // 1 once `bad` is kept
+  decode_header peer;               // the first failed header received (this rank's own too)
+  decode_header bad;                // the first header no sender writes
+  std::int64_t bad_limit = 0;       // the most rows its phase's headers announce,
+  std::int32_t bad_sender = 0;      // where `bad` came from,
+  std::int32_t bad_fault = 0;       // and its `decode_header_fault`
+  std::int32_t record_sender = 0;   // the first record no sender writes: its sender,
+  std::int32_t record = 0;          // its index,
+  std::int32_t record_choice = 0;   // the entry that breaks it,
+  std::int32_t record_value = 0;    // and that entry's value
+  std::uint32_t peer_claimed = 0;   // 1 once `peer` is kept
+  std::uint32_t bad_claimed = 0;    // 1 once `bad` is kept
+  std::uint32_t record_claimed = 0; // 1 once a bad record is kept
 };
 
-// Per local slot l, after a phase's all-to-all: the headers of l's messages, one per source. A
-// failed one, or one no sender writes (`decode_header_fault_of`), fails the call
-// (`call_failed`) and is kept in `kept` unless one is kept already; a header no sender writes
-// counts as no rows. With `source_rows` (the dispatch) it lays out slot l's received rows: per
-// source the count and offset, and the total (all 0 when the slot saw a failure). With
-// `expected` (the combine) each message must return the rows sent to it, else the sticky
-// `error` word is flagged.
+// Per source rank d, after a phase's all-to-all: the header of d's message. A failed one, one no
+// sender writes (`decode_header_fault_of`, at most `payload` rows) or, in a dispatch, a record
+// whose side-table entries no sender writes (`read_record` over `local` slots) fails the call
+// (`call_failed`) and is kept in `kept` unless one is kept already. A dispatch counts the pairs
+// d's records bring (`arrived`, 0 when its message failed). With `expected` (the combine) the
+// message must return the pairs sent to d, else the sticky `error` word is flagged.
 struct decode_receive_step {
   decode_layout at;
   std::byte* recv;
   std::uint32_t known_flags;    // the flags a failed header may carry
-  const std::int64_t* expected; // combine: rows sent per (d, l), or null
-  std::int64_t *source_rows, *source_offsets, *expert_rows; // dispatch: the layout, or null
+  std::int64_t local;           // dispatch: local slots of this rank
+  const std::int64_t* expected; // combine: pairs sent to each rank, or null
+  std::int64_t* arrived;        // dispatch: pairs received from each rank, or null
   std::uint32_t *call_failed, *error;
   decode_kept* kept;
 
-  WEAVE_HOST_DEVICE void operator()(std::int64_t l) const {
+  WEAVE_HOST_DEVICE void operator()(std::int64_t d) const {
     const bool checks_returns = expected != nullptr && *call_failed == 0;
-    bool failed = false, bad = false, short_return = false;
-    for (std::int64_t d = 0; d < at.D; ++d) {
-      const decode_header* h = at.header(recv, d, l);
-      const decode_header_fault fault = decode_header_fault_of(*h, d, at.M, known_flags);
-      if (fault != decode_header_fault::none) {
-        bad = true;
-        if (atomic_claim(&kept->bad_claimed)) {
-          kept->bad = *h;
-          kept->bad_sender = static_cast<std::int32_t>(d);
-          kept->bad_slot = static_cast<std::int32_t>(l);
-          kept->bad_fault = static_cast<std::int32_t>(fault);
-        }
-      } else if (h->status == decode_status::failed) {
-        failed = true;
-        if (atomic_claim(&kept->peer_claimed))
-          kept->peer = *h;
-      } else if (checks_returns && h->rows != expected[d * at.spd + l]) {
-        short_return = true;
+    const decode_header* h = at.header(recv, d);
+    const decode_header_fault fault = decode_header_fault_of(*h, d, at.payload, known_flags);
+    std::int64_t pairs = 0;
+    bool failed = true;
+    if (fault != decode_header_fault::none) {
+      if (atomic_claim(&kept->bad_claimed)) {
+        kept->bad = *h;
+        kept->bad_limit = at.payload;
+        kept->bad_sender = static_cast<std::int32_t>(d);
+        kept->bad_fault = static_cast<std::int32_t>(fault);
       }
-    }
-    if (failed || bad || short_return)
-      atomic_or(call_failed, 1u);
-    if (short_return)
+    } else if (h->status == decode_status::failed) {
+      if (atomic_claim(&kept->peer_claimed))
+        kept->peer = *h;
+    } else if (checks_returns && h->rows != expected[d]) {
       atomic_or(error, device_decode_bad_message);
-    if (source_rows == nullptr)
-      return;
-    std::int64_t total = 0;
-    for (std::int64_t d = 0; d < at.D; ++d) {
-      const std::int64_t n = failed || bad ? 0 : at.header(recv, d, l)->rows;
-      source_rows[l * at.D + d] = n;
-      source_offsets[l * at.D + d] = total;
-      total += n;
+    } else {
+      failed = !records_read(d, h->rows, pairs);
     }
-    expert_rows[l] = total;
+    if (failed)
+      atomic_or(call_failed, 1u);
+    if (arrived != nullptr)
+      arrived[d] = failed ? 0 : pairs;
   }
-};
 
-// Per expert row (slot l, row q of its D * M): the received row it is copied from, or -1.
-struct decode_expert_index_step {
-  decode_layout at;
-  const std::int64_t *source_rows, *source_offsets, *expert_rows;
-  std::int64_t* index;
-
-  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
-    const std::int64_t per = at.D * at.M, l = i / per, q = i % per;
-    index[i] = -1;
-    if (q >= expert_rows[l])
-      return;
-    for (std::int64_t d = 0; d < at.D; ++d) {
-      const std::int64_t first = source_offsets[l * at.D + d];
-      if (q >= first && q < first + source_rows[l * at.D + d]) {
-        index[i] = at.payload_row(d, l, q - first);
-        return;
+ private:
+  // A dispatch's records from d: their pairs, or false after keeping the first bad one.
+  WEAVE_HOST_DEVICE bool records_read(std::int64_t d, std::int64_t records,
+                                      std::int64_t& pairs) const {
+    if (!at.side)
+      return true;
+    const std::int32_t* side = at.side_table(recv, d);
+    for (std::int64_t r = 0; r < records; ++r) {
+      const std::int32_t* entries = side + r * at.choices;
+      const record_read got =
+          read_record([entries](std::int64_t c) { return entries[c]; }, at.choices, local);
+      if (got.bad >= 0) {
+        if (atomic_claim(&kept->record_claimed)) {
+          kept->record_sender = static_cast<std::int32_t>(d);
+          kept->record = static_cast<std::int32_t>(r);
+          kept->record_choice = static_cast<std::int32_t>(got.bad);
+          kept->record_value = got.value;
+        }
+        return false;
       }
+      pairs += got.count;
     }
+    return true;
   }
 };
 
-// Per row of a message buffer (the combine's send): the expert output row it returns, or -1.
-struct decode_return_index_step {
-  decode_layout at;
-  const std::int64_t *source_rows, *source_offsets;
-  std::int64_t* index;
+// Per local slot l, after the dispatch's receive: l's rows in source order, records in order.
+// Each gets its expert row (l * D * M + q): the received record it is gathered from
+// (`expert_index`, -1 past the last) and the combine row it returns to (`return_index`, whose
+// other entries stay -1); per source the count and first row, and the total. All empty when
+// the call failed.
+struct decode_slot_layout_step {
+  decode_layout at, back; // the dispatch's, the combine's
+  std::byte* recv;
+  const std::uint32_t* call_failed;
+  std::int64_t *source_rows, *source_offsets, *expert_rows, *expert_index, *return_index;
 
-  WEAVE_HOST_DEVICE void operator()(std::int64_t i) const {
-    const std::int64_t d = i / at.block_rows, r = i % at.block_rows - at.header_rows;
-    index[i] = -1;
-    if (r < 0)
-      return;
-    const std::int64_t l = r / at.M, q = r % at.M;
-    if (q < source_rows[l * at.D + d])
-      index[i] = l * at.D * at.M + source_offsets[l * at.D + d] + q;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t l) const {
+    const std::int64_t first = l * at.D * at.M;
+    const bool failed = *call_failed != 0;
+    std::int64_t q = 0;
+    for (std::int64_t d = 0; d < at.D; ++d) {
+      source_offsets[l * at.D + d] = q;
+      const std::int64_t records = failed ? 0 : at.header(recv, d)->rows;
+      const std::int32_t* side = at.side_table(recv, d);
+      for (std::int64_t r = 0; r < records; ++r)
+        for (std::int64_t c = 0; c < at.choices && side[r * at.choices + c] >= 0; ++c)
+          if (side[r * at.choices + c] == l) {
+            expert_index[first + q] = at.payload_row(d, r);
+            return_index[back.payload_row(d, r * at.choices + c)] = first + q;
+            ++q;
+            break;
+          }
+      source_rows[l * at.D + d] = q - source_offsets[l * at.D + d];
+    }
+    expert_rows[l] = q;
+    for (; q < at.D * at.M; ++q)
+      expert_index[first + q] = -1;
   }
 };
 
 // Per (token, choice): the returned row it sums, or -1 (not routed, or the call failed).
 struct decode_pair_row_step {
-  decode_layout at;
+  decode_layout back; // the combine's
+  std::int64_t spd;
   const std::int32_t* pair_slot;
   const std::int64_t* pair_pos;
   const std::uint32_t* call_failed;
@@ -269,7 +338,7 @@ struct decode_pair_row_step {
   WEAVE_HOST_DEVICE void operator()(std::int64_t p) const {
     const std::int32_t s = pair_slot[p];
     index[p] =
-        s < 0 || *call_failed != 0 ? -1 : at.payload_row(s / at.spd, s % at.spd, pair_pos[p]);
+        s < 0 || pair_pos[p] < 0 || *call_failed != 0 ? -1 : back.payload_row(s / spd, pair_pos[p]);
   }
 };
 
