@@ -163,7 +163,7 @@ class local_communicator {
   // before it (which may fill its counts) has run.
   template <class Bytes>
   void run(host_stream& s, detail::local_task task, Bytes bytes) {
-    if (!state_->runs_inline(0))
+    if (!state_->inline_enabled())
       s.submit_always(std::move(task));
     else
       s.run_inline_or_submit_always(std::move(task),

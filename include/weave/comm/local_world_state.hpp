@@ -108,6 +108,8 @@ class local_world_state {
   }
 
   int size() const noexcept { return size_; }
+  //! Whether operations may run on the calling thread at all.
+  bool inline_enabled() const noexcept { return inline_max_bytes_ > 0; }
   //! Whether an operation moving `bytes` on a rank may run on the calling thread.
   bool runs_inline(std::size_t bytes) const noexcept {
     return inline_max_bytes_ > 0 && bytes <= inline_max_bytes_;

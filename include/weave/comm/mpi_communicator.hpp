@@ -183,11 +183,9 @@ class mpi_communicator {
   //! the j-th group of `recv`; a tagged exchange checks the peers' tags first, as `all_to_all_v`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
                        std::span<std::int64_t> recv, call_tag tag = {}) {
-    counts_task task = deferred_exchange_counts(send, recv, tag);
-    if (inline_allowed(2 * send.size() * sizeof(std::int64_t)))
-      s.run_inline_or_submit_always(std::move(task));
-    else
-      s.submit_always(std::move(task));
+    const std::size_t bytes = 2 * send.size() * sizeof(std::int64_t);
+    issue(s, deferred_exchange_counts(send, recv, tag),
+          [this, bytes] { return inline_allowed(bytes); });
   }
 
   //! The task of a deferred `exchange_counts` (see `has_deferred_exchange_counts`).
@@ -314,9 +312,17 @@ class mpi_communicator {
   // `inline_max_bytes`), else on the stream's worker.
   template <class Small, class F>
   void run(host_stream& s, const char* what, Small small, F body) {
-    auto task = [this, what, body = std::move(body)](std::exception_ptr failure) mutable {
-      return step(what, std::move(failure), body);
-    };
+    issue(
+        s,
+        [this, what, body = std::move(body)](std::exception_ptr failure) mutable {
+          return step(what, std::move(failure), body);
+        },
+        std::move(small));
+  }
+
+  // The one place that chooses between the calling thread and the stream's worker.
+  template <class Task, class Small>
+  void issue(host_stream& s, Task task, Small small) {
     if (options_.inline_max_bytes == 0)
       s.submit_always(std::move(task));
     else
