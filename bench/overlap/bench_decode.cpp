@@ -1,19 +1,20 @@
 // Decode-sized MoE layers: the low-latency decode_exchange (one record per (token, device), counts
 // in the message headers, two all-to-alls per layer) against the dynamic moe_exchange (count
-// exchange, then routes and rows, then the combine: four collectives per layer), at 1, 8, 64 and
-// 256 tokens per rank, registered side by side so one run measures them all. A third mode is the
-// device decode exchange (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`)
-// run on host streams: the protocol in DeepEP's per-slot layout with every step written for a GPU
-// (no host wait inside the layer; the host waits once, in `check_errors`). A fourth is decode_exchange with its dispatch in
-// FP8 (e4m3, one scale per 128 elements, dequantised on arrival).
+// exchange, then routes and rows, then the combine: four collectives per layer), registered side
+// by side so one run measures them all. A third mode is the device decode exchange
+// (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run on host streams:
+// every step written for a GPU (no host wait inside the layer; the host waits once, in
+// `check_errors`), its combine messages sent whole. A fourth is decode_exchange with its dispatch
+// in FP8 (e4m3, one scale per 128 elements, dequantised on arrival), a fifth decode_exchange
+// with `partial_sums` (one combine row per (token, device)).
 //
-// 4 in-process ranks, E = 32, k = 4, hidden 256 bf16 (moe_bench_setup.hpp), on an emulated link of
-// 20 us per message and 25 GB/s per rank pair. The experts copy their input (no compute): the layer
-// time is the exchange's alone. Each decode exchange is sized for its batch
-// (max_tokens_per_rank = tokens), as an engine capturing one graph per batch-size bucket would
-// size one exchange per bucket. Each iteration is one layer on every rank (the slowest rank's
-// time, manual time); counters per rank and layer: collectives, messages (collectives times
-// the 3 peers) and bytes sent to peers.
+// 4 in-process ranks, k = 8, bf16 rows, uniform random top-k, on an emulated link of 5 or 20 us
+// per message and 25 GB/s per rank pair; E = 32 and 256, hidden 256 and 2048, 1 to 512 tokens
+// per rank. The experts copy their input (no compute): the layer time is the exchange's alone.
+// Each decode exchange is sized for its batch (max_tokens_per_rank = tokens), as an engine
+// capturing one graph per batch-size bucket would size one exchange per bucket. Each iteration
+// is one layer on every rank (the slowest rank's time, manual time); counters per rank and
+// layer: collectives, messages (collectives times the 3 peers) and bytes sent to peers.
 #include <benchmark/benchmark.h>
 
 #include "moe_bench_setup.hpp"
@@ -43,11 +44,15 @@
 
 namespace {
 
-using namespace moe_bench; // 4 ranks, E = 32, k = 4, hidden 256 bf16, random top-k rows
+using moe_bench::rank_data;
+using moe_bench::row_t;
+constexpr int ranks = 4, k = 8;
 
-weave::emulated_link decode_link() {
-  return {std::chrono::microseconds(20), 25e9};
-}
+// What one benchmark measures.
+struct shape {
+  int link_us = 20, experts = 32;
+  std::size_t hidden = 256, tokens = 1;
+};
 
 // A local communicator that counts what this rank issues: collectives, and the bytes its
 // all-to-alls send to other ranks (read on the stream, when the counts are final).
@@ -85,20 +90,21 @@ class counting_comm {
   weave::local_communicator* c_;
 };
 
-enum class mode { dynamic = 0, decode = 1, device_decode = 2, decode_fp8 = 3 };
+enum class mode { dynamic = 0, decode = 1, device_decode = 2, decode_fp8 = 3, decode_partial = 4 };
 
 // Persistent ranks, each with its exchange and streams; `step()` runs one layer on all.
 class layer_ranks {
  public:
-  layer_ranks(mode m, std::size_t tokens)
-      : world_(ranks, {std::chrono::seconds(60), decode_link()})
+  layer_ranks(mode m, shape at)
+      : world_(ranks, {std::chrono::seconds(60),
+                       weave::emulated_link{std::chrono::microseconds(at.link_us), 25e9}})
       , start_(ranks + 1)
       , done_(ranks + 1) {
     std::mt19937 rng(7);
     for (int r = 0; r < ranks; ++r)
-      data_.push_back(make_rank_data(tokens, rng));
+      data_.push_back(moe_bench::random_tokens(at.tokens, at.hidden, at.experts, k, rng));
     for (int r = 0; r < ranks; ++r)
-      threads_.emplace_back([this, r, m, tokens] { serve(r, m, tokens); });
+      threads_.emplace_back([this, r, m, at] { serve(r, m, at); });
   }
   ~layer_ranks() {
     stop_ = true;
@@ -118,9 +124,10 @@ class layer_ranks {
   double bytes_per_layer() const { return bytes_; }
 
  private:
-  void serve(int r, mode m, std::size_t tokens) {
+  void serve(int r, mode m, shape at) {
     counting_comm comm(world_.comm(r));
-    const auto where = weave::placement::contiguous(experts, ranks);
+    const auto where = weave::placement::contiguous(at.experts, ranks);
+    const std::size_t tokens = at.tokens, hidden = at.hidden;
     auto& d = data_[static_cast<std::size_t>(r)];
     weave::host_stream compute("compute"), stream("comm");
     if (m == mode::device_decode) {
@@ -142,8 +149,9 @@ class layer_ranks {
         ex.combine(h, d.y.elements(), stream);
         ex.check_errors(stream); // the one wait
       });
-    } else if (m == mode::decode || m == mode::decode_fp8) {
+    } else if (m == mode::decode || m == mode::decode_fp8 || m == mode::decode_partial) {
       weave::decode_options o{k, hidden, tokens};
+      o.partial_sums = m == mode::decode_partial;
       if (m == mode::decode_fp8) // e4m3, 128-element blocks, dequantised for the experts
         o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true};
       weave::decode_exchange<counting_comm, row_t> ex(comm, where, o);
@@ -157,7 +165,12 @@ class layer_ranks {
         stream.synchronize();
       });
     } else {
-      weave::moe_exchange<counting_comm> ex(comm, where, options(tokens, 1));
+      weave::moe_options o;
+      o.k = k;
+      o.hidden = hidden;
+      o.element = weave::dtype::bf16;
+      o.max_tokens = tokens;
+      weave::moe_exchange<counting_comm> ex(comm, where, o);
       loop(r, comm, [&] {
         ex.forward(d.x.view(), d.ids, d.weights, d.y.view(), moe_bench::copy_experts, compute,
                    stream);
@@ -198,32 +211,42 @@ class layer_ranks {
 };
 
 void moe_decode_layer(benchmark::State& state) {
-  const auto m = static_cast<mode>(state.range(0));
-  const auto tokens = static_cast<std::size_t>(state.range(1));
-  layer_ranks layer(m, tokens);
+  const auto m = static_cast<mode>(state.range(4));
+  const shape at{static_cast<int>(state.range(0)), static_cast<int>(state.range(1)),
+                 static_cast<std::size_t>(state.range(2)),
+                 static_cast<std::size_t>(state.range(3))};
+  layer_ranks layer(m, at);
   layer.step(); // warm-up (first-touch of buffers)
   for (auto _ : state)
     state.SetIterationTime(layer.step());
   state.counters["collectives_per_layer"] = layer.collectives_per_layer();
   state.counters["messages_per_layer"] = layer.collectives_per_layer() * (ranks - 1);
   state.counters["peer_bytes_per_layer"] = layer.bytes_per_layer();
-  state.SetLabel(m == mode::decode          ? "decode"
-                 : m == mode::device_decode ? "device decode (host streams)"
-                 : m == mode::decode_fp8    ? "decode, FP8 dispatch"
-                                            : "dynamic");
+  state.SetLabel(m == mode::decode           ? "decode"
+                 : m == mode::device_decode  ? "device decode (host streams)"
+                 : m == mode::decode_fp8     ? "decode, FP8 dispatch"
+                 : m == mode::decode_partial ? "decode, partial sums"
+                                             : "dynamic");
 }
 
 } // namespace
 
-BENCHMARK(moe_decode_layer)
-    ->ArgNames({"decode", "tokens"})
-    ->Apply([](benchmark::internal::Benchmark* b) {
-      for (int tokens : {1, 8, 64, 256}) // each size's modes next to each other
-        for (int decode : {0, 1, 2, 3})
-          b->Args({decode, tokens});
-    })
-    ->UseManualTime()
-    ->Unit(benchmark::kMicrosecond)
-    ->Iterations(200);
-
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  for (const int link_us : {5, 20})
+    for (const int experts : {32, 256})
+      for (const int hidden : {256, 2048})
+        for (const int tokens : {1, 8, 64, 256, 512})
+          for (const int m : {0, 1, 2, 3, 4}) // each shape's modes next to each other
+            benchmark::RegisterBenchmark("moe_decode_layer", moe_decode_layer)
+                ->Args({link_us, experts, hidden, tokens, m})
+                ->ArgNames({"link_us", "experts", "hidden", "tokens", "mode"})
+                ->UseManualTime()
+                ->Unit(benchmark::kMicrosecond)
+                ->Iterations(tokens * hidden >= 64 * 2048 ? 30 : 200);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv))
+    return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

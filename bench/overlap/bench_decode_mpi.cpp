@@ -6,7 +6,8 @@
 // Every iteration is one layer on every rank after a barrier, timed as the slowest rank's
 // (MPI_Allreduce max). Only rank 0 reports. Arguments: tokens per rank, hidden (bf16), experts
 // (k = 8), mode (0 decode, 1 decode handed off, 2 dynamic, 3 raw MPI: one MPI_Alltoall of the
-// decode's dispatch messages, one MPI_Alltoallv of its combine's rows).
+// decode's dispatch messages, one MPI_Alltoallv of its combine's rows; 4 decode with
+// `partial_sums`, 5 its raw-MPI floor).
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
@@ -37,29 +38,10 @@ using mpi_bench::size_of;
 using mpi_bench::slowest_rank_seconds;
 
 // This rank's tokens: rows, k distinct uniform expert ids per token, equal weights.
-struct tokens_of_rank {
-  weave::host_matrix<row_t> x, y;
-  std::vector<std::int32_t> ids;
-  std::vector<float> weights;
-  tokens_of_rank(std::size_t tokens, std::size_t hidden, int experts)
-      : x(tokens, hidden)
-      , y(tokens, hidden) {
-    std::mt19937 rng(static_cast<unsigned>(rank_of()) * 7919u + 1u);
-    std::normal_distribution<float> n(0.0f, 1.0f);
-    for (row_t& v : x.elements())
-      v = row_t(n(rng));
-    std::vector<int> all(static_cast<std::size_t>(experts));
-    for (int e = 0; e < experts; ++e)
-      all[static_cast<std::size_t>(e)] = e;
-    for (std::size_t t = 0; t < tokens; ++t) {
-      std::shuffle(all.begin(), all.end(), rng);
-      for (int j = 0; j < k; ++j) {
-        ids.push_back(all[static_cast<std::size_t>(j)]);
-        weights.push_back(1.0f / k);
-      }
-    }
-  }
-};
+moe_bench::rank_data tokens_of_rank(std::size_t tokens, std::size_t hidden, int experts) {
+  std::mt19937 rng(static_cast<unsigned>(rank_of()) * 7919u + 1u);
+  return moe_bench::random_tokens(tokens, hidden, experts, k, rng);
+}
 
 void decode_layer_mpi(benchmark::State& state) {
   const auto tokens = static_cast<std::size_t>(state.range(0));
@@ -68,24 +50,32 @@ void decode_layer_mpi(benchmark::State& state) {
   const auto mode = state.range(3);
   const int n = size_of();
   const auto where = weave::placement::contiguous(experts, n);
-  tokens_of_rank d(tokens, hidden, experts);
+  auto d = tokens_of_rank(tokens, hidden, experts);
   weave::host_stream stream("comm"), compute("compute");
   weave::mpi_options options;
   if (mode == 1)
     options.inline_max_bytes = 0;
   weave::mpi_communicator comm(MPI_COMM_WORLD, options);
-  const weave::decode_options o{k, hidden, tokens};
+  const bool partial = mode >= 4;
+  weave::decode_options o{k, hidden, tokens};
+  o.partial_sums = partial;
   const std::size_t row = hidden * sizeof(row_t);
   // The decode's bytes: a fixed dispatch message per peer, and a combine of one row per
-  // (token, expert) pair the peer's experts took (counted here for the floor).
+  // (token, expert) pair the peer's experts took, or per token routed there with partial sums
+  // (counted here for the floor).
   const std::size_t dispatch_per_peer =
       weave::decode_exchange<weave::mpi_communicator, row_t>(comm, where, o)
           .dispatch_bytes_per_peer();
   std::vector<int> combine_send(std::size_t(n), int(sizeof(weave::decode_header))),
       combine_recv(combine_send.size());
+  std::vector<std::size_t> last_token(combine_recv.size(), ~std::size_t{0});
   for (std::size_t p = 0; p < d.ids.size(); ++p) {
     const int slot = where.slot_for(d.ids[p], p / k, rank_of());
-    combine_recv[std::size_t(slot / where.slots_per_device())] += static_cast<int>(row);
+    const auto dev = static_cast<std::size_t>(slot / where.slots_per_device());
+    if (partial && last_token[dev] == p / k)
+      continue; // the token's row to this device is counted
+    last_token[dev] = p / k;
+    combine_recv[dev] += static_cast<int>(row);
   }
   MPI_Alltoall(combine_recv.data(), 1, MPI_INT, combine_send.data(), 1, MPI_INT, MPI_COMM_WORLD);
   std::size_t combine_bytes = 0;
@@ -100,7 +90,7 @@ void decode_layer_mpi(benchmark::State& state) {
       state.SetIterationTime(times.back());
     }
   };
-  if (mode == 0 || mode == 1) {
+  if (mode == 0 || mode == 1 || mode == 4) {
     weave::decode_exchange<weave::mpi_communicator, row_t> ex(comm, where, o);
     run([&] {
       auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
@@ -150,7 +140,9 @@ void decode_layer_mpi(benchmark::State& state) {
   state.counters["decode_dispatch_bytes_per_peer"] = static_cast<double>(dispatch_per_peer);
   state.counters["decode_combine_bytes"] = static_cast<double>(combine_bytes); // sent, all peers
   state.counters["ranks"] = n;
-  static const char* const labels[] = {"decode", "decode, handed off", "dynamic", "raw MPI floor"};
+  static const char* const labels[] = {
+      "decode",        "decode, handed off",   "dynamic",
+      "raw MPI floor", "decode, partial sums", "raw MPI floor, partial sums"};
   state.SetLabel(labels[mode]);
 }
 
@@ -161,7 +153,7 @@ int main(int argc, char** argv) {
     for (const int experts : {32, 256})
       for (const int hidden : {256, 2048})
         for (const int tokens : {1, 8, 64, 256, 512})
-          for (const int mode : {0, 1, 2, 3}) // each shape's modes side by side
+          for (const int mode : {0, 1, 2, 3, 4, 5}) // each shape's modes side by side
             benchmark::RegisterBenchmark("decode_layer_mpi", decode_layer_mpi)
                 ->Args({tokens, hidden, experts, mode})
                 ->ArgNames({"tokens", "hidden", "experts", "mode"})

@@ -197,7 +197,9 @@ class overhead_ranks {
     weave::host_stream compute("compute"), stream("comm");
     std::mt19937 rng(11 + static_cast<unsigned>(r));
     rank_data a = make_rank_data(n, rng), b = make_rank_data(n, rng);
-    const auto copy = [](const weave::expert_batch& e) { emulated_experts(e.input, e.output, e.expert_offsets, 0.0); };
+    const auto copy = [](const weave::expert_batch& e) {
+      emulated_experts(e.input, e.output, e.expert_offsets, 0.0);
+    };
     for (;;) {
       start_.arrive_and_wait();
       if (stop_)

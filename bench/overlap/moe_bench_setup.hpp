@@ -46,23 +46,31 @@ struct rank_data {
   std::vector<float> weights;
 };
 
-inline rank_data make_rank_data(std::size_t tokens, std::mt19937& rng) {
-  rank_data d{
-      weave::host_matrix<row_t>(tokens, hidden), weave::host_matrix<row_t>(tokens, hidden), {}, {}};
+// `tokens` rows of `hidden` elements, each choosing `top_k` distinct uniform experts of `experts`.
+inline rank_data random_tokens(std::size_t tokens, std::size_t hidden_size, int experts_count,
+                               int top_k, std::mt19937& rng) {
+  rank_data d{weave::host_matrix<row_t>(tokens, hidden_size),
+              weave::host_matrix<row_t>(tokens, hidden_size),
+              {},
+              {}};
   std::normal_distribution<float> n(0.0f, 1.0f);
   for (row_t& v : d.x.elements())
     v = row_t(n(rng));
-  std::vector<int> all(experts);
-  for (int e = 0; e < experts; ++e)
+  std::vector<int> all(static_cast<std::size_t>(experts_count));
+  for (int e = 0; e < experts_count; ++e)
     all[static_cast<std::size_t>(e)] = e;
   for (std::size_t t = 0; t < tokens; ++t) {
     std::shuffle(all.begin(), all.end(), rng);
-    for (int j = 0; j < k; ++j) {
+    for (int j = 0; j < top_k; ++j) {
       d.ids.push_back(all[static_cast<std::size_t>(j)]);
-      d.weights.push_back(1.0f / k);
+      d.weights.push_back(1.0f / static_cast<float>(top_k));
     }
   }
   return d;
+}
+
+inline rank_data make_rank_data(std::size_t tokens, std::mt19937& rng) {
+  return random_tokens(tokens, hidden, experts, k, rng);
 }
 
 // A producer or consumer stand-in on tokens [first, first + count): touches the rows and

@@ -30,13 +30,16 @@ inline std::size_t tokens_of(int rank, int call) {
   return table[static_cast<std::size_t>(rank + 3 * call) % 8];
 }
 
-// Several calls on one exchange, each equal bitwise to the naive reference, with per-slot
-// counts equal to the pairs each source routed to the slot's expert (unreplicated placement).
+// Several calls on one exchange, each equal bitwise to the naive reference (with
+// `partial_sums`, its per-device form), with per-slot counts equal to the pairs each source
+// routed to the slot's expert (unreplicated placement).
 template <class T, class Comm>
-void check_against_reference(Comm& comm, const weave::placement& where) {
+void check_against_reference(Comm& comm, const weave::placement& where, bool partial_sums = false) {
   const int rank = comm.rank(), D = comm.size();
   const moe_test::linear_experts f(experts, hidden, 11);
-  weave::decode_exchange<Comm, T> ex(comm, where, options());
+  weave::decode_options o = options();
+  o.partial_sums = partial_sums;
+  weave::decode_exchange<Comm, T> ex(comm, where, o);
   typename Comm::stream_type s("decode");
   for (int call = 0; call < 4; ++call) {
     std::vector<moe_test::rank_input<T>> inputs;
@@ -46,7 +49,9 @@ void check_against_reference(Comm& comm, const weave::placement& where) {
     }
     std::vector<std::int64_t> rows;
     const auto y = decode_call(ex, inputs[static_cast<std::size_t>(rank)], f, s, &rows);
-    CHECK(bitwise_equal(y, reference(inputs[static_cast<std::size_t>(rank)], k, f)));
+    const auto& in = inputs[static_cast<std::size_t>(rank)];
+    CHECK(bitwise_equal(y, partial_sums ? partial_sums_reference(in, k, f, where, rank)
+                                        : reference(in, k, f)));
     std::int64_t total = 0, expected_total = 0;
     for (int l = 0; l < where.slots_per_device(); ++l) {
       const int e = where.expert_of_slot(rank * where.slots_per_device() + l);

@@ -20,6 +20,12 @@ TEST_CASE_TEMPLATE("decode_exchange over MPI equals the naive reference", T, flo
       comm, weave::placement::contiguous(decode_test::experts, comm.size()));
 }
 
+TEST_CASE("decode_exchange over MPI with partial sums equals its per-device reference") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_against_reference<weave::bfloat16>(
+      comm, weave::placement::contiguous(decode_test::experts, comm.size()), true);
+}
+
 TEST_CASE("decode_exchange over MPI: one rank's bad call fails every rank, none hangs") {
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_every_fault(comm);

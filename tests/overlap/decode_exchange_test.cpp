@@ -6,7 +6,13 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/device_decode_exchange.hpp>
+#include <weave/routing/host_quant_moves.hpp>
+#include <weave/routing/host_row_moves.hpp>
+
+#include <random>
 
 using local = weave::local_communicator;
 
@@ -27,6 +33,54 @@ TEST_CASE("decode_exchange with replicated experts equals the naive reference") 
   const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
   weave::local_world world(2);
   world.run([&](local& c) { decode_test::check_against_reference<float>(c, where); });
+}
+
+TEST_CASE_TEMPLATE("decode_exchange with partial sums equals its per-device reference on 1, 2 "
+                   "and 4 ranks, replicas too",
+                   T, float, weave::bfloat16) {
+  for (int ranks : {1, 2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) {
+      decode_test::check_against_reference<T>(
+          c, weave::placement::contiguous(decode_test::experts, ranks), true);
+    });
+  }
+  const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
+  weave::local_world world(2);
+  world.run([&](local& c) { decode_test::check_against_reference<T>(c, where, true); });
+}
+
+TEST_CASE("decode_exchange with partial sums returns one row per token record") {
+  // The combine message from rank d holds a header and one row per record this rank sent d
+  // (a token routed to d at all), however many of d's experts the token chose.
+  weave::local_world world(2);
+  world.run([&](local& c) {
+    weave::decode_options o = decode_test::options();
+    o.partial_sums = true;
+    const auto where = weave::placement::contiguous(decode_test::experts, 2);
+    weave::decode_exchange<local, float> ex(c, where, o);
+    CHECK(ex.combine_bytes_per_peer() ==
+          (sizeof(weave::decode_header) + decode_test::max_tokens * decode_test::hidden * 4 + 15) /
+              16 * 16);
+    weave::host_stream s("decode");
+    std::mt19937 rng(static_cast<std::uint32_t>(5 + c.rank()));
+    const auto in = moe_test::random_input<float>(decode_test::max_tokens, decode_test::hidden,
+                                                  decode_test::experts, decode_test::k, rng);
+    const moe_test::linear_experts f(decode_test::experts, decode_test::hidden, 4);
+    const auto y = decode_test::decode_call(ex, in, f, s);
+    CHECK(decode_test::bitwise_equal(
+        y, decode_test::partial_sums_reference(in, decode_test::k, f, where, c.rank())));
+  });
+  // The device exchange refuses the option, on every rank alike.
+  world.run([&](local& c) {
+    weave::decode_options o = decode_test::options();
+    o.partial_sums = true;
+    CHECK(moe_test::error_code_of([&] {
+            weave::basic_device_decode_exchange<weave::host_space, local, float> ex(
+                c, weave::placement::contiguous(decode_test::experts, 2), o);
+          }) == weave::errc::not_supported);
+  });
 }
 
 TEST_CASE("decode_exchange: calls queued back to back without waiting equal the reference") {

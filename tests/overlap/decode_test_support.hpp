@@ -38,6 +38,42 @@ std::vector<T> reference(const moe_test::rank_input<T>& in, int k,
   return y;
 }
 
+// The naive reference with `decode_options::partial_sums`, for rank `rank`'s tokens: per device
+// (ascending), the sum over the token's choices there, in order, of w * f_e(x) rounded to T;
+// then the sum of those rows. A choice's device is its slot's (`placement::slot_for`).
+template <class T>
+std::vector<T> partial_sums_reference(const moe_test::rank_input<T>& in, int k,
+                                      const moe_test::linear_experts& f,
+                                      const weave::placement& where, int rank) {
+  const std::size_t H = f.hidden;
+  const int spd = where.slots_per_device();
+  std::vector<T> y(in.x.rows() * H), out(H);
+  std::vector<float> acc(H), part(H);
+  for (std::size_t t = 0; t < in.x.rows(); ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int d = 0; d < where.num_devices(); ++d) {
+      std::fill(part.begin(), part.end(), 0.0f);
+      bool any = false;
+      for (int j = 0; j < k; ++j) {
+        const std::size_t p = t * static_cast<std::size_t>(k) + static_cast<std::size_t>(j);
+        const std::int32_t e = in.ids[p];
+        if (e < 0 || where.slot_for(e, t, rank) / spd != d)
+          continue;
+        any = true;
+        f.apply(e, in.x.row(t).data(), out.data());
+        for (std::size_t i = 0; i < H; ++i)
+          part[i] += in.weights[p] * static_cast<float>(out[i]);
+      }
+      if (any)
+        for (std::size_t i = 0; i < H; ++i)
+          acc[i] += static_cast<float>(T(part[i]));
+    }
+    for (std::size_t i = 0; i < H; ++i)
+      y[t * H + i] = T(acc[i]);
+  }
+  return y;
+}
+
 // Rows expert `e` gets from a rank with these ids (unreplicated placements).
 inline std::int64_t pairs_for(const std::vector<std::int32_t>& ids, int e) {
   return std::count(ids.begin(), ids.end(), e);

@@ -32,6 +32,9 @@ struct device_layer {
                weave::decode_options o = options())
       : ex(comm, where, o) {
     ws = std::make_unique<weave_test::aligned_buffer>(ex.workspace_size());
+    // Memory of the space is not cleared: garbage that no step may read (an index read past
+    // its array once found it).
+    std::memset(ws->ptr, 0x5A, ws->size);
     ex.initialize(ws->ptr, ws->size, s);
   }
   std::unique_ptr<weave_test::aligned_buffer> ws; // declared first: destroyed after the layer

@@ -11,7 +11,9 @@
 //! - the combine returns one row per (token, expert) pair, exactly those dispatched: both sides
 //!   know the counts from the dispatch, so it is one all-to-all of exact sizes, again with no
 //!   count exchange. The gate weights stay on the source rank, which sums the returned expert
-//!   outputs in token order (choice order within a token).
+//!   outputs in token order (choice order within a token). With
+//!   `decode_options::partial_sums` the weights travel with the records, each device returns
+//!   one row per record (its choices' gate-weighted sum) and the source sums them by device.
 //!
 //! With `decode_options::fp8_dispatch` the dispatch sends each token quantised to FP8 with one
 //! scale per block (codes, then scales, in one wire row) and the experts get codes, scales and,
@@ -46,6 +48,7 @@
 #include "weave/overlap/layer_life.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
+#include "weave/routing/kernels_host.hpp"
 #include "weave/routing/quantize.hpp"
 
 #include <algorithm>
@@ -107,6 +110,11 @@ class decode_exchange {
     last_token_.assign(D, -1);
     next_choice_.assign(D, 0);
     record_slots_.assign(records_layout_.choices, 0);
+    if (options_.partial_sums) { // one source's records, merged at a time
+      merge_index_.assign(records_layout_.pairs(), -1);
+      merge_weight_.assign(records_layout_.pairs(), 0.0f);
+    }
+    arrived_records_.assign(D, 0);
     arrivals_.assign(checked_mul(D, records_layout_.pairs(), "arrivals"), {});
     arrived_pairs_.assign(D, 0);
     received_.assign(spd * D, 0);
@@ -162,7 +170,8 @@ class decode_exchange {
   //! message of room for `max_tokens_per_rank` tokens and their local choices.
   std::size_t dispatch_bytes_per_peer() const noexcept { return dispatch_.stride; }
   //! The most bytes this rank sends to a peer in a combine (rows of T): a combine sends the
-  //! header and one row per (token, expert) pair that peer dispatched here, no more.
+  //! header and one row per (token, expert) pair that peer dispatched here (per token record
+  //! with `partial_sums`), no more.
   std::size_t combine_bytes_per_peer() const noexcept { return combine_.stride; }
 
   //! Bytes of the message buffers and the expert rows' pool (inputs, outputs, FP8 rows): what
@@ -213,8 +222,9 @@ class decode_exchange {
 
   //! Enqueues the combine of `h` on `s`: one all-to-all returns every expert output to its
   //! source, which writes y[t] = sum over t's kept choices j (in order) of
-  //! weights[t, j] * output(ids[t, j], x[t]) into `y` (tokens x hidden). Releases `h`. A
-  //! `y` of the wrong size fails the call on every rank, as in the dispatch.
+  //! weights[t, j] * output(ids[t, j], x[t]) into `y` (tokens x hidden); with `partial_sums`
+  //! the sum over t's devices (ascending) of each device's sum over its choices, rounded to T.
+  //! Releases `h`. A `y` of the wrong size fails the call on every rank, as in the dispatch.
   void combine(handle& h, std::span<T> y, stream_type& s) {
     WEAVE_EXPECT(h.ex_ == this, errc::invalid_argument,
                  "decode_exchange::combine: a handle of another exchange (or an empty one)");
@@ -244,11 +254,13 @@ class decode_exchange {
                  "decode_exchange: every call runs on the stream of the first call");
   }
 
-  // A received (token, expert) pair: its local slot, its row among that expert's, its record.
+  // A received (token, expert) pair: its local slot, its row among that expert's, its record,
+  // and (partial sums) its gate weight.
   struct arrival {
     std::int32_t slot = 0;
     std::int64_t row = 0;
     std::int64_t record = 0;
+    float weight = 0.0f;
   };
 
   // A phase's all-to-all: one message per peer, back to back (bytes). The dispatch's have a
@@ -396,17 +408,21 @@ class decode_exchange {
             }
             const auto r = static_cast<std::size_t>(records_[d] - 1);
             // Distinct experts in distinct slots: at most `choices` per record.
-            records_layout_.put_choice(message, r, next_choice_[d]++, l);
+            records_layout_.put_choice(message, r, next_choice_[d], l);
+            if (options_.partial_sums)
+              records_layout_.put_weight(message, r, next_choice_[d], weights[p]);
+            ++next_choice_[d];
             pair_slot_[p] = slot;
-            pair_pos_[p] = pairs_to_[d]++;
+            pair_pos_[p] = options_.partial_sums ? static_cast<std::int64_t>(r) : pairs_to_[d];
+            ++pairs_to_[d];
           }
           for (std::size_t d = 0; d < world(); ++d) {
             decode_header h;
             h.rows = records_[d];
             h.source = rank_;
             put_header(d, h, dispatch_);
-            combine_.recv_counts[d] =
-                combine_bytes(static_cast<std::size_t>(pairs_to_[d]), options_.hidden * sizeof(T));
+            combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)),
+                                                    options_.hidden * sizeof(T));
           }
           set_displs(combine_.recv_counts, combine_.recv_displs);
           tokens_ = tokens;
@@ -455,13 +471,16 @@ class decode_exchange {
           bad_record(d, r, static_cast<std::size_t>(got.bad), got.value);
         for (std::size_t c = 0; c < static_cast<std::size_t>(got.count); ++c) {
           const auto slot = static_cast<std::size_t>(record_slots_[c]);
+          const float w = options_.partial_sums ? records_layout_.weight(message, r, c) : 0.0f;
           arrivals_[d * per_source + pairs++] = {record_slots_[c], expert_rows_[slot]++,
-                                                 static_cast<std::int64_t>(r)};
+                                                 static_cast<std::int64_t>(r), w};
           ++received_[slot * world() + d];
         }
       }
       arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
-      combine_.send_counts[d] = combine_bytes(pairs, options_.hidden * sizeof(T));
+      arrived_records_[d] = static_cast<std::int64_t>(n);
+      combine_.send_counts[d] =
+          combine_bytes(options_.partial_sums ? n : pairs, options_.hidden * sizeof(T));
     }
     set_displs(combine_.send_counts, combine_.send_displs);
     std::size_t first = 0;
@@ -478,6 +497,10 @@ class decode_exchange {
                     records_layout_.row(message, static_cast<std::size_t>(a.record)), row);
       }
     }
+  }
+  // The rows peer d returns in this call's combine: one per pair sent to it, or per record.
+  std::int64_t returned_rows(std::size_t d) const noexcept {
+    return options_.partial_sums ? records_[d] : pairs_to_[d];
   }
   // Where a received pair's row is in the expert pool.
   std::size_t pool_row(const arrival& a) const noexcept {
@@ -505,12 +528,16 @@ class decode_exchange {
           for (std::size_t d = 0; d < world(); ++d) { // each pair's output, in arrival order
             std::byte* out = sent(d, combine_) + sizeof(decode_header);
             const auto n = static_cast<std::size_t>(arrived_pairs_[d]);
-            for (std::size_t i = 0; i < n; ++i) {
-              const arrival a = arrivals_[d * pairs_per_source + i];
-              std::memcpy(out + i * row, expert_out_.data() + pool_row(a) * H, row);
+            if (options_.partial_sums) {
+              merge_records(d, out);
+            } else {
+              for (std::size_t i = 0; i < n; ++i) {
+                const arrival a = arrivals_[d * pairs_per_source + i];
+                std::memcpy(out + i * row, expert_out_.data() + pool_row(a) * H, row);
+              }
             }
             decode_header h;
-            h.rows = static_cast<std::int64_t>(n);
+            h.rows = options_.partial_sums ? arrived_records_[d] : static_cast<std::int64_t>(n);
             h.source = rank_;
             put_header(d, h, combine_);
           }
@@ -518,14 +545,42 @@ class decode_exchange {
         combine_);
   }
 
-  // The weighted sum of each token's returned rows, in choice order.
+  // Partial sums: each of source d's records becomes the gate-weighted sum of its choices'
+  // expert outputs (f32 in choice order, rounded to T), into `out`, in record order.
+  void merge_records(std::size_t d, std::byte* out) {
+    const std::size_t C = records_layout_.choices, per_source = records_layout_.pairs();
+    const auto n = static_cast<std::size_t>(arrived_records_[d]);
+    std::fill_n(merge_index_.begin(), n * C, std::int64_t{-1});
+    std::int64_t record = -1;
+    std::size_t c = 0;
+    for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
+      const arrival a = arrivals_[d * per_source + i]; // a record's pairs are consecutive
+      c = a.record == record ? c + 1 : 0;
+      record = a.record;
+      const std::size_t at = static_cast<std::size_t>(a.record) * C + c;
+      merge_index_[at] = static_cast<std::int64_t>(pool_row(a));
+      merge_weight_[at] = a.weight;
+    }
+    merge_rows(const_token_view(reinterpret_cast<const std::byte*>(expert_out_.data()), pool_rows_,
+                                options_.hidden, dtype_of_v<T>),
+               token_view(out, n, options_.hidden, dtype_of_v<T>),
+               std::span<const std::int64_t>(merge_index_.data(), n * C), static_cast<int>(C),
+               std::span<const float>(merge_weight_.data(), n * C));
+  }
+
+  // The weighted sum of each token's returned rows, in choice order; with partial sums, the sum
+  // of its devices' rows in ascending device order.
   void unpack_combine(std::span<T> y) {
     check_headers(combine_, records_layout_.pairs());
     for (std::size_t d = 0; d < world(); ++d) {
       const std::int64_t returned = header(d, combine_).rows;
-      WEAVE_EXPECT(returned == pairs_to_[d], errc::size_mismatch, "decode_exchange::combine: rank ",
-                   d, " returned ", returned, " rows for the ", pairs_to_[d], " pairs sent to it");
+      WEAVE_EXPECT(returned == returned_rows(d), errc::size_mismatch,
+                   "decode_exchange::combine: rank ", d, " returned ", returned, " rows for the ",
+                   returned_rows(d), options_.partial_sums ? " token records" : " pairs",
+                   " sent to it");
     }
+    if (options_.partial_sums)
+      return sum_partials(y);
     const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
     for (std::size_t t = 0; t < tokens_; ++t) {
       std::fill(sum_.begin(), sum_.end(), 0.0f);
@@ -539,6 +594,36 @@ class decode_exchange {
                        static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
         for (std::size_t i = 0; i < H; ++i)
           sum_[i] += w * static_cast<float>(row[i]);
+      }
+      for (std::size_t i = 0; i < H; ++i)
+        y[t * H + i] = T(sum_[i]);
+    }
+  }
+
+  void sum_partials(std::span<T> y) {
+    const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
+    for (std::size_t t = 0; t < tokens_; ++t) {
+      std::fill(sum_.begin(), sum_.end(), 0.0f);
+      std::size_t below = 0; // devices summed so far are those below this one
+      for (;;) {             // the token's next device in ascending order, and its record there
+        std::size_t next = world();
+        std::int64_t record = 0;
+        for (std::size_t j = 0; j < k; ++j) {
+          const std::int32_t slot = pair_slot_[t * k + j];
+          const auto d = static_cast<std::size_t>(slot) / spd();
+          if (slot >= 0 && d >= below && d < next) {
+            next = d;
+            record = pair_pos_[t * k + j];
+          }
+        }
+        if (next == world())
+          break;
+        const T* row =
+            reinterpret_cast<const T*>(received(next, combine_) + sizeof(decode_header)) +
+            static_cast<std::size_t>(record) * H;
+        for (std::size_t i = 0; i < H; ++i)
+          sum_[i] += static_cast<float>(row[i]);
+        below = next + 1;
       }
       for (std::size_t i = 0; i < H; ++i)
         y[t * H + i] = T(sum_[i]);
@@ -629,6 +714,9 @@ class decode_exchange {
   std::vector<std::size_t> next_choice_;        // per device: the last record's next free choice
   std::vector<arrival> arrivals_;               // [source][pair]: where each received pair went
   std::vector<std::int64_t> arrived_pairs_;     // pairs received per source
+  std::vector<std::int64_t> arrived_records_;   // token records received per source
+  std::vector<std::int64_t> merge_index_;       // partial sums: one source's pool rows per record
+  std::vector<float> merge_weight_;             // and their gate weights
   std::vector<std::int32_t> record_slots_;      // one received record's choices (scratch)
   std::vector<std::int64_t> received_;          // rows per (local slot, source)
   std::vector<std::int64_t> expert_rows_;       // rows per local slot

@@ -37,6 +37,13 @@ struct decode_options {
   //! see `fp8_dispatch_options`): the experts get the codes and scales, and the rows
   //! dequantised when `dequantized_inputs` is set. The combine keeps the row type.
   std::optional<fp8_dispatch_options> fp8_dispatch{};
+  //! Return one row per (token, device) instead of one per (token, expert): the device sums
+  //! the token's local expert outputs (gate-weighted, f32 in choice order, rounded to the row
+  //! type) and the source sums the returned rows in ascending device order (f32, one rounding),
+  //! the arithmetic of the dynamic `moe_exchange`. Up to min(k, local experts) times fewer
+  //! combine bytes, one more rounding per device than the default's per-token sum in choice
+  //! order (DeepEP's). The host `decode_exchange` only (`errc::not_supported` on the device).
+  bool partial_sums = false;
 };
 
 //! Status word of a `decode_header`.
@@ -226,10 +233,11 @@ decode_headers_verdict check_decode_headers(std::size_t ranks, std::size_t slots
 
 //! The construction's agreement of a decode layer named `name` (both decode exchanges): the
 //! options valid on this rank, then the same on every rank (`agree_on_config`). Returns the
-//! layer's serial on `comm`, agreed by every rank.
+//! layer's serial on `comm`, agreed by every rank. A layer without `partial_sums_supported`
+//! refuses `decode_options::partial_sums` (`errc::not_supported`).
 template <class Comm>
 std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_options& o,
-                              dtype element, const char* name) {
+                              dtype element, const char* name, bool partial_sums_supported = true) {
   config_fingerprint f(name);
   f.add("devices", where.num_devices())
       .add("experts", where.num_experts())
@@ -239,7 +247,8 @@ std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_o
       .add("hidden", static_cast<std::int64_t>(o.hidden))
       .add_label("element type", static_cast<std::int64_t>(element),
                  [](std::int64_t v) { return to_string(static_cast<dtype>(v)); })
-      .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank));
+      .add("max_tokens_per_rank", static_cast<std::int64_t>(o.max_tokens_per_rank))
+      .add("partial_sums", o.partial_sums ? 1 : 0);
   add_fp8_dispatch(f, o.fp8_dispatch);
   return agree_on_config(comm, f, [&] {
     check_decode_options(o);
@@ -247,6 +256,9 @@ std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_o
                  " exceeds the ", where.num_experts(), " experts");
     WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
                  where.num_devices(), " devices for a world of ", comm.size());
+    WEAVE_EXPECT(!o.partial_sums || partial_sums_supported, errc::not_supported, name,
+                 ": decode_options::partial_sums is an option of the host decode_exchange (this "
+                 "exchange returns one row per (token, expert))");
   });
 }
 

@@ -5,9 +5,10 @@
 //! `rows`: the records that follow), room for `max_tokens_per_rank` token rows (the token's row
 //! on the wire: T, or its FP8 codes and scales), then the side table: per record,
 //! `choices = min(k, local experts)` int32 local slots in the token's choice order, -1 after
-//! the last; rounded up to 16 bytes. A combine message, one per (device, source), is a header
-//! and one row of T per (token, expert) pair the source dispatched there, in record order,
-//! choices in order within a record; it is sent at its exact size.
+//! the last, then with `decode_options::partial_sums` as many f32 gate weights; rounded up to
+//! 16 bytes. A combine message, one per (device, source), is a header and one row of T per
+//! (token, expert) pair the source dispatched there, in record order, choices in order within a
+//! record (with partial sums: one row per record); it is sent at its exact size.
 #pragma once
 
 #include "weave/core/checked.hpp"
@@ -60,6 +61,7 @@ struct decode_record_layout {
   std::size_t records = 0;        //!< room per dispatch message: max_tokens_per_rank
   std::size_t choices = 0;        //!< local slots a record holds: min(k, local experts)
   std::size_t side_at = 0;        //!< where a dispatch message's side table starts
+  std::size_t weights_at = 0;     //!< where its weights start (partial sums), else 0
   std::size_t dispatch_bytes = 0; //!< a dispatch message (a multiple of 16)
   std::size_t combine_bytes = 0;  //!< the largest combine message (a multiple of 16)
 
@@ -75,10 +77,15 @@ struct decode_record_layout {
     L.side_at = checked_add(sizeof(decode_header), checked_mul(L.records, L.wire_row, "rows"),
                             "dispatch message");
     const std::size_t pairs = checked_mul(L.records, L.choices, "pairs");
-    L.dispatch_bytes = round_up16(checked_add(
-        L.side_at, checked_mul(pairs, sizeof(std::int32_t), "side table"), "dispatch message"));
+    const std::size_t entries = checked_mul(pairs, sizeof(std::int32_t), "side table");
+    if (options.partial_sums)
+      L.weights_at = checked_add(L.side_at, entries, "dispatch message");
+    L.dispatch_bytes = round_up16(
+        checked_add(L.side_at, options.partial_sums ? 2 * entries : entries, "dispatch message"));
     L.combine_bytes = round_up16(checked_add(
-        sizeof(decode_header), checked_mul(pairs, row_bytes, "combine rows"), "combine message"));
+        sizeof(decode_header),
+        checked_mul(options.partial_sums ? L.records : pairs, row_bytes, "combine rows"),
+        "combine message"));
     return L;
   }
 
@@ -120,6 +127,15 @@ struct decode_record_layout {
   void put_choice(std::byte* message, std::size_t r, std::size_t c,
                   std::int32_t slot) const noexcept {
     std::memcpy(entry(message, r, c), &slot, sizeof slot);
+  }
+  //! Record r's choice c's gate weight (partial sums).
+  void put_weight(std::byte* message, std::size_t r, std::size_t c, float w) const noexcept {
+    std::memcpy(message + weights_at + (r * choices + c) * sizeof(float), &w, sizeof w);
+  }
+  float weight(const std::byte* message, std::size_t r, std::size_t c) const noexcept {
+    float w = 0;
+    std::memcpy(&w, message + weights_at + (r * choices + c) * sizeof(float), sizeof w);
+    return w;
   }
 
   //! Reads record r's choices into `out` (room for `choices`) with `read_record`.

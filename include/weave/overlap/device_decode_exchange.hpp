@@ -82,8 +82,9 @@ class basic_device_decode_exchange {
   //! a `peer_error` on the peers.
   basic_device_decode_exchange(Comm& comm, placement where, decode_options options)
       : comm_(&comm)
-      , serial_(
-            detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "device_decode_exchange"))
+      , serial_(detail::agree_on_decode(comm, where, options, dtype_of_v<T>,
+                                        "device_decode_exchange",
+                                        /*partial_sums_supported=*/false))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
@@ -396,7 +397,7 @@ class basic_device_decode_exchange {
   // The dispatch's rows into their slots: copied, or quantised (each token once per slot).
   void send_rows(stream_arg s, const const_token_view& x) {
     if (!options_.fp8_dispatch) {
-      moves::gather(s, x, buffer(send_, at_), send_index_, nullptr, nullptr);
+      moves::gather(s, x, buffer(send_, dispatch_at_), send_index_, nullptr, nullptr);
       return;
     }
     const auto [codes, scales] =
@@ -410,8 +411,8 @@ class basic_device_decode_exchange {
   void receive_rows(stream_arg s) {
     const auto capacity = static_cast<std::size_t>(expert_capacity());
     if (!options_.fp8_dispatch) {
-      moves::gather(s, buffer(recv_, at_), experts_rows(expert_in_), expert_index_, nullptr,
-                    nullptr);
+      moves::gather(s, buffer(recv_, dispatch_at_), experts_rows(expert_in_), expert_index_,
+                    nullptr, nullptr);
       return;
     }
     const fp8_dispatch_options& f = *options_.fp8_dispatch;
