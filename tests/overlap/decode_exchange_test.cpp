@@ -110,7 +110,8 @@ TEST_CASE("decode_exchange: ranks built differently fail construction on every r
   const variant variants[] = {{"max_tokens_per_rank", {2, 4, 3}, 4},
                               {"hidden", {2, 8, 2}, 4},
                               {"k", {1, 4, 2}, 4},
-                              {"experts", {2, 4, 2}, 8}};
+                              {"experts", {2, 4, 2}, 8},
+                              {"partial_sums", {2, 4, 2, {}, true}, 4}};
   for (const variant& v : variants) {
     CAPTURE(v.field);
     weave::local_world world(2);
