@@ -6,7 +6,8 @@
 // every step written for a GPU (no host wait inside the layer; the host waits once, in
 // `check_errors`), its combine messages sent whole. A fourth is decode_exchange with its dispatch
 // in FP8 (e4m3, one scale per 128 elements, dequantised on arrival), a fifth decode_exchange
-// with `partial_sums` (one combine row per (token, device)).
+// with `partial_sums` (one combine row per (token, device)), a sixth the device decode exchange
+// with `partial_sums`.
 //
 // 4 in-process ranks, k = 8, bf16 rows, uniform random top-k, on an emulated link of 5 or 20 us
 // per message and 25 GB/s per rank pair; E = 32 and 256, hidden 256 and 2048, 1 to 512 tokens
@@ -90,7 +91,14 @@ class counting_comm {
   weave::local_communicator* c_;
 };
 
-enum class mode { dynamic = 0, decode = 1, device_decode = 2, decode_fp8 = 3, decode_partial = 4 };
+enum class mode {
+  dynamic = 0,
+  decode = 1,
+  device_decode = 2,
+  decode_fp8 = 3,
+  decode_partial = 4,
+  device_decode_partial = 5
+};
 
 // Persistent ranks, each with its exchange and streams; `step()` runs one layer on all.
 class layer_ranks {
@@ -130,9 +138,11 @@ class layer_ranks {
     const std::size_t tokens = at.tokens, hidden = at.hidden;
     auto& d = data_[static_cast<std::size_t>(r)];
     weave::host_stream compute("compute"), stream("comm");
-    if (m == mode::device_decode) {
-      weave::basic_device_decode_exchange<weave::host_space, counting_comm, row_t> ex(
-          comm, where, {k, hidden, tokens});
+    if (m == mode::device_decode || m == mode::device_decode_partial) {
+      weave::decode_options o{k, hidden, tokens};
+      o.partial_sums = m == mode::device_decode_partial;
+      weave::basic_device_decode_exchange<weave::host_space, counting_comm, row_t> ex(comm, where,
+                                                                                      o);
       const std::size_t bytes = ex.workspace_size();
       std::unique_ptr<std::byte, void (*)(std::byte*)> ws(
           static_cast<std::byte*>(::operator new (bytes, std::align_val_t{256})),
@@ -222,11 +232,12 @@ void moe_decode_layer(benchmark::State& state) {
   state.counters["collectives_per_layer"] = layer.collectives_per_layer();
   state.counters["messages_per_layer"] = layer.collectives_per_layer() * (ranks - 1);
   state.counters["peer_bytes_per_layer"] = layer.bytes_per_layer();
-  state.SetLabel(m == mode::decode           ? "decode"
-                 : m == mode::device_decode  ? "device decode (host streams)"
-                 : m == mode::decode_fp8     ? "decode, FP8 dispatch"
-                 : m == mode::decode_partial ? "decode, partial sums"
-                                             : "dynamic");
+  state.SetLabel(m == mode::decode                  ? "decode"
+                 : m == mode::device_decode         ? "device decode (host streams)"
+                 : m == mode::decode_fp8            ? "decode, FP8 dispatch"
+                 : m == mode::decode_partial        ? "decode, partial sums"
+                 : m == mode::device_decode_partial ? "device decode, partial sums"
+                                                    : "dynamic");
 }
 
 } // namespace
@@ -236,7 +247,7 @@ int main(int argc, char** argv) {
     for (const int experts : {32, 256})
       for (const int hidden : {256, 2048})
         for (const int tokens : {1, 8, 64, 256, 512})
-          for (const int m : {0, 1, 2, 3, 4}) // each shape's modes next to each other
+          for (const int m : {0, 1, 2, 3, 4, 5}) // each shape's modes next to each other
             benchmark::RegisterBenchmark("moe_decode_layer", moe_decode_layer)
                 ->Args({link_us, experts, hidden, tokens, m})
                 ->ArgNames({"link_us", "experts", "hidden", "tokens", "mode"})

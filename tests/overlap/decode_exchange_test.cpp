@@ -6,11 +6,7 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
-#include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/device_decode_exchange.hpp>
-#include <weave/routing/host_quant_moves.hpp>
-#include <weave/routing/host_row_moves.hpp>
 
 #include <random>
 
@@ -71,15 +67,6 @@ TEST_CASE("decode_exchange with partial sums returns one row per token record") 
     const auto y = decode_test::decode_call(ex, in, f, s);
     CHECK(decode_test::bitwise_equal(
         y, decode_test::partial_sums_reference(in, decode_test::k, f, where, c.rank())));
-  });
-  // The device exchange refuses the option, on every rank alike.
-  world.run([&](local& c) {
-    weave::decode_options o = decode_test::options();
-    o.partial_sums = true;
-    CHECK(moe_test::error_code_of([&] {
-            weave::basic_device_decode_exchange<weave::host_space, local, float> ex(
-                c, weave::placement::contiguous(decode_test::experts, 2), o);
-          }) == weave::errc::not_supported);
   });
 }
 

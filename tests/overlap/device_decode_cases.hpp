@@ -67,14 +67,18 @@ std::vector<T> device_decode_call(Exchange& ex, const moe_test::rank_input<T>& i
 }
 
 // Several calls (zero tokens, full slots, sizes between, -1 ids): each output equals the naive
-// reference and the host decode_exchange's bitwise, and so do the per-(slot, source) counts.
+// reference (with `partial_sums`, its per-device form) and the host decode_exchange's bitwise,
+// and so do the per-(slot, source) counts.
 template <class T, class Comm>
-void check_device_against_host(Comm& comm, const weave::placement& where) {
+void check_device_against_host(Comm& comm, const weave::placement& where,
+                               bool partial_sums = false) {
   const int rank = comm.rank(), D = comm.size();
   const moe_test::linear_experts f(experts, hidden, 11);
   weave::host_stream s("device decode"), hs("host decode");
-  device_layer<Comm, T> dev(comm, where, s);
-  weave::decode_exchange<Comm, T> host(comm, where, options());
+  weave::decode_options o = options();
+  o.partial_sums = partial_sums;
+  device_layer<Comm, T> dev(comm, where, s, o);
+  weave::decode_exchange<Comm, T> host(comm, where, o);
   for (int call = 0; call < 4; ++call) {
     std::vector<moe_test::rank_input<T>> inputs;
     for (int r = 0; r < D; ++r) {
@@ -84,7 +88,8 @@ void check_device_against_host(Comm& comm, const weave::placement& where) {
     const auto& in = inputs[static_cast<std::size_t>(rank)];
     std::vector<std::int64_t> rows, host_rows;
     const auto y = device_decode_call(dev.ex, in, f, s, &rows);
-    CHECK(bitwise_equal(y, reference(in, k, f)));
+    CHECK(bitwise_equal(y, partial_sums ? partial_sums_reference(in, k, f, where, rank)
+                                        : reference(in, k, f)));
     CHECK(bitwise_equal(y, decode_call(host, in, f, hs, &host_rows)));
     CHECK(rows == host_rows);
     std::int64_t total = 0;

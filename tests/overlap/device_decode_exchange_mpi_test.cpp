@@ -18,6 +18,12 @@ TEST_CASE_TEMPLATE("device decode exchange over MPI equals the reference and the
       comm, weave::placement::contiguous(decode_test::experts, comm.size()));
 }
 
+TEST_CASE("device decode exchange over MPI with partial sums equals the host exchange") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_device_against_host<weave::bfloat16>(
+      comm, weave::placement::contiguous(decode_test::experts, comm.size()), true);
+}
+
 TEST_CASE("device decode exchange over MPI: one rank's bad call fails every rank") {
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_device_every_fault(comm);

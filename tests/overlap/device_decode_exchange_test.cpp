@@ -32,6 +32,22 @@ TEST_CASE("device decode exchange with replicated experts chooses replicas as th
   world.run([&](local& c) { decode_test::check_device_against_host<float>(c, where); });
 }
 
+TEST_CASE_TEMPLATE("device decode exchange with partial sums equals its reference and the host "
+                   "exchange's",
+                   T, float, weave::bfloat16) {
+  for (int ranks : {1, 2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) {
+      decode_test::check_device_against_host<T>(
+          c, weave::placement::contiguous(decode_test::experts, ranks), true);
+    });
+  }
+  const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
+  weave::local_world world(2);
+  world.run([&](local& c) { decode_test::check_device_against_host<T>(c, where, true); });
+}
+
 TEST_CASE("device decode exchange: calls queued back to back, one check at the end") {
   for (int ranks : {2, 4}) {
     CAPTURE(ranks);

@@ -42,7 +42,8 @@ struct decode_options {
   //! type) and the source sums the returned rows in ascending device order (f32, one rounding),
   //! the arithmetic of the dynamic `moe_exchange`. Up to min(k, local experts) times fewer
   //! combine bytes, one more rounding per device than the default's per-token sum in choice
-  //! order (DeepEP's). The host `decode_exchange` only (`errc::not_supported` on the device).
+  //! order (DeepEP's). On the device the combine messages then have room for
+  //! `max_tokens_per_rank` rows instead of `max_tokens_per_rank` x min(k, local experts).
   bool partial_sums = false;
 };
 
@@ -233,11 +234,10 @@ decode_headers_verdict check_decode_headers(std::size_t ranks, std::size_t slots
 
 //! The construction's agreement of a decode layer named `name` (both decode exchanges): the
 //! options valid on this rank, then the same on every rank (`agree_on_config`). Returns the
-//! layer's serial on `comm`, agreed by every rank. A layer without `partial_sums_supported`
-//! refuses `decode_options::partial_sums` (`errc::not_supported`).
+//! layer's serial on `comm`, agreed by every rank.
 template <class Comm>
 std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_options& o,
-                              dtype element, const char* name, bool partial_sums_supported = true) {
+                              dtype element, const char* name) {
   config_fingerprint f(name);
   f.add("devices", where.num_devices())
       .add("experts", where.num_experts())
@@ -256,9 +256,6 @@ std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_o
                  " exceeds the ", where.num_experts(), " experts");
     WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
                  where.num_devices(), " devices for a world of ", comm.size());
-    WEAVE_EXPECT(!o.partial_sums || partial_sums_supported, errc::not_supported, name,
-                 ": decode_options::partial_sums is an option of the host decode_exchange (this "
-                 "exchange returns one row per (token, expert))");
   });
 }
 

@@ -82,9 +82,8 @@ class basic_device_decode_exchange {
   //! a `peer_error` on the peers.
   basic_device_decode_exchange(Comm& comm, placement where, decode_options options)
       : comm_(&comm)
-      , serial_(detail::agree_on_decode(comm, where, options, dtype_of_v<T>,
-                                        "device_decode_exchange",
-                                        /*partial_sums_supported=*/false))
+      , serial_(
+            detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "device_decode_exchange"))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
@@ -97,9 +96,10 @@ class basic_device_decode_exchange {
     const std::size_t row_stride = checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16;
     if (options_.fp8_dispatch)
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
-    at_ = detail::decode_layout::combine(comm.size(), M, choices, row_stride);
+    const bool partial = options_.partial_sums;
+    at_ = detail::decode_layout::combine(comm.size(), M, partial ? 1 : choices, row_stride);
     dispatch_at_ = detail::decode_layout::dispatch(
-        comm.size(), M, choices, options_.fp8_dispatch ? wire_.stride : row_stride);
+        comm.size(), M, choices, options_.fp8_dispatch ? wire_.stride : row_stride, partial);
     for (std::int64_t d = 0; d < at_.D; ++d) { // fixed: rows per peer
       counts_.push_back(at_.block_rows);
       displs_.push_back(d * at_.block_rows);
@@ -181,7 +181,10 @@ class basic_device_decode_exchange {
     Space::fill(s, send_index_, 0xFF, dispatch_at_.rows() * sizeof(std::int64_t));
     if (options_.fp8_dispatch)
       Space::fill(s, bad_token_, 0xFF, sizeof(std::int64_t)); // -1: every token finite
-    Space::fill(s, return_index_, 0xFF, at_.rows() * sizeof(std::int64_t));
+    if (options_.partial_sums)
+      Space::fill(s, merge_index_, 0xFF, merge_entries() * sizeof(std::int64_t));
+    else
+      Space::fill(s, return_index_, 0xFF, at_.rows() * sizeof(std::int64_t));
     const auto n = static_cast<std::int64_t>(tokens);
     if (n > 0)
       Space::for_each(s, n,
@@ -191,6 +194,7 @@ class basic_device_decode_exchange {
                           pair_slot_, words_ + call_flags});
     Space::for_each(s, at_.D,
                     detail::decode_position_step{dispatch_at_, n, options_.k, spd(), pair_slot_,
+                                                 options_.partial_sums ? weights.data() : nullptr,
                                                  send_, pair_pos_, records_, pairs_to_,
                                                  send_index_});
     if (n > 0)
@@ -201,9 +205,10 @@ class basic_device_decode_exchange {
                                                 arrived_, words_ + call_failed,
                                                 words_ + sticky_error, kept_});
     Space::for_each(s, spd(),
-                    detail::decode_slot_layout_step{dispatch_at_, at_, recv_, words_ + call_failed,
-                                                    source_rows_, source_offsets_, expert_rows_,
-                                                    expert_index_, return_index_});
+                    detail::decode_slot_layout_step{
+                        dispatch_at_, at_, recv_, words_ + call_failed, source_rows_,
+                        source_offsets_, expert_rows_, expert_index_, return_index_,
+                        options_.partial_sums ? merge_index_ : nullptr, merge_weight_});
     receive_rows(s);
     note_enqueued(s);
     return handle(this, calls_, life_);
@@ -228,15 +233,27 @@ class basic_device_decode_exchange {
       rejected = reject(std::current_exception());
     }
     Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
-    moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), return_index_, nullptr,
-                  nullptr);
+    if (options_.partial_sums) // each record's expert outputs, summed into its combine row
+      moves::merge(s, experts_rows(expert_out_), buffer(send_, at_), merge_index_,
+                   static_cast<int>(dispatch_at_.choices), merge_weight_, nullptr, true);
+    else
+      moves::gather(s, experts_rows(expert_out_), buffer(send_, at_), return_index_, nullptr,
+                    nullptr);
     send_headers(s, at_, rejected, arrived_);
     Space::for_each(s, at_.D,
-                    detail::decode_receive_step{at_, recv_, known_flags, spd(), pairs_to_, nullptr,
-                                                words_ + call_failed, words_ + sticky_error,
-                                                kept_});
+                    detail::decode_receive_step{at_, recv_, known_flags, spd(),
+                                                options_.partial_sums ? records_ : pairs_to_,
+                                                nullptr, words_ + call_failed,
+                                                words_ + sticky_error, kept_});
     const bool sums = !rejected_ && rejected.status == decode_status::ok && tokens_ > 0;
-    if (sums) {
+    if (sums && options_.partial_sums) {
+      const int per_token = std::min(static_cast<int>(at_.D), options_.k);
+      Space::for_each(s, static_cast<std::int64_t>(tokens_),
+                      detail::decode_token_rows_step{at_, spd(), options_.k, per_token, pair_slot_,
+                                                     pair_pos_, words_ + call_failed, pair_row_});
+      moves::merge(s, buffer(recv_, at_), rows(reinterpret_cast<std::byte*>(y.data()), tokens_),
+                   pair_row_, per_token, nullptr, nullptr, false);
+    } else if (sums) {
       const auto pairs = static_cast<std::int64_t>(tokens_) * options_.k;
       Space::for_each(s, pairs,
                       detail::decode_pair_row_step{at_, spd(), pair_slot_, pair_pos_,
@@ -443,6 +460,10 @@ class basic_device_decode_exchange {
     return options_.fp8_dispatch ? options_.hidden / options_.fp8_dispatch->blocks.block : 0;
   }
   std::int64_t spd() const noexcept { return where_.slots_per_device(); }
+  // Partial sums: the combine merge's entries, `choices` per combine buffer row.
+  std::size_t merge_entries() const noexcept {
+    return at_.rows() * static_cast<std::size_t>(dispatch_at_.choices);
+  }
   std::int64_t expert_capacity() const noexcept { return spd() * at_.D * at_.M; }
   template <class Byte>
   basic_token_view<Byte> rows(Byte* p, std::size_t n) const {
@@ -482,7 +503,12 @@ class basic_device_decode_exchange {
     set(self.source_offsets_, slots);
     set(self.expert_rows_, static_cast<std::size_t>(self.spd()));
     set(self.send_index_, self.dispatch_at_.rows());
-    set(self.return_index_, self.at_.rows());
+    if (self.options_.partial_sums) {
+      set(self.merge_index_, self.merge_entries());
+      set(self.merge_weight_, self.merge_entries());
+    } else {
+      set(self.return_index_, self.at_.rows());
+    }
     if (self.options_.fp8_dispatch) {
       const auto capacity = static_cast<std::size_t>(self.expert_capacity());
       set(self.bad_token_, 1);
@@ -520,9 +546,11 @@ class basic_device_decode_exchange {
   std::int64_t *records_ = nullptr, *pairs_to_ = nullptr, *arrived_ = nullptr;
   std::int64_t *source_rows_ = nullptr, *source_offsets_ = nullptr, *expert_rows_ = nullptr;
   std::int64_t *send_index_ = nullptr, *return_index_ = nullptr, *expert_index_ = nullptr;
-  std::int64_t* bad_token_ = nullptr; // FP8 dispatch: the call's first non-finite token, or -1
-  std::byte* expert_codes_ = nullptr; // FP8 dispatch: [slot][D * max tokens][hidden]
-  float* expert_scales_ = nullptr;    // FP8 dispatch: [slot][D * max tokens][hidden / block]
+  std::int64_t* merge_index_ = nullptr; // partial sums: [combine row][choice] -> expert row
+  float* merge_weight_ = nullptr;       // and its gate weight
+  std::int64_t* bad_token_ = nullptr;   // FP8 dispatch: the call's first non-finite token, or -1
+  std::byte* expert_codes_ = nullptr;   // FP8 dispatch: [slot][D * max tokens][hidden]
+  float* expert_scales_ = nullptr;      // FP8 dispatch: [slot][D * max tokens][hidden / block]
   // The call in flight, as the host issued it.
   std::size_t tokens_ = 0;
   bool rejected_ = false, held_ = false, combined_ = false, initialized_ = false;

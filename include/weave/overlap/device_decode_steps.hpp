@@ -5,9 +5,11 @@
 //! A message, one per (source rank, destination device) and phase, is a block of `block_rows`
 //! rows of one stride: first `header_rows` rows holding its 128-byte `decode_header` (padded),
 //! then `payload` rows, then (dispatch only) the side table: per record, `choices` int32 local
-//! slots in the token's choice order, -1 after the last. A dispatch record is a token's row, sent
-//! once to each device it is routed to (room for `max_tokens_per_rank` records); a combine row is
-//! the output of one (record, choice) pair, at row record * choices + choice. All rows share one
+//! slots in the token's choice order, -1 after the last, then (with partial sums) as many f32
+//! gate weights. A dispatch record is a token's row, sent once to each device it is routed to
+//! (room for `max_tokens_per_rank` records); a combine row is the output of one (record, choice)
+//! pair, at row record * choices + choice, or with partial sums the record's sum, at row record.
+//! All rows share one
 //! stride, so a single row view covers a whole buffer and the row moves address any payload row
 //! by its index; every message is sent whole (its size is fixed: no host sync, capturable).
 #pragma once
@@ -41,17 +43,22 @@ struct decode_layout {
   std::int64_t header_rows = 0, side_rows = 0, block_rows = 0;
   std::size_t stride = 0; // bytes per row
   bool side = false;      // a dispatch layout: records and their side table
+  bool weights = false;   // the side table also holds the choices' gate weights
 
   // The dispatch's messages over `ranks` ranks: `max_tokens` records of `stride` bytes each, then
-  // their side table.
+  // their side table (with `weights`, the gate weights too).
   static decode_layout dispatch(int ranks, std::size_t max_tokens, std::size_t choices,
-                                std::size_t stride) {
-    const std::size_t side_bytes = checked_mul(checked_mul(max_tokens, choices, "records"),
-                                               sizeof(std::int32_t), "side table bytes");
-    return of(ranks, max_tokens, choices, max_tokens, (side_bytes + stride - 1) / stride, stride,
-              true);
+                                std::size_t stride, bool weights = false) {
+    const std::size_t side_bytes =
+        checked_mul(checked_mul(max_tokens, choices, "records"),
+                    (weights ? 2 : 1) * sizeof(std::int32_t), "side table bytes");
+    decode_layout at = of(ranks, max_tokens, choices, max_tokens,
+                          (side_bytes + stride - 1) / stride, stride, true);
+    at.weights = weights;
+    return at;
   }
-  // The combine's messages: a row of `stride` bytes per (record, choice).
+  // The combine's messages: a row of `stride` bytes per (record, choice) (with `choices` 1: per
+  // record).
   static decode_layout combine(int ranks, std::size_t max_tokens, std::size_t choices,
                                std::size_t stride) {
     return of(ranks, max_tokens, choices, checked_mul(max_tokens, choices, "pairs"), 0, stride,
@@ -74,6 +81,10 @@ struct decode_layout {
   WEAVE_HOST_DEVICE std::int32_t* side_table(std::byte* buffer, std::int64_t d) const {
     return reinterpret_cast<std::int32_t*>(
         buffer + static_cast<std::size_t>(payload_row(d, payload)) * stride);
+  }
+  // Rank d's gate weights (a dispatch layout with `weights`), after its choices.
+  WEAVE_HOST_DEVICE float* side_weights(std::byte* buffer, std::int64_t d) const {
+    return reinterpret_cast<float*>(side_table(buffer, d) + payload * choices);
   }
 
  private:
@@ -124,19 +135,21 @@ struct decode_route_step {
 // Per destination device d: one record per token routed there, in token order (so the rows come
 // out in the same order in every space): the token's local slots on d in its choice order go to
 // the record's side-table entries, -1 after the last; each pair gets its combine row (record *
-// choices + choice); the record's row index becomes the send gather's. Counts the records and
-// pairs sent to d.
+// choices + choice; with partial sums the record, and its weight goes beside its slot); the
+// record's row index becomes the send gather's. Counts the records and pairs sent to d.
 struct decode_position_step {
   decode_layout at; // the dispatch's
   std::int64_t tokens;
   int k;
   std::int64_t spd;
   const std::int32_t* pair_slot;
+  const float* weights; // partial sums: the call's gate weights; else null
   std::byte* send;
   std::int64_t *pair_pos, *records, *pairs_to, *send_index;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t d) const {
     std::int32_t* side = at.side_table(send, d);
+    float* side_w = weights != nullptr ? at.side_weights(send, d) : nullptr;
     std::int64_t n = 0, pairs = 0;
     for (std::int64_t t = 0; t < tokens; ++t) {
       std::int64_t c = 0;
@@ -151,7 +164,9 @@ struct decode_position_step {
           continue;
         }
         side[n * at.choices + c] = static_cast<std::int32_t>(s - d * spd);
-        pair_pos[p] = n * at.choices + c;
+        if (side_w != nullptr)
+          side_w[n * at.choices + c] = weights[p];
+        pair_pos[p] = side_w != nullptr ? n : n * at.choices + c;
         ++c;
       }
       if (c == 0)
@@ -225,9 +240,10 @@ struct decode_kept {
 // Per source rank d, after a phase's all-to-all: the header of d's message. A failed one, one no
 // sender writes (`decode_header_fault_of`, at most `payload` rows) or, in a dispatch, a record
 // whose side-table entries no sender writes (`read_record` over `local` slots) fails the call
-// (`call_failed`) and is kept in `kept` unless one is kept already. A dispatch counts the pairs
-// d's records bring (`arrived`, 0 when its message failed). With `expected` (the combine) the
-// message must return the pairs sent to d, else the sticky `error` word is flagged.
+// (`call_failed`) and is kept in `kept` unless one is kept already. A dispatch counts the rows
+// d's combine gets back (`arrived`: its records' pairs, or its records with partial sums; 0 when
+// its message failed). With `expected` (the combine) the message must return the rows sent to d,
+// else the sticky `error` word is flagged.
 struct decode_receive_step {
   decode_layout at;
   std::byte* recv;
@@ -262,7 +278,7 @@ struct decode_receive_step {
     if (failed)
       atomic_or(call_failed, 1u);
     if (arrived != nullptr)
-      arrived[d] = failed ? 0 : pairs;
+      arrived[d] = failed ? 0 : at.weights ? h->rows : pairs;
   }
 
  private:
@@ -294,13 +310,16 @@ struct decode_receive_step {
 // Per local slot l, after the dispatch's receive: l's rows in source order, records in order.
 // Each gets its expert row (l * D * M + q): the received record it is gathered from
 // (`expert_index`, -1 past the last) and the combine row it returns to (`return_index`, whose
-// other entries stay -1); per source the count and first row, and the total. All empty when
-// the call failed.
+// other entries stay -1; with partial sums `merge_index` / `merge_weight` instead: entry c of
+// the record's combine row, and the choice's weight); per source the count and first row, and
+// the total. All empty when the call failed.
 struct decode_slot_layout_step {
   decode_layout at, back; // the dispatch's, the combine's
   std::byte* recv;
   const std::uint32_t* call_failed;
   std::int64_t *source_rows, *source_offsets, *expert_rows, *expert_index, *return_index;
+  std::int64_t* merge_index; // partial sums; else null
+  float* merge_weight;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t l) const {
     const std::int64_t first = l * at.D * at.M;
@@ -314,7 +333,13 @@ struct decode_slot_layout_step {
         for (std::int64_t c = 0; c < at.choices && side[r * at.choices + c] >= 0; ++c)
           if (side[r * at.choices + c] == l) {
             expert_index[first + q] = at.payload_row(d, r);
-            return_index[back.payload_row(d, r * at.choices + c)] = first + q;
+            if (merge_index != nullptr) {
+              const std::int64_t e = back.payload_row(d, r) * at.choices + c;
+              merge_index[e] = first + q;
+              merge_weight[e] = at.side_weights(recv, d)[r * at.choices + c];
+            } else {
+              return_index[back.payload_row(d, r * at.choices + c)] = first + q;
+            }
             ++q;
             break;
           }
@@ -339,6 +364,42 @@ struct decode_pair_row_step {
     const std::int32_t s = pair_slot[p];
     index[p] =
         s < 0 || pair_pos[p] < 0 || *call_failed != 0 ? -1 : back.payload_row(s / spd, pair_pos[p]);
+  }
+};
+
+// Partial sums, per token: the returned rows it sums, one per device it was routed to, in
+// ascending device order, -1 after the last (all -1 when the call failed).
+struct decode_token_rows_step {
+  decode_layout back; // the combine's
+  std::int64_t spd;
+  int k, per_token; // per_token: min(ranks, k)
+  const std::int32_t* pair_slot;
+  const std::int64_t* pair_pos;
+  const std::uint32_t* call_failed;
+  std::int64_t* index;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
+    std::int64_t* rows = index + t * per_token;
+    int n = 0;
+    for (std::int64_t below = 0; *call_failed == 0 && n < per_token;) {
+      std::int64_t next = back.D, record = 0;
+      for (int j = 0; j < k; ++j) {
+        const std::int32_t s = pair_slot[t * k + j];
+        if (s < 0 || pair_pos[t * k + j] < 0)
+          continue;
+        const std::int64_t d = s / spd;
+        if (d >= below && d < next) {
+          next = d;
+          record = pair_pos[t * k + j];
+        }
+      }
+      if (next == back.D)
+        break;
+      rows[n++] = back.payload_row(next, record);
+      below = next + 1;
+    }
+    for (; n < per_token; ++n)
+      rows[n] = -1;
   }
 };
 
