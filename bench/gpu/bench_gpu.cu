@@ -800,8 +800,7 @@ void register_benchmarks() {
 bool listing(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
-    if (arg == "--benchmark_list_tests" || arg == "--benchmark_list_tests=true" ||
-        arg == "--help")
+    if (arg == "--benchmark_list_tests" || arg == "--benchmark_list_tests=true" || arg == "--help")
       return true;
   }
   return false;

@@ -309,7 +309,8 @@ TEST_CASE("local_world::run reports the root cause first, then every rank's erro
     CHECK(e.code() == weave::errc::invalid_argument);
     const std::string m = e.message();
     CHECK(m.rfind("bad input on rank one", 0) == 0); // the root cause first
-    const auto r0 = m.find("[rank 0] weave peer_failure"), r2 = m.find("[rank 2] weave peer_failure");
+    const auto r0 = m.find("[rank 0] weave peer_failure"),
+               r2 = m.find("[rank 2] weave peer_failure");
     CHECK(r0 != std::string::npos);
     CHECK(r2 != std::string::npos);
     CHECK(r0 < r2);

@@ -175,7 +175,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                                       source_offsets.data(),
                                                       expert_rows.data(),
                                                       index.data(),
-                                                      returns.data()};
+                                                      returns.data(),
+                                                      nullptr,
+                                                      nullptr};
   std::int64_t laid_out = 0;
   for (int l = 0; l < slots; ++l) {
     layout(l);

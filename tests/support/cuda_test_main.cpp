@@ -19,9 +19,9 @@ bool is_query(std::string_view arg) {
   if (arg.starts_with("dt-"))
     arg.remove_prefix(3);
   arg = arg.substr(0, arg.find('='));
-  for (const std::string_view q : {"?", "h", "help", "v", "version", "c", "count", "ltc",
-                                   "list-test-cases", "lts", "list-test-suites", "lr",
-                                   "list-reporters"})
+  for (const std::string_view q :
+       {"?", "h", "help", "v", "version", "c", "count", "ltc", "list-test-cases", "lts",
+        "list-test-suites", "lr", "list-reporters"})
     if (arg == q)
       return true;
   return false;

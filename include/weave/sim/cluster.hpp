@@ -205,8 +205,7 @@ inline cluster read_cluster(std::istream& in) {
       WEAVE_EXPECT(detail::cluster_name_ok(f[1]), errc::invalid_argument, "cluster line ", number,
                    ": name '", f[1], "' is not one word");
       c.name = std::string(f[1]);
-    }
-    else if (key == "nodes")
+    } else if (key == "nodes")
       c.nodes = detail::cluster_count(f[1], number);
     else if (key == "gpus_per_node")
       c.gpus_per_node = detail::cluster_count(f[1], number);
