@@ -40,7 +40,7 @@ struct decode_options {
   //! Return one row per (token, device) instead of one per (token, expert): the device sums
   //! the token's local expert outputs (gate-weighted, f32 in choice order, rounded to the row
   //! type) and the source sums the returned rows in ascending device order (f32, one rounding),
-  //! the arithmetic of the dynamic `moe_exchange`. Up to min(k, local experts) times fewer
+  //! the order of the dynamic `moe_exchange`'s sums. Up to min(k, local experts) times fewer
   //! combine bytes, one more rounding per device than the default's per-token sum in choice
   //! order (DeepEP's). On the device the combine messages then have room for
   //! `max_tokens_per_rank` rows instead of `max_tokens_per_rank` x min(k, local experts).
