@@ -13,8 +13,9 @@
 //! routes, records, headers and received layout are computed by steps (kernels) of the space, so
 //! the host never waits for the stream inside a call, and every message is sent whole (the
 //! host does not know the counts): the combine returns a row per (record, choice) in a message
-//! of `max_tokens_per_rank` x min(k, local experts) rows. The caller's experts read the received
-//! rows and their counts from memory of the space, in stream order
+//! of `max_tokens_per_rank` x min(k, local experts) rows (with `decode_options::partial_sums`,
+//! each record's sum in a message of `max_tokens_per_rank` rows). The caller's experts read the
+//! received rows and their counts from memory of the space, in stream order
 //! (`device_decode_steps.hpp` has the wire layout).
 //!
 //! Fail-stop, without waiting for the device: a rank whose call is bad (shapes or more tokens
