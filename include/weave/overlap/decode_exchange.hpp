@@ -104,6 +104,7 @@ class decode_exchange {
     recv_.assign(sizes.recv_bytes, std::byte{0});
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
+    merge_rows_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
     records_.assign(D, 0);
     pairs_to_.assign(D, 0);
@@ -129,7 +130,6 @@ class decode_exchange {
                          std::byte{0});
       expert_wire_.assign(checked_mul(pool_rows_, wire_.stride, "wire bytes"), std::byte{0});
     }
-    sum_.assign(options_.hidden, 0.0f);
     // Sizes the plan's buffers for the largest call (every token choosing k experts spread over
     // as many devices as it can): later builds do not allocate.
     std::vector<std::int32_t> spread;
@@ -287,6 +287,26 @@ class decode_exchange {
       at += counts[d];
     }
   }
+  // The combine's receive displacements: each message where its rows start a whole number of
+  // rows into the buffer, so that one row view addresses every returned row (`returned_row`).
+  void place_returns() {
+    const auto row = static_cast<std::int64_t>(options_.hidden * sizeof(T));
+    const auto header = static_cast<std::int64_t>(sizeof(decode_header));
+    std::int64_t end = 0;
+    for (std::size_t d = 0; d < world(); ++d) {
+      combine_.recv_displs[d] = (end + header + row - 1) / row * row - header;
+      end = combine_.recv_displs[d] + combine_.recv_counts[d];
+    }
+  }
+  // The index, in rows of T from the start of the receive buffer, of row r of peer d's combine.
+  std::int64_t returned_row(std::size_t d, std::int64_t r) const noexcept {
+    const auto row = static_cast<std::int64_t>(options_.hidden * sizeof(T));
+    return (combine_.recv_displs[d] + static_cast<std::int64_t>(sizeof(decode_header))) / row + r;
+  }
+  const_token_view returned_rows_view() const {
+    const std::size_t row = options_.hidden * sizeof(T);
+    return const_token_view(recv_.data(), recv_.size() / row, options_.hidden, dtype_of_v<T>);
+  }
   // A combine message of `pairs` rows, to or from peer d.
   static std::int64_t combine_bytes(std::size_t pairs, std::size_t row) {
     return static_cast<std::int64_t>(sizeof(decode_header) + pairs * row);
@@ -424,7 +444,7 @@ class decode_exchange {
             combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)),
                                                     options_.hidden * sizeof(T));
           }
-          set_displs(combine_.recv_counts, combine_.recv_displs);
+          place_returns();
           tokens_ = tokens;
         },
         dispatch_);
@@ -581,31 +601,28 @@ class decode_exchange {
     }
     if (options_.partial_sums)
       return sum_partials(y);
-    const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
-    for (std::size_t t = 0; t < tokens_; ++t) {
-      std::fill(sum_.begin(), sum_.end(), 0.0f);
-      for (std::size_t j = 0; j < k; ++j) {
-        const std::int32_t slot = pair_slot_[t * k + j];
-        if (slot < 0)
-          continue;
-        const auto d = static_cast<std::size_t>(slot) / spd();
-        const float w = weights_[t * k + j];
-        const T* row = reinterpret_cast<const T*>(received(d, combine_) + sizeof(decode_header)) +
-                       static_cast<std::size_t>(pair_pos_[t * k + j]) * H;
-        for (std::size_t i = 0; i < H; ++i)
-          sum_[i] += w * static_cast<float>(row[i]);
-      }
-      for (std::size_t i = 0; i < H; ++i)
-        y[t * H + i] = T(sum_[i]);
+    const std::size_t k = static_cast<std::size_t>(options_.k), pairs = tokens_ * k;
+    for (std::size_t p = 0; p < pairs; ++p) {
+      const std::int32_t slot = pair_slot_[p];
+      merge_rows_[p] =
+          slot < 0 ? -1 : returned_row(static_cast<std::size_t>(slot) / spd(), pair_pos_[p]);
     }
+    merge_rows(returned_rows_view(), output_view(y),
+               std::span<const std::int64_t>(merge_rows_.data(), pairs), options_.k,
+               weights_.first(pairs));
+  }
+  token_view output_view(std::span<T> y) const {
+    return token_view(reinterpret_cast<std::byte*>(y.data()), tokens_, options_.hidden,
+                      dtype_of_v<T>);
   }
 
   void sum_partials(std::span<T> y) {
-    const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
+    const std::size_t k = static_cast<std::size_t>(options_.k);
+    const std::size_t per_token = std::min(world(), k);
     for (std::size_t t = 0; t < tokens_; ++t) {
-      std::fill(sum_.begin(), sum_.end(), 0.0f);
-      std::size_t below = 0; // devices summed so far are those below this one
-      for (;;) {             // the token's next device in ascending order, and its record there
+      std::int64_t* rows = merge_rows_.data() + t * per_token;
+      std::size_t n = 0, below = 0; // devices summed so far are those below this one
+      for (; n < per_token; ++n) {  // the token's next device in ascending order
         std::size_t next = world();
         std::int64_t record = 0;
         for (std::size_t j = 0; j < k; ++j) {
@@ -618,16 +635,14 @@ class decode_exchange {
         }
         if (next == world())
           break;
-        const T* row =
-            reinterpret_cast<const T*>(received(next, combine_) + sizeof(decode_header)) +
-            static_cast<std::size_t>(record) * H;
-        for (std::size_t i = 0; i < H; ++i)
-          sum_[i] += static_cast<float>(row[i]);
+        rows[n] = returned_row(next, record);
         below = next + 1;
       }
-      for (std::size_t i = 0; i < H; ++i)
-        y[t * H + i] = T(sum_[i]);
+      std::fill(rows + n, rows + per_token, std::int64_t{-1});
     }
+    merge_rows(returned_rows_view(), output_view(y),
+               std::span<const std::int64_t>(merge_rows_.data(), tokens_ * per_token),
+               static_cast<int>(per_token));
   }
 
   // --- what the handle reads -----------------------------------------------------------------
@@ -708,6 +723,7 @@ class decode_exchange {
   std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
   std::vector<std::int32_t> pair_slot_;         // (token, choice) -> physical slot, or -1
   std::vector<std::int64_t> pair_pos_;          // (token, choice) -> row in its device's combine
+  std::vector<std::int64_t> merge_rows_;        // the final sums' returned rows
   std::vector<std::int64_t> records_;           // token records per device being sent
   std::vector<std::int64_t> pairs_to_;          // (token, expert) pairs per device being sent
   std::vector<std::int64_t> last_token_;        // per device: the token of its last record
@@ -722,7 +738,6 @@ class decode_exchange {
   std::vector<std::int64_t> expert_rows_;       // rows per local slot
   std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
   std::vector<T> expert_out_;      // the pool's outputs: [row][hidden], each slot's together
-  std::vector<float> sum_;         // one token's f32 accumulator
   std::span<const float> weights_; // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued

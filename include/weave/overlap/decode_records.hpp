@@ -96,7 +96,8 @@ struct decode_record_layout {
   //! pool (a source's tokens reach at most `choices` local experts each), the send buffer (the
   //! dispatch's messages; the combine's, back to back, a row per pool row at most; the pool's
   //! inputs between the two) and the receive buffer (the dispatch's; the combine's: at most
-  //! the k pairs of each of its max_tokens_per_rank tokens).
+  //! the k pairs of each of its max_tokens_per_rank tokens, each message placed so that its rows
+  //! start a whole number of rows into the buffer, which costs up to a row per message).
   struct buffers {
     std::size_t pool_rows = 0, send_bytes = 0, recv_bytes = 0;
   };
@@ -108,10 +109,9 @@ struct decode_record_layout {
     b.send_bytes = std::max(
         dispatch, checked_add(headers, checked_mul(b.pool_rows, combine_row, "combine bytes"),
                               "combine bytes"));
+    const std::size_t rows = checked_add(checked_mul(records, k, "pairs"), ranks, "rows");
     b.recv_bytes = std::max(
-        dispatch,
-        checked_add(headers, checked_mul(checked_mul(records, k, "pairs"), combine_row, "rows"),
-                    "combine bytes"));
+        dispatch, checked_add(headers, checked_mul(rows, combine_row, "rows"), "combine bytes"));
     return b;
   }
 
