@@ -104,7 +104,7 @@ class decode_exchange {
     recv_.assign(sizes.recv_bytes, std::byte{0});
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
-    merge_rows_.assign(pairs, -1);
+    sum_rows_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
     records_.assign(D, 0);
     pairs_to_.assign(D, 0);
@@ -604,11 +604,11 @@ class decode_exchange {
     const std::size_t k = static_cast<std::size_t>(options_.k), pairs = tokens_ * k;
     for (std::size_t p = 0; p < pairs; ++p) {
       const std::int32_t slot = pair_slot_[p];
-      merge_rows_[p] =
+      sum_rows_[p] =
           slot < 0 ? -1 : returned_row(static_cast<std::size_t>(slot) / spd(), pair_pos_[p]);
     }
     merge_rows(returned_rows_view(), output_view(y),
-               std::span<const std::int64_t>(merge_rows_.data(), pairs), options_.k,
+               std::span<const std::int64_t>(sum_rows_.data(), pairs), options_.k,
                weights_.first(pairs));
   }
   token_view output_view(std::span<T> y) const {
@@ -620,7 +620,7 @@ class decode_exchange {
     const std::size_t k = static_cast<std::size_t>(options_.k);
     const std::size_t per_token = std::min(world(), k);
     for (std::size_t t = 0; t < tokens_; ++t) {
-      std::int64_t* rows = merge_rows_.data() + t * per_token;
+      std::int64_t* rows = sum_rows_.data() + t * per_token;
       std::size_t n = 0, below = 0; // devices summed so far are those below this one
       for (; n < per_token; ++n) {  // the token's next device in ascending order
         std::size_t next = world();
@@ -641,7 +641,7 @@ class decode_exchange {
       std::fill(rows + n, rows + per_token, std::int64_t{-1});
     }
     merge_rows(returned_rows_view(), output_view(y),
-               std::span<const std::int64_t>(merge_rows_.data(), tokens_ * per_token),
+               std::span<const std::int64_t>(sum_rows_.data(), tokens_ * per_token),
                static_cast<int>(per_token));
   }
 
@@ -723,7 +723,7 @@ class decode_exchange {
   std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
   std::vector<std::int32_t> pair_slot_;         // (token, choice) -> physical slot, or -1
   std::vector<std::int64_t> pair_pos_;          // (token, choice) -> row in its device's combine
-  std::vector<std::int64_t> merge_rows_;        // the final sums' returned rows
+  std::vector<std::int64_t> sum_rows_;          // the final sums' returned rows
   std::vector<std::int64_t> records_;           // token records per device being sent
   std::vector<std::int64_t> pairs_to_;          // (token, expert) pairs per device being sent
   std::vector<std::int64_t> last_token_;        // per device: the token of its last record
