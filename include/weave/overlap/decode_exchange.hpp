@@ -619,27 +619,15 @@ class decode_exchange {
   void sum_partials(std::span<T> y) {
     const std::size_t k = static_cast<std::size_t>(options_.k);
     const std::size_t per_token = std::min(world(), k);
-    for (std::size_t t = 0; t < tokens_; ++t) {
-      std::int64_t* rows = sum_rows_.data() + t * per_token;
-      std::size_t n = 0, below = 0; // devices summed so far are those below this one
-      for (; n < per_token; ++n) {  // the token's next device in ascending order
-        std::size_t next = world();
-        std::int64_t record = 0;
-        for (std::size_t j = 0; j < k; ++j) {
-          const std::int32_t slot = pair_slot_[t * k + j];
-          const auto d = static_cast<std::size_t>(slot) / spd();
-          if (slot >= 0 && d >= below && d < next) {
-            next = d;
-            record = pair_pos_[t * k + j];
-          }
-        }
-        if (next == world())
-          break;
-        rows[n] = returned_row(next, record);
-        below = next + 1;
-      }
-      std::fill(rows + n, rows + per_token, std::int64_t{-1});
-    }
+    for (std::size_t t = 0; t < tokens_; ++t)
+      detail::rows_by_device(
+          pair_slot_.data() + t * k, pair_pos_.data() + t * k, options_.k,
+          static_cast<std::int64_t>(spd()), static_cast<std::int64_t>(world()),
+          static_cast<int>(per_token),
+          [this](std::int64_t d, std::int64_t record) {
+            return returned_row(static_cast<std::size_t>(d), record);
+          },
+          sum_rows_.data() + t * per_token);
     merge_rows(returned_rows_view(), output_view(y),
                std::span<const std::int64_t>(sum_rows_.data(), tokens_ * per_token),
                static_cast<int>(per_token));

@@ -55,6 +55,35 @@ WEAVE_HOST_DEVICE record_read read_record(Entry&& entry, std::int64_t choices, s
   return got;
 }
 
+// With partial sums, the rows a token's output sums: for each device its pairs went to, in
+// ascending device order, `row(device, record)` into `rows`, then -1 up to `per_token`.
+// `slot` and `record` are the token's k pairs' physical slots (-1: not routed) and their
+// records on those devices. Shared by both decode exchanges.
+template <class Row>
+WEAVE_HOST_DEVICE void rows_by_device(const std::int32_t* slot, const std::int64_t* record, int k,
+                                      std::int64_t spd, std::int64_t devices, int per_token,
+                                      Row&& row, std::int64_t* rows) {
+  int n = 0;
+  for (std::int64_t below = 0; n < per_token;) { // the devices below `below` are done
+    std::int64_t next = devices, at = 0;
+    for (int j = 0; j < k; ++j) {
+      if (slot[j] < 0 || record[j] < 0)
+        continue;
+      const std::int64_t d = slot[j] / spd;
+      if (d >= below && d < next) {
+        next = d;
+        at = record[j];
+      }
+    }
+    if (next == devices)
+      break;
+    rows[n++] = row(next, at);
+    below = next + 1;
+  }
+  for (; n < per_token; ++n)
+    rows[n] = -1;
+}
+
 struct decode_record_layout {
   std::size_t wire_row = 0;       //!< bytes of a dispatched token row
   std::size_t combine_row = 0;    //!< bytes of a returned row (T)

@@ -380,26 +380,15 @@ struct decode_token_rows_step {
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
     std::int64_t* rows = index + t * per_token;
-    int n = 0;
-    for (std::int64_t below = 0; *call_failed == 0 && n < per_token;) {
-      std::int64_t next = back.D, record = 0;
-      for (int j = 0; j < k; ++j) {
-        const std::int32_t s = pair_slot[t * k + j];
-        if (s < 0 || pair_pos[t * k + j] < 0)
-          continue;
-        const std::int64_t d = s / spd;
-        if (d >= below && d < next) {
-          next = d;
-          record = pair_pos[t * k + j];
-        }
-      }
-      if (next == back.D)
-        break;
-      rows[n++] = back.payload_row(next, record);
-      below = next + 1;
+    if (*call_failed != 0) {
+      for (int n = 0; n < per_token; ++n)
+        rows[n] = -1;
+      return;
     }
-    for (; n < per_token; ++n)
-      rows[n] = -1;
+    const decode_layout at = back;
+    rows_by_device(
+        pair_slot + t * k, pair_pos + t * k, k, spd, back.D, per_token,
+        [at](std::int64_t d, std::int64_t record) { return at.payload_row(d, record); }, rows);
   }
 };
 
