@@ -1,5 +1,7 @@
 # Settings and helpers for weave's own tests, benchmarks and examples (never for consumers).
 option(WEAVE_WERROR "Treat warnings in weave's own targets as errors" OFF)
+option(WEAVE_CLUSTER_TESTS
+  "Run the MPI tests across an emulated cluster too (tests/cluster/weave-cluster, as root)" OFF)
 # The `cuda` preset builds only what needs nvcc, NCCL or a GPU; the host build covers the rest.
 option(WEAVE_CUDA_TARGETS_ONLY "Build only CUDA/NCCL tests, benchmarks and header checks" OFF)
 

@@ -1,0 +1,182 @@
+// Tests that need real nodes, run by weave-cluster (tests/cluster/weave-cluster) with its
+// WEAVE_CLUSTER_NODES x WEAVE_CLUSTER_RANKS_PER_NODE ranks: MPI's view of the nodes matches the
+// cluster's (so the other cluster tests really crossed nodes), the 2DH all-to-all over the nodes
+// MPI reports equals MPI_Alltoallv, and group-limited routing with one group per node keeps every
+// token on at most top_groups nodes while the exchange equals the dense reference.
+#include <doctest/doctest.h>
+
+#include "../comm/a2a_cases.hpp"
+#include "../overlap/moe_test_support.hpp"
+
+#include <weave/comm/hierarchical.hpp>
+#include <weave/comm/mpi_communicator.hpp>
+#include <weave/exec/host_stream.hpp>
+#include <weave/overlap/moe_exchange.hpp>
+#include <weave/routing/gate.hpp>
+
+#include "mpi_session.hpp"
+
+#include <cstdlib>
+#include <random>
+#include <set>
+#include <string>
+
+namespace {
+
+const weave_test::mpi_session session;
+
+int env_count(const char* name) {
+  const char* v = std::getenv(name);
+  REQUIRE_MESSAGE(v != nullptr, name, " is not set: run this test under weave-cluster");
+  return std::atoi(v);
+}
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+// The ranks of this rank's node (as MPI sees it: shared memory) and, across the nodes, the ranks
+// with the same local rank.
+struct node_split {
+  MPI_Comm intra = MPI_COMM_NULL, inter = MPI_COMM_NULL;
+  int local = 0, local_rank = 0, nodes = 0, node = 0;
+  node_split() {
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank(), MPI_INFO_NULL, &intra);
+    MPI_Comm_size(intra, &local);
+    MPI_Comm_rank(intra, &local_rank);
+    MPI_Comm_split(MPI_COMM_WORLD, local_rank, world_rank(), &inter);
+    MPI_Comm_size(inter, &nodes);
+    MPI_Comm_rank(inter, &node);
+  }
+  ~node_split() {
+    MPI_Comm_free(&intra);
+    MPI_Comm_free(&inter);
+  }
+  node_split(const node_split&) = delete;
+  node_split& operator=(const node_split&) = delete;
+};
+
+std::vector<std::byte> mpi_reference(const comm_test::a2a_case& c) {
+  const auto& L = c.ranks[std::size_t(world_rank())];
+  std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
+  MPI_Datatype type;
+  MPI_Type_contiguous(static_cast<int>(c.unit), MPI_BYTE, &type);
+  MPI_Type_commit(&type);
+  auto ints = [](const std::vector<std::int64_t>& v) {
+    return std::vector<int>(v.begin(), v.end());
+  };
+  const auto sc = ints(L.send_counts), sd = ints(L.send_displs), rc = ints(L.recv_counts),
+             rd = ints(L.recv_displs);
+  MPI_Alltoallv(L.send.data(), sc.data(), sd.data(), type, out.data(), rc.data(), rd.data(), type,
+                MPI_COMM_WORLD);
+  MPI_Type_free(&type);
+  return out;
+}
+
+} // namespace
+
+TEST_CASE("MPI sees the cluster's nodes: one hostname and one shared-memory domain per node") {
+  const int nodes = env_count("WEAVE_CLUSTER_NODES");
+  const int per_node = env_count("WEAVE_CLUSTER_RANKS_PER_NODE");
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  REQUIRE(n == nodes * per_node);
+  const node_split split;
+  CHECK(split.local == per_node);
+  CHECK(split.nodes == nodes);
+  CHECK(world_rank() == split.node * per_node + split.local_rank); // mpirun --map-by slot
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int length = 0;
+  MPI_Get_processor_name(name, &length);
+  std::vector<char> all(std::size_t(n) * MPI_MAX_PROCESSOR_NAME);
+  MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(), MPI_MAX_PROCESSOR_NAME,
+                MPI_CHAR, MPI_COMM_WORLD);
+  std::set<std::string> names;
+  for (int r = 0; r < n; ++r) {
+    const std::string other(&all[std::size_t(r) * MPI_MAX_PROCESSOR_NAME]);
+    names.insert(other);
+    CHECK((other == name) == (r / per_node == world_rank() / per_node));
+  }
+  CHECK(names.size() == std::size_t(nodes));
+}
+
+TEST_CASE("2DH over the nodes MPI reports equals MPI_Alltoallv") {
+  const node_split split;
+  weave::mpi_communicator intra(split.intra), inter(split.inter);
+  weave::hierarchical_all_to_all<weave::mpi_communicator, weave::mpi_communicator> plan(
+      intra, inter, 1 << 20);
+  REQUIRE(plan.rank() == world_rank());
+  REQUIRE(plan.nodes() == split.nodes);
+  for (std::size_t unit : {std::size_t{1}, std::size_t{16}}) {
+    CAPTURE(unit);
+    const auto c = comm_test::make_case(plan.size(), unit, 40 + unit, 20000);
+    const auto& L = c.ranks[std::size_t(world_rank())];
+    for (int round = 0; round < 3; ++round) { // the staging buffers are reused
+      std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
+      weave::host_stream s;
+      plan.all_to_all_v(s, L.send.data(), L.send_counts, L.send_displs, out.data(), L.recv_counts,
+                        L.recv_displs, unit);
+      s.synchronize();
+      CHECK(out == mpi_reference(c));
+      CHECK(out == comm_test::expected_recv(c, world_rank()));
+    }
+  }
+}
+
+TEST_CASE("group-limited routing, one group per node: tokens reach at most top_groups nodes and "
+          "the chunked exchange equals the dense reference") {
+  const node_split split;
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  const int ranks = comm.size(), nodes = split.nodes, per_node = split.local;
+  const int experts_count = 4 * ranks, k = 4;
+  const std::size_t hidden = 16, tokens = 64;
+  // Contiguous placement: node g's ranks hold experts [g E / nodes, (g + 1) E / nodes), which is
+  // group g.
+  const auto where = weave::placement::contiguous(experts_count, ranks);
+  const moe_test::linear_experts experts(experts_count, hidden, 11);
+  for (int top_groups = 1; top_groups <= std::min(2, nodes); ++top_groups) {
+    CAPTURE(top_groups);
+    std::mt19937 rng(static_cast<std::uint32_t>(7 + 31 * world_rank() + top_groups));
+    auto in = moe_test::random_input<float>(tokens, hidden, experts_count, k, rng);
+    weave::host_matrix<float> logits(tokens, std::size_t(experts_count));
+    std::normal_distribution<float> z(0.0f, 2.0f);
+    for (float& v : logits.elements())
+      v = z(rng);
+    const weave::group_limit limit{nodes, top_groups};
+    weave::gate_options gate;
+    gate.k = k;
+    gate.groups = &limit;
+    weave::top_k_gate(logits.view(), gate, in.ids, in.weights);
+    for (std::size_t t = 0; t < tokens; ++t) {
+      std::set<int> reached;
+      for (int j = 0; j < k; ++j)
+        reached.insert(where.device_of(in.ids[t * k + std::size_t(j)]) / per_node);
+      CHECK(reached.size() <= std::size_t(top_groups));
+    }
+    for (int chunks : {1, 3}) {
+      CAPTURE(chunks);
+      weave::moe_options o;
+      o.k = k;
+      o.hidden = hidden;
+      o.max_tokens = tokens;
+      o.chunks = chunks;
+      o.save_for_backward = true;
+      weave::moe_exchange<weave::mpi_communicator> ex(comm, where, o);
+      weave::host_stream compute("compute"), stream("comm");
+      weave::host_matrix<float> y(tokens, hidden), dx(tokens, hidden);
+      std::vector<float> dw(in.ids.size());
+      ex.forward(
+          in.x.view(), in.ids, in.weights, y.view(),
+          [&](const weave::expert_batch& b) { experts.operator()<float>(b); }, compute, stream);
+      ex.backward(
+          in.x.view(), dx.view(), dw,
+          [&](const weave::expert_grad_batch& b) { experts.backward<float>(b); }, compute, stream);
+      compute.synchronize();
+      stream.synchronize();
+      moe_test::check_rank_against_dense(comm.rank(), where, k, experts_count, o.capacity, in,
+                                         experts, y, &dx, &dw, ex.stats(), 1e-4);
+    }
+  }
+}
