@@ -9,6 +9,7 @@
 #include "../overlap/moe_test_support.hpp"
 
 #include <weave/comm/hierarchical.hpp>
+#include <weave/comm/local_world.hpp>
 #include <weave/comm/mpi_communicator.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/moe_exchange.hpp>
@@ -17,6 +18,7 @@
 #include "mpi_session.hpp"
 
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <set>
 #include <string>
@@ -125,8 +127,60 @@ TEST_CASE("2DH over the nodes MPI reports equals MPI_Alltoallv") {
   }
 }
 
-TEST_CASE("group-limited routing, one group per node: tokens reach at most top_groups nodes and "
-          "the chunked exchange equals the dense reference") {
+namespace {
+
+struct layer_result {
+  weave::host_matrix<float> y, dx;
+  std::vector<float> dw;
+  weave::moe_stats stats;
+};
+
+// One layer, forward and backward, on any communicator.
+template <class Comm>
+layer_result run_layer(Comm& comm, const weave::placement& where, const weave::moe_options& o,
+                       const moe_test::rank_input<float>& in,
+                       const moe_test::linear_experts& experts) {
+  weave::moe_exchange<Comm> ex(comm, where, o);
+  weave::host_stream compute("compute"), stream("comm");
+  const std::size_t T = in.x.rows(), H = in.x.cols();
+  layer_result r{weave::host_matrix<float>(T, H),
+                 weave::host_matrix<float>(T, H),
+                 std::vector<float>(in.ids.size()),
+                 {}};
+  ex.forward(
+      in.x.view(), in.ids, in.weights, r.y.view(),
+      [&](const weave::expert_batch& b) { experts.operator()<float>(b); }, compute, stream);
+  ex.backward(
+      in.x.view(), r.dx.view(), r.dw,
+      [&](const weave::expert_grad_batch& b) { experts.backward<float>(b); }, compute, stream);
+  compute.synchronize();
+  stream.synchronize();
+  r.stats = ex.stats();
+  return r;
+}
+
+// Rank r's tokens, routed by the group-limited gate (every rank can build every rank's).
+moe_test::rank_input<float> group_limited_input(int r, int experts_count, int k, int nodes,
+                                                int top_groups, std::size_t tokens,
+                                                std::size_t hidden) {
+  std::mt19937 rng(static_cast<std::uint32_t>(7 + 31 * r + top_groups));
+  auto in = moe_test::random_input<float>(tokens, hidden, experts_count, k, rng);
+  weave::host_matrix<float> logits(tokens, std::size_t(experts_count));
+  std::normal_distribution<float> z(0.0f, 2.0f);
+  for (float& v : logits.elements())
+    v = z(rng);
+  const weave::group_limit limit{nodes, top_groups};
+  weave::gate_options gate;
+  gate.k = k;
+  gate.groups = &limit;
+  weave::top_k_gate(logits.view(), gate, in.ids, in.weights);
+  return in;
+}
+
+} // namespace
+
+TEST_CASE("group-limited routing, one group per node: tokens reach at most top_groups nodes; the "
+          "chunked exchange across nodes equals the dense reference and, bitwise, one process") {
   const node_split split;
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   const int ranks = comm.size(), nodes = split.nodes, per_node = split.local;
@@ -138,17 +192,10 @@ TEST_CASE("group-limited routing, one group per node: tokens reach at most top_g
   const moe_test::linear_experts experts(experts_count, hidden, 11);
   for (int top_groups = 1; top_groups <= std::min(2, nodes); ++top_groups) {
     CAPTURE(top_groups);
-    std::mt19937 rng(static_cast<std::uint32_t>(7 + 31 * world_rank() + top_groups));
-    auto in = moe_test::random_input<float>(tokens, hidden, experts_count, k, rng);
-    weave::host_matrix<float> logits(tokens, std::size_t(experts_count));
-    std::normal_distribution<float> z(0.0f, 2.0f);
-    for (float& v : logits.elements())
-      v = z(rng);
-    const weave::group_limit limit{nodes, top_groups};
-    weave::gate_options gate;
-    gate.k = k;
-    gate.groups = &limit;
-    weave::top_k_gate(logits.view(), gate, in.ids, in.weights);
+    std::vector<moe_test::rank_input<float>> all;
+    for (int r = 0; r < ranks; ++r)
+      all.push_back(group_limited_input(r, experts_count, k, nodes, top_groups, tokens, hidden));
+    const auto& in = all[std::size_t(comm.rank())];
     for (std::size_t t = 0; t < tokens; ++t) {
       std::set<int> reached;
       for (int j = 0; j < k; ++j)
@@ -163,20 +210,19 @@ TEST_CASE("group-limited routing, one group per node: tokens reach at most top_g
       o.max_tokens = tokens;
       o.chunks = chunks;
       o.save_for_backward = true;
-      weave::moe_exchange<weave::mpi_communicator> ex(comm, where, o);
-      weave::host_stream compute("compute"), stream("comm");
-      weave::host_matrix<float> y(tokens, hidden), dx(tokens, hidden);
-      std::vector<float> dw(in.ids.size());
-      ex.forward(
-          in.x.view(), in.ids, in.weights, y.view(),
-          [&](const weave::expert_batch& b) { experts.operator()<float>(b); }, compute, stream);
-      ex.backward(
-          in.x.view(), dx.view(), dw,
-          [&](const weave::expert_grad_batch& b) { experts.backward<float>(b); }, compute, stream);
-      compute.synchronize();
-      stream.synchronize();
+      const layer_result got = run_layer(comm, where, o, in, experts);
       moe_test::check_rank_against_dense(comm.rank(), where, k, experts_count, o.capacity, in,
-                                         experts, y, &dx, &dw, ex.stats(), 1e-4);
+                                         experts, got.y, &got.dx, &got.dw, got.stats, 1e-4);
+      // The whole problem in this process (local_world, one thread per rank).
+      std::vector<layer_result> local(static_cast<std::size_t>(ranks));
+      weave::local_world world(ranks);
+      world.run([&](weave::local_communicator& c) {
+        local[std::size_t(c.rank())] = run_layer(c, where, o, all[std::size_t(c.rank())], experts);
+      });
+      const layer_result& want = local[std::size_t(comm.rank())];
+      CHECK(moe_test::bitwise_equal(got.y, want.y));
+      CHECK(moe_test::bitwise_equal(got.dx, want.dx));
+      CHECK(std::memcmp(got.dw.data(), want.dw.data(), got.dw.size() * sizeof(float)) == 0);
     }
   }
 }
