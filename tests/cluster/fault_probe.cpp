@@ -3,8 +3,8 @@
 // cluster by fault_table.sh, which injects a node or link fault mid-run.
 //
 // Usage: fault_probe --out DIR [--seconds S] [--timeout-ms T] [--tokens N] [--hidden H]
-// Each rank writes DIR/rank<R>: "<outcome> <layers correct> <longest layer, seconds> <wall
-// seconds at the outcome> <detail>", outcome one of completed (every layer correct until the time was up), error (a
+// Each rank writes DIR/rank<R>: "<outcome> <layers correct> <longest layer, seconds (with the
+// agreement to go on)> <wall seconds at the outcome> <detail>", outcome one of completed (every layer correct until the time was up), error (a
 // weave::error: its errc in the detail), wrong (a layer's output differed: never acceptable).
 // Wall seconds are CLOCK_REALTIME, comparable with the injector's. --timeout-ms sets
 // mpi_options::timeout (default: the library's). After an error a rank waits 5 s (so every
@@ -124,7 +124,19 @@ int main(int argc, char** argv) {
         }
     };
     const double end = wall_seconds() + a.seconds;
-    while (wall_seconds() < end) {
+    // The ranks agree on each layer (a max over "time is up", through the communicator, so a
+    // dead peer is a timeout and not a hang): clocks read at different moments must not leave
+    // one rank starting a layer its peers will never join.
+    const auto agree_to_stop = [&] {
+      const std::int64_t mine = wall_seconds() >= end ? 1 : 0;
+      std::int64_t any = 0;
+      comm.all_reduce(stream, std::span<const std::int64_t>(&mine, 1),
+                      std::span<std::int64_t>(&any, 1), weave::reduce_op::max);
+      stream.synchronize();
+      return any != 0;
+    };
+    double start = wall_seconds(); // of this layer, its agreement included
+    while (!agree_to_stop()) {
       for (float& v : x)
         v = z(rng);
       for (std::size_t t = 0; t < a.tokens; ++t) {
@@ -141,12 +153,10 @@ int main(int argc, char** argv) {
           want[t * a.hidden + h] = acc;
         }
       }
-      const double start = wall_seconds();
       ex.forward(weave::make_token_view(x, a.hidden), ids, weights,
                  weave::make_token_view(y, a.hidden), expert, compute, stream);
       compute.synchronize();
       stream.synchronize();
-      longest = std::max(longest, wall_seconds() - start);
       for (std::size_t i = 0; i < y.size(); ++i)
         if (!(std::fabs(y[i] - want[i]) <= 1e-5f * (1.0f + std::fabs(want[i])))) {
           record(a, rank, "wrong", layers,
@@ -155,6 +165,8 @@ int main(int argc, char** argv) {
           std::_Exit(3);
         }
       ++layers;
+      longest = std::max(longest, wall_seconds() - start);
+      start = wall_seconds();
     }
     record(a, rank, "completed", layers, "-");
   } catch (const weave::error& e) {
