@@ -76,7 +76,11 @@ if [[ ${1:-} == --inside ]]; then
     fi
     if awk -v a="$now" -v b="$t0" -v s="$bound" 'BEGIN { exit !(a - b > s) }'; then
       echo "HANG past ${bound}s" >"$out/hang"
-      for p in $(pgrep -x fault_probe); do kill -9 "$p"; done
+      for ns in $(awk '{ print $2 }' "$WEAVE_CLUSTER_DIR/nodes"); do # this cluster's only
+        for p in $(ip netns pids "$ns"); do
+          [[ $(cat "/proc/$p/comm" 2>/dev/null) == fault_probe ]] && kill -9 "$p"
+        done
+      done
       break
     fi
     sleep 0.2
