@@ -140,9 +140,14 @@ int main(int argc, char** argv) {
                 static_cast<long long>(tokens), hidden, 4 * hidden);
     std::printf("placement\tnode\tpredicted_tx\tmeasured_tx\tmeasured_rx\tidle_tx\tratio\n");
   }
+  weave::replication_options replicas; // one spare slot per device (EPLB-style replicas)
+  replicas.redundant_slots = s.ranks;
   const std::pair<const char*, weave::placement> placements[] = {
       {"contiguous", weave::place_contiguous(t.num_experts, topo)},
+      {"round_robin", weave::place_round_robin(t.num_experts, topo)},
+      {"load_balanced", weave::place_load_balanced(stats, topo)},
       {"collaborative", weave::place_collaborative(stats, topo)},
+      {"replicated", weave::place_replicated(stats, topo, replicas)},
   };
   int failed = 0;
   for (const auto& [name, p] : placements) {
