@@ -4,11 +4,12 @@
 //
 // Usage: fault_probe --out DIR [--seconds S] [--timeout-ms T] [--tokens N] [--hidden H]
 // Each rank writes DIR/rank<R>: "<outcome> <layers correct> <longest layer, seconds (with the
-// agreement to go on)> <wall seconds at the outcome> <detail>", outcome one of completed (every layer correct until the time was up), error (a
-// weave::error: its errc in the detail), wrong (a layer's output differed: never acceptable).
-// Wall seconds are CLOCK_REALTIME, comparable with the injector's. --timeout-ms sets
-// mpi_options::timeout (default: the library's). After an error a rank waits 5 s (so every
-// survivor records its own outcome) and exits without MPI_Finalize, which ends the job.
+// agreement to go on)> <wall seconds at the outcome> <detail>", outcome one of completed (every
+// layer correct until the time was up), error (a weave::error: its errc in the detail), wrong (a
+// layer's output differed: never acceptable). Wall seconds are CLOCK_REALTIME, comparable with the
+// injector's. --timeout-ms sets mpi_options::timeout (default: the library's). After an error a
+// rank waits 5 s (so every survivor records its own outcome) and exits without MPI_Finalize, which
+// ends the job.
 #include <weave/comm/mpi_communicator.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/moe_exchange.hpp>

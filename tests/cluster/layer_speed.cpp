@@ -13,8 +13,9 @@
 //   C=1, C=4  moe_exchange forward with experts that take X us per row, unchunked and in 4
 //             chunks; the expert thread sleeps meanwhile, as a host thread waits for a GPU
 //             kernel (spinning would take the cores the emulated network needs: on 2 cores a
-//             spinning expert made the 4-chunk layer slower than the unchunked one); "hidden" = (C=1 - C=4) / min(comm, compute), where comm is the layer
-//             with copying experts and compute the busiest rank's expert time
+//             spinning expert made the 4-chunk layer slower than the unchunked one); "hidden" =
+//             (C=1 - C=4) / min(comm, compute), where comm is the layer with copying experts and
+//             compute the busiest rank's expert time
 // Predicted: weave::sim::simulate_cluster on the same routing (every rank's ids gathered), the
 // `shared` link model, links calibrated in the same run: inside a node, bandwidth and latency
 // of an all-to-all among its ranks; across nodes, of one among same-local-rank peers with every
