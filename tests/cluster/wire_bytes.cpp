@@ -2,7 +2,8 @@
 // puts on each node's uplink, per placement, against weave's prediction of the cross-node
 // payload (weave::sim::layer_traffic_of, the simulator's traffic model). Run under weave-cluster;
 // the first rank of each node reads its node's link counters (/sys/class/net/eth0/statistics)
-// around each measured step.
+// and the bytes TCP retransmitted (`ss`) around each measured step; the ratio to the prediction
+// leaves retransmissions out.
 //
 // Usage: wire_bytes --trace FILE [--layer L] [--tokens N] [--hidden H] [--check TOLERANCE]
 // --check: exit 1 unless every node sent between 1 and 1 + TOLERANCE times the predicted payload.
@@ -37,6 +38,22 @@ std::array<std::int64_t, 2> link_counters() { // bytes sent, received by this no
   return v;
 }
 
+// Bytes TCP retransmitted on this node's connections so far (`ss`'s bytes_retrans summed over
+// the namespace's sockets; they live as long as MPI does).
+std::int64_t retransmitted_bytes() {
+  std::int64_t total = 0;
+  if (FILE* p = popen("ss -tinH 2>/dev/null", "r")) {
+    char word[256];
+    while (std::fscanf(p, "%255s", word) == 1) {
+      long long v = 0;
+      if (std::sscanf(word, "bytes_retrans:%lld", &v) == 1)
+        total += v;
+    }
+    pclose(p);
+  }
+  return total;
+}
+
 struct setup {
   MPI_Comm node = MPI_COMM_NULL;
   int rank = 0, ranks = 0, local = 0, local_rank = 0, nodes = 0;
@@ -50,22 +67,29 @@ struct setup {
   }
 };
 
-// Per node: bytes its uplink sent and received while `step` ran (barriers around it).
+// Per node: bytes its uplink sent and received, and bytes TCP retransmitted, while `step` ran
+// (barriers around it).
 std::vector<std::int64_t> measure(const setup& s, const std::function<void()>& step) {
+  const auto read = [&] {
+    if (s.local_rank != 0)
+      return std::array<std::int64_t, 3>{};
+    const auto link = link_counters();
+    return std::array<std::int64_t, 3>{link[0], link[1], retransmitted_bytes()};
+  };
   MPI_Barrier(MPI_COMM_WORLD);
-  const auto before = s.local_rank == 0 ? link_counters() : std::array<std::int64_t, 2>{};
+  const auto before = read();
   MPI_Barrier(MPI_COMM_WORLD);
   step();
   MPI_Barrier(MPI_COMM_WORLD);
-  const auto after = s.local_rank == 0 ? link_counters() : std::array<std::int64_t, 2>{};
-  std::array<std::int64_t, 2> delta{after[0] - before[0], after[1] - before[1]};
-  std::vector<std::int64_t> all(2 * std::size_t(s.ranks));
-  MPI_Allgather(delta.data(), 2, MPI_INT64_T, all.data(), 2, MPI_INT64_T, MPI_COMM_WORLD);
+  const auto after = read();
+  std::array<std::int64_t, 3> delta{after[0] - before[0], after[1] - before[1],
+                                    after[2] - before[2]};
+  std::vector<std::int64_t> all(3 * std::size_t(s.ranks));
+  MPI_Allgather(delta.data(), 3, MPI_INT64_T, all.data(), 3, MPI_INT64_T, MPI_COMM_WORLD);
   std::vector<std::int64_t> per_node;
-  for (int n = 0; n < s.nodes; ++n) { // the node's first rank measured
-    per_node.push_back(all[2 * std::size_t(n * s.local)]);
-    per_node.push_back(all[2 * std::size_t(n * s.local) + 1]);
-  }
+  for (int n = 0; n < s.nodes; ++n) // the node's first rank measured
+    for (std::size_t i = 0; i < 3; ++i)
+      per_node.push_back(all[3 * std::size_t(n * s.local) + i]);
   return per_node;
 }
 
@@ -138,7 +162,8 @@ int main(int argc, char** argv) {
                 "rows of %d fp32 (%d bytes)\n",
                 s.nodes, s.local, trace_path.c_str(), layer, t.num_experts, t.k,
                 static_cast<long long>(tokens), hidden, 4 * hidden);
-    std::printf("placement\tnode\tpredicted_tx\tmeasured_tx\tmeasured_rx\tidle_tx\tratio\n");
+    std::printf("placement\tnode\tpredicted_tx\tmeasured_tx\tmeasured_rx\tidle_tx\tretransmitted"
+                "\tratio\n");
   }
   weave::replication_options replicas; // one spare slot per device (EPLB-style replicas)
   replicas.redundant_slots = s.ranks;
@@ -178,12 +203,15 @@ int main(int argc, char** argv) {
         for (int r = n * s.local; r < (n + 1) * s.local; ++r)
           predicted += traffic.flat[std::size_t(r)].sent.inter_bytes +
                        traffic.flat[std::size_t(r)].received.inter_bytes;
-        const auto tx = wire[2 * std::size_t(n)], rx = wire[2 * std::size_t(n) + 1];
-        const auto idle_tx = idle[2 * std::size_t(n)];
-        const double ratio = predicted > 0 ? double(tx - idle_tx) / predicted : 0.0;
-        std::printf("%s\t%d\t%.0f\t%lld\t%lld\t%lld\t%.4f\n", name, n, predicted,
+        const auto tx = wire[3 * std::size_t(n)], rx = wire[3 * std::size_t(n) + 1];
+        const auto retransmitted = wire[3 * std::size_t(n) + 2];
+        const auto idle_tx = idle[3 * std::size_t(n)];
+        // What the step sent once: retransmitted payload (a loaded machine drops packets in the
+        // veth backlog) is counted on its own.
+        const double ratio = predicted > 0 ? double(tx - idle_tx - retransmitted) / predicted : 0.0;
+        std::printf("%s\t%d\t%.0f\t%lld\t%lld\t%lld\t%lld\t%.4f\n", name, n, predicted,
                     static_cast<long long>(tx), static_cast<long long>(rx),
-                    static_cast<long long>(idle_tx), ratio);
+                    static_cast<long long>(idle_tx), static_cast<long long>(retransmitted), ratio);
         if (tolerance >= 0 && !(ratio >= 1.0 && ratio <= 1.0 + tolerance)) {
           std::printf("FAILED: node %d sent %.4f x the predicted payload, outside [1, %.4f]\n", n,
                       ratio, 1.0 + tolerance);
