@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Node and link faults on an emulated cluster: runs fault_probe (MoE layers over MPI, each checked)
-# on NODES x RANKS ranks, injects one fault into the last node a few seconds in, and prints what
-# every rank saw (outcome, correct layers, seconds from the injection) as a Markdown table.
+# on NODES x RANKS ranks, injects one fault into the last node a second after every rank has
+# completed 3 layers, and prints what every rank saw (outcome, correct layers, seconds from the
+# injection) as a Markdown table.
 #
 # Usage: fault_table.sh [options] PATH/TO/fault_probe
 #   --cases "kill stop link-down slow"   which faults (default: all four)
@@ -34,7 +35,14 @@ if [[ ${1:-} == --inside ]]; then
   mpirun -np $((nodes * per_node)) --map-by slot "$probe" --out "$out" --seconds "$seconds" \
     "${extra[@]}" >"$out/mpirun.log" 2>&1 &
   job=$!
-  sleep 4 # warm-up: MPI started, layers running
+  # Warm-up: every rank past its third layer (at most 60 s), then a second more.
+  for _ in $(seq 600); do
+    n=$(ls "$out" | grep -c '^running')
+    ((n == nodes * per_node)) && break
+    kill -0 $job 2>/dev/null || break
+    sleep 0.1
+  done
+  sleep 1
   ranks_of_victim() {
     local p
     for p in $(ip netns pids "$victim"); do
@@ -76,6 +84,7 @@ if [[ ${1:-} == --inside ]]; then
     fi
     if awk -v a="$now" -v b="$t0" -v s="$bound" 'BEGIN { exit !(a - b > s) }'; then
       echo "HANG past ${bound}s" >"$out/hang"
+      kill -9 $job 2>/dev/null # mpirun too: it may wait for what it cannot reach
       for ns in $(awk '{ print $2 }' "$WEAVE_CLUSTER_DIR/nodes"); do # this cluster's only
         for p in $(ip netns pids "$ns"); do
           [[ $(cat "/proc/$p/comm" 2>/dev/null) == fault_probe ]] && kill -9 "$p"
@@ -134,7 +143,7 @@ if [[ -z $bound ]]; then
 fi
 "$cluster" --check 2>/dev/null || { "$cluster" --check; exit 77; }
 echo "Faults on $nodes nodes x $per_node ranks, uplinks $rate, probe timeout $timeout_ms ms," \
-  "bound ${bound} s; the fault hits node $((nodes - 1)) about 4 s in."
+  "bound ${bound} s; the fault hits node $((nodes - 1)) a second after every rank's third layer."
 echo
 echo "| fault | rank | node | outcome | correct layers | longest layer (s) | seconds after the fault | detail |"
 echo "|---|---|---|---|---|---|---|---|"
