@@ -2,7 +2,8 @@
 # weave-cluster's life cycle: it runs programs on distinct nodes, shapes each node's uplink as
 # asked, counts the bytes, passes the program's exit status on, and leaves nothing behind (no
 # namespace, no file) on a normal exit, a failing program, a crashing rank, SIGTERM, SIGINT and
-# SIGHUP; what a SIGKILLed run leaves, --cleanup removes. It refuses with 77 when not root.
+# SIGHUP; what a SIGKILLed run leaves, --cleanup removes. It refuses with 77 when not root or
+# without tc tbf.
 # Usage: lifecycle_test.sh PATH/TO/weave-cluster. Exits 77 (skipped) where clusters cannot run.
 set -uo pipefail
 cluster="${1:?usage: lifecycle_test.sh weave-cluster}"
@@ -105,6 +106,14 @@ if command -v setpriv >/dev/null; then
   check "and says why" grep -q "need root" "$work/refusal"
   rm -f "$copy"
 fi
+# Without tc tbf (a tc that always fails, first on PATH): refused, nothing left behind.
+mkdir -p "$work/no-tbf" && printf '#!/bin/sh\nexit 1\n' >"$work/no-tbf/tc" && chmod +x "$work/no-tbf/tc"
+PATH="$work/no-tbf:$PATH" "$cluster" -n 2 -- true 2>"$work/refusal" &
+pid=$!
+wait $pid
+check "without tc tbf it refuses with 77" [ $? = 77 ]
+check "and says why" grep -q "tbf is unavailable" "$work/refusal"
+check "leaving nothing behind" left_by $pid
 "$cluster" -n 0 -- true 2>/dev/null
 check "--nodes 0 is a usage error (2)" [ $? = 2 ]
 "$cluster" -n 2 --node-rate 5=1mbit -- true 2>/dev/null
