@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include "../comm/a2a_cases.hpp"
+#include "../comm/a2a_mpi_reference.hpp"
 #include "../overlap/moe_test_support.hpp"
 
 #include <weave/comm/hierarchical.hpp>
@@ -16,6 +17,7 @@
 #include <weave/routing/gate.hpp>
 
 #include "mpi_session.hpp"
+#include "node_split.hpp"
 
 #include <cstdlib>
 #include <cstring>
@@ -33,62 +35,17 @@ int env_count(const char* name) {
   return std::atoi(v);
 }
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-// The ranks of this rank's node (as MPI sees it: shared memory) and, across the nodes, the ranks
-// with the same local rank.
-struct node_split {
-  MPI_Comm intra = MPI_COMM_NULL, inter = MPI_COMM_NULL;
-  int local = 0, local_rank = 0, nodes = 0, node = 0;
-  node_split() {
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank(), MPI_INFO_NULL, &intra);
-    MPI_Comm_size(intra, &local);
-    MPI_Comm_rank(intra, &local_rank);
-    MPI_Comm_split(MPI_COMM_WORLD, local_rank, world_rank(), &inter);
-    MPI_Comm_size(inter, &nodes);
-    MPI_Comm_rank(inter, &node);
-  }
-  ~node_split() {
-    MPI_Comm_free(&intra);
-    MPI_Comm_free(&inter);
-  }
-  node_split(const node_split&) = delete;
-  node_split& operator=(const node_split&) = delete;
-};
-
-std::vector<std::byte> mpi_reference(const comm_test::a2a_case& c) {
-  const auto& L = c.ranks[std::size_t(world_rank())];
-  std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
-  MPI_Datatype type;
-  MPI_Type_contiguous(static_cast<int>(c.unit), MPI_BYTE, &type);
-  MPI_Type_commit(&type);
-  auto ints = [](const std::vector<std::int64_t>& v) {
-    return std::vector<int>(v.begin(), v.end());
-  };
-  const auto sc = ints(L.send_counts), sd = ints(L.send_displs), rc = ints(L.recv_counts),
-             rd = ints(L.recv_displs);
-  MPI_Alltoallv(L.send.data(), sc.data(), sd.data(), type, out.data(), rc.data(), rd.data(), type,
-                MPI_COMM_WORLD);
-  MPI_Type_free(&type);
-  return out;
-}
-
 } // namespace
 
 TEST_CASE("MPI sees the cluster's nodes: one hostname and one shared-memory domain per node") {
   const int nodes = env_count("WEAVE_CLUSTER_NODES");
   const int per_node = env_count("WEAVE_CLUSTER_RANKS_PER_NODE");
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const cluster_test::node_split split;
+  const int n = split.ranks;
   REQUIRE(n == nodes * per_node);
-  const node_split split;
   CHECK(split.local == per_node);
   CHECK(split.nodes == nodes);
-  CHECK(world_rank() == split.node * per_node + split.local_rank); // mpirun --map-by slot
+  CHECK(split.rank == split.node * per_node + split.local_rank); // mpirun --map-by slot
   char name[MPI_MAX_PROCESSOR_NAME] = {};
   int length = 0;
   MPI_Get_processor_name(name, &length);
@@ -99,30 +56,30 @@ TEST_CASE("MPI sees the cluster's nodes: one hostname and one shared-memory doma
   for (int r = 0; r < n; ++r) {
     const std::string other(&all[std::size_t(r) * MPI_MAX_PROCESSOR_NAME]);
     names.insert(other);
-    CHECK((other == name) == (r / per_node == world_rank() / per_node));
+    CHECK((other == name) == (r / per_node == split.rank / per_node));
   }
   CHECK(names.size() == std::size_t(nodes));
 }
 
 TEST_CASE("2DH over the nodes MPI reports equals MPI_Alltoallv") {
-  const node_split split;
+  const cluster_test::node_split split;
   weave::mpi_communicator intra(split.intra), inter(split.inter);
   weave::hierarchical_all_to_all<weave::mpi_communicator, weave::mpi_communicator> plan(
       intra, inter, 1 << 20);
-  REQUIRE(plan.rank() == world_rank());
+  REQUIRE(plan.rank() == split.rank);
   REQUIRE(plan.nodes() == split.nodes);
   for (std::size_t unit : {std::size_t{1}, std::size_t{16}}) {
     CAPTURE(unit);
     const auto c = comm_test::make_case(plan.size(), unit, 40 + unit, 20000);
-    const auto& L = c.ranks[std::size_t(world_rank())];
+    const auto& L = c.ranks[std::size_t(split.rank)];
     for (int round = 0; round < 3; ++round) { // the staging buffers are reused
       std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
       weave::host_stream s;
       plan.all_to_all_v(s, L.send.data(), L.send_counts, L.send_displs, out.data(), L.recv_counts,
                         L.recv_displs, unit);
       s.synchronize();
-      CHECK(out == mpi_reference(c));
-      CHECK(out == comm_test::expected_recv(c, world_rank()));
+      CHECK(out == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
+      CHECK(out == comm_test::expected_recv(c, split.rank));
     }
   }
 }
@@ -181,7 +138,7 @@ moe_test::rank_input<float> group_limited_input(int r, int experts_count, int k,
 
 TEST_CASE("group-limited routing, one group per node: tokens reach at most top_groups nodes; the "
           "chunked exchange across nodes equals the dense reference and, bitwise, one process") {
-  const node_split split;
+  const cluster_test::node_split split;
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   const int ranks = comm.size(), nodes = split.nodes, per_node = split.local;
   const int experts_count = 4 * ranks, k = 4;

@@ -27,6 +27,8 @@
 #include <weave/routing/gate.hpp>
 #include <weave/sim/cluster_sim.hpp>
 
+#include "node_split.hpp"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -146,19 +148,11 @@ int main(int argc, char** argv) {
     else if (key == "--uplink-gbit")
       uplink = v;
   }
-  int rank = 0, ranks = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  MPI_Comm intra_comm, inter_comm;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &intra_comm);
-  int local = 0, local_rank = 0;
-  MPI_Comm_size(intra_comm, &local);
-  MPI_Comm_rank(intra_comm, &local_rank);
-  MPI_Comm_split(MPI_COMM_WORLD, local_rank, rank, &inter_comm);
-  const int nodes = ranks / local;
   const std::size_t row = std::size_t(hidden) * sizeof(float);
   {
-    weave::mpi_communicator world(MPI_COMM_WORLD), intra(intra_comm), inter(inter_comm);
+    const cluster_test::node_split split; // freed before MPI_Finalize
+    const int rank = split.rank, ranks = split.ranks, local = split.local, nodes = split.nodes;
+    weave::mpi_communicator world(MPI_COMM_WORLD), intra(split.intra), inter(split.inter);
     const auto where = weave::placement::contiguous(experts, ranks);
 
     // Routing: uniform random top-k, and group-limited to one node per token.
@@ -311,8 +305,6 @@ int main(int argc, char** argv) {
       std::printf("hidden\t%.2f\t%.2f\t-\n", hidden_measured, hidden_predicted);
     }
   }
-  MPI_Comm_free(&intra_comm);
-  MPI_Comm_free(&inter_comm);
   MPI_Finalize();
   return 0;
 }

@@ -16,6 +16,8 @@
 #include <weave/placement.hpp>
 #include <weave/sim/moe_model.hpp>
 
+#include "node_split.hpp"
+
 #include <mpi.h>
 
 #include <array>
@@ -54,22 +56,11 @@ std::int64_t retransmitted_bytes() {
   return total;
 }
 
-struct setup {
-  MPI_Comm node = MPI_COMM_NULL;
-  int rank = 0, ranks = 0, local = 0, local_rank = 0, nodes = 0;
-  setup() {
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-    MPI_Comm_size(node, &local);
-    MPI_Comm_rank(node, &local_rank);
-    nodes = ranks / local;
-  }
-};
+using cluster_test::node_split;
 
 // Per node: bytes its uplink sent and received, and bytes TCP retransmitted, while `step` ran
 // (barriers around it).
-std::vector<std::int64_t> measure(const setup& s, const std::function<void()>& step) {
+std::vector<std::int64_t> measure(const node_split& s, const std::function<void()>& step) {
   const auto read = [&] {
     if (s.local_rank != 0)
       return std::array<std::int64_t, 3>{};
@@ -95,9 +86,10 @@ std::vector<std::int64_t> measure(const setup& s, const std::function<void()>& s
 
 } // namespace
 
-int main(int argc, char** argv) {
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+namespace {
+
+// Everything between MPI_Init and MPI_Finalize (the node split frees its communicators first).
+int run(int argc, char** argv) {
   std::string trace_path;
   int layer = 0;
   std::int64_t tokens = 1024;
@@ -116,12 +108,11 @@ int main(int argc, char** argv) {
     else if (key == "--check")
       tolerance = std::stod(argv[i + 1]);
   }
-  const setup s;
+  const node_split s;
   if (trace_path.empty() || s.ranks % s.local != 0) {
     if (s.rank == 0)
       std::fprintf(stderr, "usage: wire_bytes --trace FILE [--layer L] [--tokens N] [--hidden H]"
                            " (under weave-cluster, equal ranks per node)\n");
-    MPI_Finalize();
     return 2;
   }
   const auto layers = weave::read_trace_layers_file(trace_path).layers;
@@ -220,6 +211,15 @@ int main(int argc, char** argv) {
       }
   }
   MPI_Bcast(&failed, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  MPI_Finalize();
   return failed;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  const int status = run(argc, argv);
+  MPI_Finalize();
+  return status;
 }

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "a2a_cases.hpp"
+#include "a2a_mpi_reference.hpp"
 #include "mpi_session.hpp"
 
 #include <weave/comm.hpp>
@@ -38,25 +39,6 @@ int world_size() {
   int n = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   return n;
-}
-
-std::vector<int> ints(const std::vector<std::int64_t>& v) {
-  return {v.begin(), v.end()};
-}
-
-// MPI_Alltoallv itself on this rank's part of the case.
-std::vector<std::byte> reference(const comm_test::a2a_case& c, MPI_Comm comm) {
-  const auto& L = c.ranks[std::size_t(world_rank())];
-  std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
-  MPI_Datatype type;
-  MPI_Type_contiguous(static_cast<int>(c.unit), MPI_BYTE, &type);
-  MPI_Type_commit(&type);
-  const auto sc = ints(L.send_counts), sd = ints(L.send_displs), rc = ints(L.recv_counts),
-             rd = ints(L.recv_displs);
-  MPI_Alltoallv(L.send.data(), sc.data(), sd.data(), type, out.data(), rc.data(), rd.data(), type,
-                comm);
-  MPI_Type_free(&type);
-  return out;
 }
 
 std::vector<std::byte> weave_mpi(const comm_test::a2a_case& c, weave::mpi_communicator& comm,
@@ -103,7 +85,7 @@ TEST_CASE("mpi_communicator equals MPI_Alltoallv, the reference and local_world"
       CAPTURE(seed);
       const auto c = comm_test::make_case(n, unit, seed * 31 + unit, seed == 4 ? 200000 : 3000);
       const auto got = weave_mpi(c, comm);
-      CHECK(got == reference(c, MPI_COMM_WORLD));
+      CHECK(got == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
       CHECK(got == comm_test::expected_recv(c, r));
       CHECK(got == local(c, r));
     }
@@ -119,7 +101,7 @@ TEST_CASE("inline and handed-off operations agree with MPI, and counts are read 
     weave::mpi_communicator comm(MPI_COMM_WORLD, options);
     for (std::uint64_t seed = 1; seed <= 3; ++seed) { // small and large against the limit
       const auto c = comm_test::make_case(n, 1, seed * 7, seed == 1 ? 40 : 3000);
-      CHECK(weave_mpi(c, comm) == reference(c, MPI_COMM_WORLD));
+      CHECK(weave_mpi(c, comm) == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
     }
     // The counts-then-all-to-all pattern behind a busy stream: the count exchange is queued,
     // so the all-to-all enqueued after it must size itself (inline or not) only once the
@@ -139,7 +121,7 @@ TEST_CASE("inline and handed-off operations agree with MPI, and counts are read 
     gate.set_value();
     s.synchronize();
     CHECK(recv_counts == L.recv_counts);
-    CHECK(out == reference(c, MPI_COMM_WORLD));
+    CHECK(out == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
     // An idle stream and a small operation: complete when the call returns.
     std::vector<std::int64_t> v{r + 1}, sum(1);
     comm.all_reduce(s, std::span<const std::int64_t>(v), std::span<std::int64_t>(sum),
@@ -166,7 +148,7 @@ TEST_CASE("the large-message path (pieces and staging) equals MPI_Alltoallv") {
     for (std::size_t unit : {std::size_t{1}, std::size_t{8}}) {
       const auto c = comm_test::make_case(n, unit, 77 + unit, 3000);
       const auto got = weave_mpi(c, comm, 1);
-      CHECK(got == reference(c, MPI_COMM_WORLD));
+      CHECK(got == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
       CHECK(got == comm_test::expected_recv(c, r));
     }
   }
@@ -228,7 +210,7 @@ TEST_CASE("2DH over split MPI communicators equals MPI_Alltoallv") {
         plan.all_to_all_v(s, L.send.data(), L.send_counts, L.send_displs, out.data(), L.recv_counts,
                           L.recv_displs, unit);
         s.synchronize();
-        CHECK(out == reference(c, MPI_COMM_WORLD));
+        CHECK(out == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
       }
     }
     MPI_Comm_free(&intra_comm);
