@@ -12,4 +12,5 @@
 #include "weave/comm/fail_stop.hpp"
 #include "weave/comm/hierarchical.hpp"
 #include "weave/comm/local_world.hpp"
+#include "weave/comm/shrink.hpp"
 #include "weave/comm/status_exchange.hpp"

@@ -13,6 +13,7 @@
 #include "weave/overlap/device_decode_steps.hpp"
 #include "weave/overlap/device_exchange.hpp"
 #include "weave/overlap/device_exchange_steps.hpp"
+#include "weave/overlap/expert_state_moves.hpp"
 #include "weave/overlap/moe_exchange.hpp"
 #include "weave/overlap/moe_exchange_base.hpp"
 #include "weave/overlap/moe_handle.hpp"

@@ -6,6 +6,7 @@
 //! Host-only; no backend headers.
 #pragma once
 
+#include "weave/placement/after_loss.hpp"
 #include "weave/placement/collaboration.hpp"
 #include "weave/placement/hungarian.hpp"
 #include "weave/placement/metrics.hpp"
@@ -19,6 +20,7 @@
 #include "weave/placement/replication_groups.hpp"
 #include "weave/placement/replication_layers.hpp"
 #include "weave/placement/statistics.hpp"
+#include "weave/placement/survivable.hpp"
 #include "weave/placement/topology.hpp"
 #include "weave/placement/trace.hpp"
 #include "weave/placement/trace_io.hpp"

@@ -363,3 +363,29 @@ TEST_CASE("a real exchange of more than 2^31 bytes per peer (opt-in: WEAVE_COMM_
       static_cast<std::byte>(((16 + std::size_t(big) - 1) * 131 + std::size_t(other) * 7) >> 3));
   CHECK(std::memcmp(recv.data(), send.data(), 16) == 0);
 }
+
+TEST_CASE("shrink on MPI refuses with not_supported, saying what can, and leaves the communicator "
+          "working") {
+  const int n = world_size(), r = world_rank();
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  const std::vector<int> lost{n - 1};
+  try {
+    (void)weave::shrink(comm, lost);
+    FAIL("shrink did not refuse");
+  } catch (const weave::error& e) {
+    CHECK(e.code() == weave::errc::not_supported);
+    CHECK(e.message().find("ULFM") != std::string::npos);
+    CHECK(e.message().find("restart") != std::string::npos);
+  }
+  const std::vector<int> outside{n};
+  CHECK_THROWS_AS((void)comm.shrink(outside), weave::error);
+  weave::host_stream s;
+  std::vector<std::int64_t> announce(static_cast<std::size_t>(n)),
+      heard(static_cast<std::size_t>(n));
+  for (int j = 0; j < n; ++j)
+    announce[static_cast<std::size_t>(j)] = 10 * r + j;
+  comm.exchange_counts(s, announce, heard);
+  s.synchronize();
+  for (int j = 0; j < n; ++j)
+    CHECK(heard[std::size_t(j)] == 10 * j + r);
+}

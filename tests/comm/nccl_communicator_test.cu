@@ -82,3 +82,34 @@ TEST_CASE("nccl_communicator self-exchange, counts, reductions and barrier on on
   WEAVE_CUDA_CHECK(cudaStreamDestroy(stream));
   WEAVE_NCCL_CHECK(ncclCommDestroy(raw));
 }
+
+TEST_CASE("nccl_communicator with on_failure = revoke: an abort keeps it, shrink builds the "
+          "survivors' communicator, which exchanges correctly") {
+  ncclComm_t raw = nullptr;
+  int device = 0;
+  WEAVE_NCCL_CHECK(ncclCommInitAll(&raw, 1, &device));
+  cudaStream_t stream = nullptr;
+  WEAVE_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    weave::nccl_options o;
+    o.on_failure = weave::nccl_failure_action::revoke;
+    weave::nccl_communicator comm(raw, o);
+    const std::vector<int> self{0};
+    CHECK_THROWS_AS((void)comm.shrink(self), weave::error); // a rank cannot exclude itself
+    comm.abort(std::string("a peer was lost"));
+    CHECK(comm.aborted());
+    CHECK(comm.revoked());
+    CHECK(comm.get() == raw); // revoked, not freed
+    weave::cuda_stream_ref s(stream);
+    CHECK_THROWS_AS(comm.barrier(s), weave::error);
+    auto next = weave::shrink(comm);
+    REQUIRE(next.comm);
+    CHECK(next.survivors == std::vector<int>{0});
+    CHECK(next.lost.empty());
+    CHECK(next.comm->size() == 1);
+    const std::vector<std::int64_t> mine{41, 42};
+    CHECK(next.comm->all_gather_now(mine) == mine);
+  }
+  WEAVE_CUDA_CHECK(cudaStreamDestroy(stream));
+  WEAVE_NCCL_CHECK(ncclCommAbort(raw)); // a revoked communicator ends with an abort
+}

@@ -63,13 +63,14 @@ TEST_CASE("errc interoperates with std::error_code") {
   CHECK(ec.message() == "timeout");
   CHECK(ec == weave::errc::timeout);
   CHECK(ec != weave::errc::peer_failure);
-  for (int code = 1; code <= 15; ++code) {
+  for (int code = 1; code <= 16; ++code) {
     CHECK(std::string(weave::to_string(static_cast<weave::errc>(code))) != "unknown");
     CHECK(weave::detail::is_errc(code));
   }
   CHECK(std::string(weave::to_string(weave::errc::protocol)) == "protocol");
+  CHECK(std::string(weave::to_string(weave::errc::experts_lost)) == "experts_lost");
   for (const std::int64_t other :
-       {std::int64_t{0}, std::int64_t{16}, std::int64_t{-1}, std::int64_t{1} << 32})
+       {std::int64_t{0}, std::int64_t{17}, std::int64_t{-1}, std::int64_t{1} << 32})
     CHECK_FALSE(weave::detail::is_errc(other));
 }
 

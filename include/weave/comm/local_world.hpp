@@ -15,10 +15,15 @@
 //! Ranks' operations match in the order they run, as in MPI and NCCL: an operation skipped
 //! because its stream had failed moves nothing and matches nothing (it only keeps its place in
 //! its communicator's enqueue order, which is checked).
+//!
+//! After a failure the ranks still alive may `shrink` the world and go on without the lost ones
+//! (see `shrink.hpp`): a rank that threw inside `run`, whose handle was destroyed, or that does
+//! not reach the shrink within the world's timeout is left out.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/local_world_state.hpp"
+#include "weave/comm/shrink.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
@@ -48,6 +53,8 @@ class local_communicator {
 
   local_communicator(const local_communicator&) = delete;
   local_communicator& operator=(const local_communicator&) = delete;
+  //! A destroyed handle's rank takes no part in a later shrink of its world.
+  ~local_communicator() { state_->shrink_round().depart(rank_); }
 
   //! This rank, in [0, size()).
   int rank() const noexcept { return rank_; }
@@ -139,6 +146,40 @@ class local_communicator {
   //! True once the world was aborted (by any rank, or a timeout): every operation now fails.
   bool aborted() const { return state_->failed_rank() >= 0; }
 
+  //! Revokes this world (every operation of every rank fails from now on, as after an abort)
+  //! and joins its survivors' agreement (see `shrink.hpp`): returns this rank's handle to a new
+  //! world of the ranks that reached the shrink, less `excluded`, with the same options and
+  //! links. A rank whose thread ended or whose handle was destroyed is left out at once, one
+  //! that never arrives after the world's timeout. Throws `errc::config_mismatch` on every
+  //! rank when the ranks' `excluded` differ, `errc::invalid_state` for a rank excluded or
+  //! arriving after the group closed, `errc::out_of_range` for an excluded rank outside the
+  //! world. Once per world: shrink the new handle after a later failure.
+  shrunk_communicator<local_communicator> shrink(std::span<const int> excluded = {}) {
+    std::vector<int> ex = detail::excluded_ranks(excluded, size(), "local_communicator::shrink");
+    state_->abort({rank_, errc::invalid_state, true,
+                   detail::concat("rank ", rank_, " revoked the world to shrink it")});
+    const auto old = state_;
+    auto out = state_->shrink_round().join(
+        rank_, std::move(ex), state_->timeout(), [old](const std::vector<int>& survivors) {
+          local_world_options o = old->options();
+          auto next =
+              std::make_shared<detail::local_world_state>(static_cast<int>(survivors.size()), o);
+          for (std::size_t i = 0; i < survivors.size(); ++i)
+            for (std::size_t j = 0; j < survivors.size(); ++j)
+              if (i != j)
+                next->link(static_cast<int>(i), static_cast<int>(j)) =
+                    old->link(survivors[i], survivors[j]);
+          return next;
+        });
+    const auto at = std::find(out.survivors.begin(), out.survivors.end(), rank_);
+    const int new_rank = static_cast<int>(at - out.survivors.begin());
+    shrunk_communicator<local_communicator> result;
+    result.comm.reset(new local_communicator(std::move(out.next), new_rank));
+    result.lost = detail::lost_ranks(out.survivors, size());
+    result.survivors = std::move(out.survivors);
+    return result;
+  }
+
  private:
   friend class local_world;
 
@@ -176,7 +217,7 @@ class local_communicator {
 };
 
 static_assert(has_tagged_collectives<local_communicator> && has_send_recv<local_communicator> &&
-              has_exchange_counts<local_communicator> &&
+              has_shrink<local_communicator> && has_exchange_counts<local_communicator> &&
               has_deferred_exchange_counts<local_communicator> && has_barrier<local_communicator> &&
               has_all_reduce<local_communicator, double>);
 
@@ -228,6 +269,7 @@ class local_world {
           failures[static_cast<std::size_t>(r)] = std::current_exception();
           state_->abort(record_of(failures[static_cast<std::size_t>(r)], r));
         }
+        state_->shrink_round().depart(r); // this rank takes no part in a later shrink
       });
     for (std::thread& t : threads)
       t.join();

@@ -6,6 +6,7 @@
 
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/emulated_link.hpp"
+#include "weave/comm/local_world_shrink.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
@@ -97,6 +98,8 @@ class local_world_state {
  public:
   local_world_state(int size, const local_world_options& options)
       : size_(size)
+      , options_(options)
+      , shrink_(size)
       , timeout_(options.timeout)
       , inline_max_bytes_(options.inline_max_bytes)
       , links_(static_cast<std::size_t>(size) * static_cast<std::size_t>(size), options.link)
@@ -108,6 +111,11 @@ class local_world_state {
   }
 
   int size() const noexcept { return size_; }
+  //! The options the world was made with (its links are `link`).
+  const local_world_options& options() const noexcept { return options_; }
+  //! The world's one shrink agreement (`local_communicator::shrink`).
+  local_shrink_round& shrink_round() noexcept { return shrink_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   //! Whether operations may run on the calling thread at all.
   bool inline_enabled() const noexcept { return inline_max_bytes_ > 0; }
   //! Whether an operation moving `bytes` on a rank may run on the calling thread.
@@ -405,6 +413,8 @@ class local_world_state {
   }
 
   int size_;
+  local_world_options options_;
+  local_shrink_round shrink_;
   std::chrono::milliseconds timeout_;
   std::size_t inline_max_bytes_;
   std::vector<emulated_link> links_; // links_[src * size + dst]; set before any operation

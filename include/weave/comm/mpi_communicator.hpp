@@ -34,6 +34,7 @@
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/mpi_failure_notices.hpp"
 #include "weave/comm/mpi_options.hpp"
+#include "weave/comm/shrink.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
@@ -43,6 +44,9 @@
 #include "weave/exec/host_stream.hpp"
 
 #include <mpi.h>
+#if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h> // tells whether this Open MPI has the ULFM extension
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -155,6 +159,25 @@ class mpi_communicator {
 
   //! True once this communicator failed: aborted here, told by a peer, or timed out.
   bool aborted() const noexcept { return failed_flag_.load(std::memory_order_acquire); }
+
+  //! Refuses with `errc::not_supported`: MPI 3.1 has no way for survivors to continue without a
+  //! process. Open MPI (4.1 here) ends the whole job when one process dies; shrinking needs the
+  //! ULFM extension (`MPIX_Comm_shrink`, Open MPI 5 built with `--with-ft=ulfm`), which weave
+  //! does not use yet. Recover by restarting the job on the surviving hosts from a checkpoint, or
+  //! run the layer on NCCL or an in-process world, whose communicators shrink (`shrink.hpp`).
+  shrunk_communicator<mpi_communicator> shrink(std::span<const int> excluded = {}) {
+    (void)detail::excluded_ranks(excluded, size_, "mpi_communicator::shrink");
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
+    constexpr const char* mpi_here =
+        "this MPI has the ULFM extension, which weave does not use yet";
+#else
+    constexpr const char* mpi_here = "this MPI has no ULFM extension (MPIX_Comm_shrink) and ends "
+                                     "the whole job when a process dies";
+#endif
+    WEAVE_THROW(errc::not_supported, "mpi_communicator rank ", rank_, ": cannot shrink: ", mpi_here,
+                "; restart the job on the surviving hosts from a checkpoint, or use NCCL or "
+                "local_world, whose communicators shrink");
+  }
 
   //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`). A tagged one
   //! (`call_tag`) first exchanges a small header with every peer, its tag and the bytes it sends:
@@ -372,7 +395,9 @@ class mpi_communicator {
   }
 
   // Sends the pending failure notice to every peer once (on the thread allowed to call MPI).
-  void send_notices() { notices_.send(); }
+  void send_notices() {
+    notices_.send();
+  }
 
   // A peer's failure notice, if one arrived: the communicator fails and the caller throws.
   void check_notice(const char* what) {
@@ -597,7 +622,7 @@ class mpi_communicator {
   std::size_t cached_unit_ = 0;
 };
 
-static_assert(has_tagged_collectives<mpi_communicator> &&
+static_assert(has_tagged_collectives<mpi_communicator> && has_shrink<mpi_communicator> &&
               has_deferred_exchange_counts<mpi_communicator> && has_barrier<mpi_communicator> &&
               has_all_reduce<mpi_communicator, double>);
 

@@ -17,10 +17,17 @@
 //! status weave's layers send with their count exchanges, or else from their own timeout (and,
 //! over a network transport, from NCCL's remote error once the aborted rank's connections
 //! close). Set `nccl_options.timeout` to what a step may take at most.
+//!
+//! Elastic use (`shrink.hpp`): with `nccl_options::on_failure = nccl_failure_action::revoke`, a
+//! failure revokes the communicator (`ncclCommRevoke`, NCCL 2.28) instead of aborting it, so it
+//! stays valid: `shrink(excluded)` then builds the survivors' communicator (`ncclCommShrink`) and
+//! checks on it that every survivor excluded the same ranks. The owner of a revoked communicator
+//! ends it with `ncclCommAbort` (NCCL forbids `ncclCommFinalize` after a revoke).
 #pragma once
 
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/cuda_all_gather.hpp"
+#include "weave/comm/shrink.hpp"
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/cuda_error.hpp"
@@ -44,10 +51,19 @@
 
 WEAVE_NAMESPACE_BEGIN
 
+//! What an `nccl_communicator` does to its `ncclComm_t` when it gives up (an asynchronous
+//! error, a timeout, `abort`).
+enum class nccl_failure_action : int {
+  abort = 0,  //!< `ncclCommAbort`, which frees it (its owner must not destroy it)
+  revoke = 1, //!< `ncclCommRevoke`: it stays valid for `shrink` (its owner ends it with abort)
+};
+
 //! Settings of an `nccl_communicator`.
 struct nccl_options {
-  //! How long `synchronize` waits for the stream before aborting the communicator.
+  //! How long `synchronize` waits for the stream before giving up on the communicator.
   std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  //! What giving up does: abort (the default) or revoke, to let the survivors `shrink`.
+  nccl_failure_action on_failure = nccl_failure_action::abort;
 };
 
 namespace detail {
@@ -86,20 +102,86 @@ class nccl_communicator {
   ~nccl_communicator() {
     if (scratch_)
       (void)cudaFree(scratch_);
+    if (owned_ && comm_ != nullptr) // a communicator `shrink` made
+      (void)(revoked_ ? ncclCommAbort(comm_) : ncclCommDestroy(comm_));
   }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
-  //! The wrapped communicator (null after an abort).
+  //! The wrapped communicator (null after an abort; still valid after a revoke).
   ncclComm_t get() const noexcept { return comm_; }
 
-  //! True once the communicator was aborted (here, after an error, a timeout or `abort`).
-  bool aborted() const noexcept { return comm_ == nullptr; }
+  //! True once the communicator was given up (aborted or revoked, after an error, a timeout or
+  //! `abort`): every later operation fails.
+  bool aborted() const noexcept { return comm_ == nullptr || revoked_; }
+  //! True once it was revoked rather than aborted (`nccl_failure_action::revoke`).
+  bool revoked() const noexcept { return revoked_; }
+
+  //! The survivors' communicator (see `shrink.hpp`): revokes this one if that was not done yet,
+  //! waits until it is quiescent, and calls `ncclCommShrink` without `excluded`; the result owns
+  //! the new `ncclComm_t`. Collective over the survivors, who must all exclude the same ranks:
+  //! that is checked on the new communicator (`errc::config_mismatch`), though ranks whose
+  //! lists differ in length may not get that far (NCCL may fail or time out in the shrink).
+  //! Throws `errc::invalid_state` after an abort (`ncclCommAbort` freed the communicator: set
+  //! `on_failure = revoke`), `errc::invalid_argument` when this rank excludes itself,
+  //! `errc::not_supported` before NCCL 2.28.
+  shrunk_communicator<nccl_communicator> shrink(std::span<const int> excluded = {}) {
+    const std::vector<int> ex =
+        detail::excluded_ranks(excluded, size_, "nccl_communicator::shrink");
+    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state, "nccl_communicator rank ", rank_,
+                 ": cannot shrink a communicator that was aborted (ncclCommAbort frees it); set "
+                 "nccl_options::on_failure = nccl_failure_action::revoke");
+    WEAVE_EXPECT(!std::binary_search(ex.begin(), ex.end(), rank_), errc::invalid_argument,
+                 "nccl_communicator rank ", rank_, ": shrink excludes this rank itself");
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (!revoked_) {
+      WEAVE_NCCL_CHECK(ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT));
+      revoked_ = true;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    for (ncclResult_t state = ncclInProgress; state == ncclInProgress;) {
+      WEAVE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+      WEAVE_EXPECT(std::chrono::steady_clock::now() < deadline, errc::timeout,
+                   "nccl_communicator rank ", rank_, ": still not quiescent ",
+                   options_.timeout.count(), " ms after its revoke");
+      if (state == ncclInProgress)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    ncclComm_t next = nullptr;
+    std::vector<int> list = ex; // NCCL takes a non-const list
+    WEAVE_NCCL_CHECK(ncclCommShrink(comm_, list.empty() ? nullptr : list.data(),
+                                    static_cast<int>(list.size()), &next, nullptr,
+                                    NCCL_SHRINK_DEFAULT));
+    shrunk_communicator<nccl_communicator> out;
+    out.comm.reset(new nccl_communicator(next, options_));
+    out.comm->owned_ = true;
+    for (int r = 0; r < size_; ++r)
+      (std::binary_search(ex.begin(), ex.end(), r) ? out.lost : out.survivors).push_back(r);
+    // The agreement: every survivor excluded the same ranks.
+    std::int64_t digest = static_cast<std::int64_t>(ex.size());
+    for (const int r : ex)
+      digest = digest * 1000003 + r + 1;
+    const std::int64_t mine[2] = {static_cast<std::int64_t>(ex.size()), digest};
+    const std::vector<std::int64_t> all = out.comm->all_gather_now(mine);
+    for (std::size_t i = 0; i < out.survivors.size(); ++i)
+      WEAVE_EXPECT(all[2 * i] == mine[0] && all[2 * i + 1] == mine[1], errc::config_mismatch,
+                   "nccl_communicator rank ", rank_,
+                   ": the survivors disagree about who is left: ", "this rank excludes ",
+                   detail::rank_list(ex), ", old rank ", out.survivors[i], " excludes ", all[2 * i],
+                   " other rank(s)");
+    return out;
+#else
+    WEAVE_THROW(errc::not_supported,
+                "nccl_communicator::shrink needs NCCL 2.28 or later "
+                "(ncclCommRevoke, ncclCommShrink); this is NCCL ",
+                NCCL_MAJOR, ".", NCCL_MINOR);
+#endif
+  }
 
   //! Aborts the communicator (`ncclCommAbort`; its owner must then not destroy it) because of
   //! `why`; later operations fail with `errc::invalid_state` naming it. Idempotent.
   void abort(const failure_record& why) {
-    if (comm_ == nullptr)
+    if (aborted())
       return;
     why_ = why.describe();
     abort();
@@ -237,11 +319,20 @@ class nccl_communicator {
 
  private:
   void usable() const {
-    WEAVE_EXPECT(comm_ != nullptr, errc::invalid_state, "nccl_communicator rank ", rank_,
-                 ": used after it was aborted", why_.empty() ? "" : " (", why_,
+    WEAVE_EXPECT(comm_ != nullptr && !revoked_, errc::invalid_state, "nccl_communicator rank ",
+                 rank_, ": used after it was aborted", why_.empty() ? "" : " (", why_,
                  why_.empty() ? "" : ")");
   }
+  // Gives up on the communicator: aborts it (freed) or revokes it (kept for `shrink`).
   void abort() noexcept {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    if (options_.on_failure == nccl_failure_action::revoke) {
+      if (!revoked_)
+        (void)ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+      revoked_ = true;
+      return;
+    }
+#endif
     (void)ncclCommAbort(comm_);
     comm_ = nullptr;
   }
@@ -252,10 +343,12 @@ class nccl_communicator {
   int rank_ = 0;
   int size_ = 0;
   int* scratch_ = nullptr;
+  bool revoked_ = false; // ncclCommRevoke was called: only shrink and abort remain
+  bool owned_ = false;   // made by `shrink`: this object ends it
 };
 
 static_assert(has_all_to_all_v<nccl_communicator> && has_send_recv<nccl_communicator> &&
-              has_exchange_counts<nccl_communicator> && has_barrier<nccl_communicator> &&
-              has_all_reduce<nccl_communicator, float>);
+              has_shrink<nccl_communicator> && has_exchange_counts<nccl_communicator> &&
+              has_barrier<nccl_communicator> && has_all_reduce<nccl_communicator, float>);
 
 WEAVE_NAMESPACE_END

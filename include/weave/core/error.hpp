@@ -36,6 +36,7 @@ enum class errc : int {
   config_mismatch = 13, //!< ranks built one collective object with different configurations
   call_mismatch = 14,   //!< ranks issued different calls at one collective (call order broken)
   protocol = 15,        //!< a peer sent bytes no weave rank writes (a corrupt or foreign message)
+  experts_lost = 16,    //!< a failure took every copy of some experts: the layer cannot serve them
 };
 
 //! Short, stable name of an error code ("invalid_argument", ...).
@@ -71,6 +72,8 @@ constexpr const char* to_string(errc code) noexcept {
     return "call_mismatch";
   case errc::protocol:
     return "protocol";
+  case errc::experts_lost:
+    return "experts_lost";
   }
   return "unknown";
 }
@@ -80,7 +83,7 @@ namespace detail {
 //! True when `value` is the number of an `errc`: what a code read from a peer's bytes must be.
 WEAVE_HOST_DEVICE constexpr bool is_errc(std::int64_t value) noexcept {
   return value >= static_cast<std::int64_t>(errc::invalid_argument) &&
-         value <= static_cast<std::int64_t>(errc::protocol);
+         value <= static_cast<std::int64_t>(errc::experts_lost);
 }
 
 } // namespace detail
