@@ -13,6 +13,7 @@
 #include <weave/comm/shrink.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/decode_exchange.hpp>
 #include <weave/overlap/expert_state_moves.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/placement/after_loss.hpp>
@@ -421,4 +422,117 @@ TEST_CASE("elastic: a loss the placement cannot survive ends every survivor with
   }
   for (int r = 0; r < ranks; ++r)
     CHECK(run.failures[static_cast<std::size_t>(r)]);
+}
+
+namespace {
+
+using decode_type = weave::decode_exchange<comm_type, float>;
+
+// One decode step: dispatch, the slot weights on every received row, combine. The victim
+// throws between dispatch and combine (it never combines; its thread ends and aborts the world).
+std::vector<float> decode_step(decode_type& layer, const slot_weights& sw, const step_input& in,
+                               weave::host_stream& s, bool victim) {
+  std::vector<float> y(T * H);
+  auto h = layer.dispatch(std::span<const float>(in.x.data(), T * H), in.ids, in.w, s);
+  s.synchronize();
+  if (victim)
+    throw injected_loss();
+  const auto xs = h.experts();
+  for (int l = 0; l < xs.local_experts(); ++l)
+    for (std::size_t r = 0; r * H < xs.input(l).size(); ++r) {
+      const std::vector<float>& m = sw.w[static_cast<std::size_t>(l)];
+      for (std::size_t o = 0; o < H; ++o) {
+        float acc = 0.0f;
+        for (std::size_t i = 0; i < H; ++i)
+          acc += m[o * H + i] * xs.input(l)[r * H + i];
+        xs.output(l)[r * H + o] = acc;
+      }
+    }
+  layer.combine(h, std::span<float>(y), s);
+  s.synchronize();
+  return y;
+}
+
+weave::decode_options decode_opts() {
+  weave::decode_options o;
+  o.k = K;
+  o.hidden = H;
+  o.max_tokens_per_rank = T;
+  return o;
+}
+
+} // namespace
+
+TEST_CASE("elastic serving: a decode layer loses a rank mid-call, the survivors go on unchanged") {
+  const int ranks = 8, experts = 16, victim = 3, fail_step = 2;
+  const std::vector<double> loads(experts, 1.0);
+  const weave::placement start = weave::place_survivable(loads, weave::topology::flat(ranks));
+  std::mutex m;
+  std::map<std::pair<int, int>, std::vector<float>> out;
+  std::vector<int> identities(ranks - 1, -1);
+  weave::placement final_where;
+  weave::local_world world(ranks, {.timeout = 20s});
+  const auto failures = world.run_collect([&](comm_type& first) {
+    const int identity = first.rank();
+    comm_type* comm = &first;
+    std::unique_ptr<comm_type> owned;
+    weave::placement where = start;
+    slot_weights sw(where, comm->rank());
+    auto stream = std::make_unique<weave::host_stream>("decode");
+    auto layer = std::make_unique<decode_type>(*comm, where, decode_opts());
+    for (int step = 0; step < fail_step + compared_steps;) {
+      try {
+        auto y = decode_step(*layer, sw, step_input(step, identity, experts), *stream,
+                             identity == victim && step == fail_step);
+        std::lock_guard lock(m);
+        out[{identity, step}] = std::move(y);
+        ++step;
+      } catch (const injected_loss&) {
+        throw;
+      } catch (const weave::error&) {
+        auto next = comm->shrink();
+        const auto rec = weave::plan_after_loss(where, next.lost, loads);
+        layer.reset();
+        stream = std::make_unique<weave::host_stream>("decode");
+        const auto before = sw.w;
+        weave::move_expert_state(
+            *next.comm, *stream, rec.plan, H * H * sizeof(float),
+            [&](int e) {
+              for (int l = 0; l < where.slots_per_device(); ++l)
+                if (where.expert_of_slot(comm->rank() * where.slots_per_device() + l) == e)
+                  return std::as_bytes(std::span<const float>(before[static_cast<std::size_t>(l)]));
+              throw std::logic_error("asked for an expert this rank does not hold");
+            },
+            [&](int slot, int) {
+              return std::as_writable_bytes(std::span<float>(sw.w[static_cast<std::size_t>(slot)]));
+            });
+        where = rec.plan.target;
+        owned = std::move(next.comm);
+        comm = owned.get();
+        layer = std::make_unique<decode_type>(*comm, where, decode_opts());
+        CHECK(step == fail_step); // the failed call is issued again, nothing else
+      }
+    }
+    std::lock_guard lock(m);
+    identities[static_cast<std::size_t>(comm->rank())] = identity;
+    final_where = where;
+  });
+  for (int r = 0; r < ranks; ++r)
+    CHECK(static_cast<bool>(failures[static_cast<std::size_t>(r)]) == (r == victim));
+  REQUIRE(final_where.num_devices() == ranks - 1);
+  // A fresh decode layer of the same placement, fed the same tokens.
+  weave::local_world fresh(ranks - 1);
+  fresh.run([&](comm_type& c) {
+    const int identity = identities[static_cast<std::size_t>(c.rank())];
+    const slot_weights sw(final_where, c.rank());
+    weave::host_stream stream("decode");
+    decode_type layer(c, final_where, decode_opts());
+    for (int step = fail_step; step < fail_step + compared_steps; ++step) {
+      const auto y = decode_step(layer, sw, step_input(step, identity, experts), stream, false);
+      std::lock_guard lock(m);
+      CAPTURE(identity);
+      CAPTURE(step);
+      CHECK(std::memcmp(y.data(), out.at({identity, step}).data(), y.size() * sizeof(float)) == 0);
+    }
+  });
 }

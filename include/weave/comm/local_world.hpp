@@ -149,8 +149,9 @@ class local_communicator {
   //! Revokes this world (every operation of every rank fails from now on, as after an abort)
   //! and joins its survivors' agreement (see `shrink.hpp`): returns this rank's handle to a new
   //! world of the ranks that reached the shrink, less `excluded`, with the same options and
-  //! links. A rank whose thread ended or whose handle was destroyed is left out at once, one
-  //! that never arrives after the world's timeout. Throws `errc::config_mismatch` on every
+  //! links. A rank whose thread ended, whose handle was destroyed or that a timeout of this
+  //! world found missing is not waited for; any other rank that does not arrive is left out
+  //! after the world's timeout. Throws `errc::config_mismatch` on every
   //! rank when the ranks' `excluded` differ, `errc::invalid_state` for a rank excluded or
   //! arriving after the group closed, `errc::out_of_range` for an excluded rank outside the
   //! world. Once per world: shrink the new handle after a later failure.

@@ -2,8 +2,8 @@
 //! The agreement behind `local_communicator::shrink`: one round per world in which the ranks
 //! still alive say whom they exclude, and which closes once every rank either joined or left
 //! (its thread ended, its handle was destroyed) or the world's timeout passed since the first
-//! join. Whoever closes it computes one outcome that every joined rank then reads: there is only
-//! ever one group of survivors.
+//! join (a rank an operation's timeout found missing counts as left). Whoever closes it computes
+//! one outcome that every joined rank then reads: there is only ever one group of survivors.
 #pragma once
 
 #include "weave/comm/shrink.hpp"
@@ -40,7 +40,8 @@ class local_shrink_round {
       , departed_(static_cast<std::size_t>(size), 0)
       , views_(static_cast<std::size_t>(size)) {}
 
-  //! Rank `rank` will take no further part (its thread ended or its handle was destroyed).
+  //! Rank `rank` is not waited for: its thread ended, its handle was destroyed, or a timeout
+  //! found it missing (it is still a survivor if it joins before the round closes).
   void depart(int rank) {
     {
       std::lock_guard lock(mutex_);

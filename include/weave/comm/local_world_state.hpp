@@ -242,8 +242,10 @@ class local_world_state {
         for (int peer = 0; peer < size_; ++peer) {
           const auto p = static_cast<std::size_t>(peer);
           const bool late = arriving ? posts_[p].seq < post.seq : finished_[p] < post.seq;
-          if (late)
+          if (late) {
             missing += (missing.empty() ? "" : ", ") + std::to_string(peer);
+            shrink_.depart(peer); // a later shrink does not wait for it again
+          }
         }
         const std::string message =
             detail::concat("local_world rank ", rank, ": ", to_string(post.op), " #", post.seq,
