@@ -32,6 +32,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -81,7 +82,8 @@ struct shared_run {
   std::mutex m;
   std::atomic<std::int64_t> failed_at{0}; // clock ticks when the lost rank failed
   std::vector<phases> survivors;
-  std::vector<double> loss; // per step, summed over ranks
+  std::vector<double> loss;    // per step, the mean over the world's tokens
+  std::vector<double> step_ms; // rank 0's steps before the loss
   std::size_t moves = 0, moved_bytes = 0;
   bool survivable_after = false;
   std::atomic<bool> done{false};
@@ -155,6 +157,7 @@ void train_rank(const settings& s, comm_type& first, shared_run& run) {
       }
     }
     std::vector<float> grads(static_cast<std::size_t>(s.experts) * H * H, 0.0f);
+    const auto step_start = clock_type::now();
     try {
       layer->forward(
           x.view(), ids, gate, y.view(),
@@ -243,6 +246,9 @@ void train_rank(const settings& s, comm_type& first, shared_run& run) {
       if (comm->rank() == 0) {
         std::lock_guard lock(run.m);
         run.loss.push_back(total_loss[0]);
+        if (step < s.lose_step)
+          run.step_ms.push_back(
+              std::chrono::duration<double, std::milli>(clock_type::now() - step_start).count());
       }
       ++step;
     } catch (const lost_rank&) {
@@ -251,32 +257,40 @@ void train_rank(const settings& s, comm_type& first, shared_run& run) {
     } catch (const weave::error& e) {
       drain(*compute, *comm_stream);
       ph.caught = since(run);
+      //! [recovery]
+      // 1. Agree on who is left: a smaller communicator of the survivors.
       auto next = comm->shrink();
       ph.shrunk = since(run);
+      // 2. The new placement, from the copies the survivors hold (every rank plans alike;
+      //    errc::experts_lost if some expert had every copy on the lost rank).
       const weave::loss_recovery rec = weave::plan_after_loss(where, next.lost, loads);
       ph.planned = since(run);
-      layer.reset();
+      layer.reset(); // the old layer and streams go first: they use the old communicator
       compute = std::make_unique<weave::host_stream>("compute");
       comm_stream = std::make_unique<weave::host_stream>("comm");
-      std::vector<expert_state> before = slots;
+      // 3. Weights and optimizer state of the copies the plan makes, from survivors that hold
+      //    them (new rank numbers; a slot may be a source and a destination at once).
+      const std::vector<expert_state> before = slots;
       weave::move_expert_state(
           *next.comm, *comm_stream, rec.plan, 2 * H * H * sizeof(float),
-          [&](int expert) {
+          [&](int expert) { // this rank's state of an expert it holds
             for (std::size_t l = 0; l < S; ++l)
               if (where.expert_of_slot(comm->rank() * static_cast<int>(S) + static_cast<int>(l)) ==
                   expert)
                 return std::as_bytes(std::span<const float>(before[l].data));
             throw std::logic_error("a move from a rank that does not hold the expert");
           },
-          [&](int slot, int) {
+          [&](int slot, int) { // where a received copy goes
             return std::as_writable_bytes(
                 std::span<float>(slots[static_cast<std::size_t>(slot)].data));
           });
       ph.moved = since(run);
+      // 4. The layer on the survivors (its agreement runs again); then the step is redone.
       where = rec.plan.target;
       owned = std::move(next.comm);
       comm = owned.get();
       layer = std::make_unique<layer_type>(*comm, where, o);
+      //! [recovery]
       ph.rebuilt = since(run);
       recovering = true;
       if (comm->rank() == 0) {
@@ -368,6 +382,10 @@ int run(int argc, char** argv) {
     std::printf("  layer rebuilt       %8.2f\n", ms(slowest.rebuilt));
     std::printf("  first good step     %8.2f\n", ms(slowest.first_good));
     std::printf("new placement survives another loss: %s\n", run.survivable_after ? "yes" : "no");
+    if (run.step_ms.size() > 1) // the first step warms up
+      std::printf("a step before the loss took %.2f ms on average\n",
+                  std::accumulate(run.step_ms.begin() + 1, run.step_ms.end(), 0.0) /
+                      static_cast<double>(run.step_ms.size() - 1));
   }
   std::printf("every copy of every expert equal (weights and momentum): %s\n",
               consistent ? "yes" : "NO");
