@@ -6,6 +6,8 @@
 #include "a2a_cases.hpp"
 
 #include <weave/comm/nccl_communicator.hpp>
+#include <weave/overlap/expert_state_moves.hpp>
+#include <weave/placement/migration.hpp>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -109,6 +111,13 @@ TEST_CASE("nccl_communicator with on_failure = revoke: an abort keeps it, shrink
     CHECK(next.comm->size() == 1);
     const std::vector<std::int64_t> mine{41, 42};
     CHECK(next.comm->all_gather_now(mine) == mine);
+    // The survivors' state moves go through the same code as on the host (nothing to move on
+    // one rank: the plan's copies are all local).
+    const auto p = weave::placement::contiguous(2, 1);
+    const auto plan = weave::plan_migration(p, p, weave::topology::flat(1));
+    weave::move_expert_state(
+        *next.comm, s, plan, 16, [](int) { return std::span<const std::byte>(); },
+        [](int, int) { return std::span<std::byte>(); });
   }
   WEAVE_CUDA_CHECK(cudaStreamDestroy(stream));
   WEAVE_NCCL_CHECK(ncclCommAbort(raw)); // a revoked communicator ends with an abort
