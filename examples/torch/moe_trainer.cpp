@@ -17,6 +17,14 @@
 // state between ranks (plan_migration, MPI point to point), and checks that the losses are
 // bitwise those of a second run that never re-places.
 //
+// Elastic (--ranks=N --lose-rank=R --lose-step=S): the ranks are threads of one process on a
+// `local_world`, the experts are placed survivably (two copies of each on distinct ranks, their
+// gradients summed over the copies), and rank R is lost in its experts' backward at step S. The
+// survivors shrink the world, re-place the experts on themselves (plan_after_loss), receive the
+// weights and optimizer state of the copies they lack from the survivors holding them
+// (move_expert_state), rebuild the layer and redo the step; the dense copy goes on with the
+// survivors' tokens, and the losses must still agree at every step.
+//
 // Exits 0 only if the losses agree at every step and the loss decreased; `--help` lists the
 // options (`--name=value` or `--name value`) and their ranges, and a bad option ends every rank
 // with one line on stderr and status 2.
@@ -26,10 +34,13 @@
 #include <mpi.h>
 #include <torch/torch.h>
 
+#include <weave/comm/local_world.hpp>
 #include <weave/comm/mpi_communicator.hpp>
+#include <weave/comm/shrink.hpp>
 #include <weave/core/checked.hpp>
 #include <weave/core/mpi_error.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/expert_state_moves.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/placement.hpp>
 
@@ -42,6 +53,9 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -63,7 +77,16 @@ struct settings {
   double tolerance = 1e-5; // relative, distributed vs dense loss
   int replace_every = 0;   // 0: never re-place
   int print_every = 25;
+  int ranks = 0;      // > 0: in-process ranks instead of MPI processes
+  int lose_rank = -1; // >= 0: this rank is lost (in-process only)
+  int lose_step = -1;
 };
+
+// Torch's default generator is one per process: in-process ranks take turns with it.
+std::mutex& rng_mutex() {
+  static std::mutex m;
+  return m;
+}
 
 // Parses the options; false for --help. The ranges keep the dense reference copy, which every
 // rank holds for all ranks' tokens, within a few GiB.
@@ -85,8 +108,16 @@ bool parse(int argc, char** argv, settings& s) {
            "re-place the experts every N steps (0: never)");
   o.number("print-every", s.print_every, 1, 100000, "print the loss every N steps");
   o.number("seed", s.seed, 0, std::numeric_limits<int>::max(), "seed");
+  o.number("ranks", s.ranks, 0, 64, "in-process ranks (0: one MPI process per rank)");
+  o.number("lose-rank", s.lose_rank, -1, 63, "in-process: the rank lost (-1: none)");
+  o.number("lose-step", s.lose_step, -1, 100000, "the step it is lost in");
   if (!o.parse(argc, argv))
     return false;
+  if (s.lose_rank >= 0 && (s.ranks < 2 || s.lose_rank >= s.ranks))
+    throw cli::bad_option("--lose-rank: " + std::to_string(s.lose_rank) +
+                          " needs --ranks of 2 or more, above it");
+  if (s.lose_rank >= 0 && s.replace_every > 0)
+    throw cli::bad_option("--lose-rank: not with --replace-every");
   if (s.k > s.experts)
     throw cli::bad_option("--k: " + std::to_string(s.k) + " exceeds --experts " +
                           std::to_string(s.experts));
@@ -122,6 +153,7 @@ expert_views unpack(const torch::Tensor& flat, const settings& s) {
 // Expert `e`'s initial weights depend only on (seed, e): any rank, and the dense reference,
 // can create any expert without communication.
 torch::Tensor initial_expert(int e, const settings& s) {
+  std::lock_guard lock(rng_mutex());
   torch::manual_seed(static_cast<std::uint64_t>(s.seed) * 1000 + static_cast<std::uint64_t>(e));
   const auto w1 = torch::randn({s.hidden, s.ffn}) / std::sqrt(static_cast<double>(s.hidden));
   const auto w2 = torch::randn({s.ffn, s.hidden}) / std::sqrt(static_cast<double>(s.ffn));
@@ -133,6 +165,7 @@ expert_state make_expert_state(torch::Tensor weights) {
 }
 
 torch::Tensor initial_gate(const settings& s) {
+  std::lock_guard lock(rng_mutex());
   torch::manual_seed(static_cast<std::uint64_t>(s.seed) * 1000 + 999);
   const auto w = torch::randn({s.hidden, s.experts}) * 0.1;
   return torch::cat({w.flatten(), torch::zeros({s.experts})});
@@ -190,6 +223,7 @@ struct batch {
 
 // A synthetic regression: the target is x + 0.5 tanh(layer_norm(x) A) for a fixed A.
 batch make_batch(int step, int world, const settings& s, const torch::Tensor& teacher) {
+  std::lock_guard lock(rng_mutex());
   torch::manual_seed(static_cast<std::uint64_t>(s.seed) * 7919 + static_cast<std::uint64_t>(step));
   auto x = torch::randn({world * s.tokens, s.hidden});
   auto h = torch::layer_norm(x, {s.hidden});
@@ -209,12 +243,19 @@ routing route(const torch::Tensor& h, const torch::Tensor& gate_flat, const sett
 
 // --- the distributed layer --------------------------------------------------------------------
 
-// One rank's share of the MoE layer: the exchange, its two streams, and the experts it owns.
+// Thrown by the rank `--lose-rank` names: its device is gone.
+struct lost_device : std::runtime_error {
+  lost_device()
+      : std::runtime_error("this rank's device was lost") {}
+};
+
+// One rank's share of the MoE layer: the exchange, its two streams, and the experts it holds.
+template <class Comm>
 class moe_layer {
  public:
-  using exchange_type = weave::moe_exchange<weave::mpi_communicator>;
+  using exchange_type = weave::moe_exchange<Comm>;
 
-  moe_layer(weave::mpi_communicator& comm, weave::placement where, const settings& s)
+  moe_layer(Comm& comm, weave::placement where, const settings& s)
       : comm_(&comm)
       , s_(s) {
     const int spd = where.slots_per_device();
@@ -227,7 +268,7 @@ class moe_layer {
     rebuild(std::move(where));
   }
 
-  const weave::placement& where() const { return exchange_->where(); }
+  const weave::placement& where() const { return where_; }
   std::map<int, expert_state>& experts() { return experts_; }
   weave::host_stream& comm_stream() { return comm_stream_; }
 
@@ -283,7 +324,7 @@ class moe_layer {
   // The layer's own expert compute on every chunk of a handle's phase, each chunk a task on the
   // compute stream (it reads the chunk's rows once the stream got there).
   //! [own_experts]
-  void run_experts(exchange_type::handle& h, bool backward) {
+  void run_experts(typename exchange_type::handle& h, bool backward) {
     for (const auto chunk : exchange_->chunks(h))
       compute_.submit([this, chunk, backward] {
         torch::NoGradGuard no_grad;
@@ -308,6 +349,8 @@ class moe_layer {
   //! [own_experts]
 
   void experts_backward(const weave::expert_grad_batch& b) {
+    if (lose_now_)
+      throw lost_device();
     const auto x = weave_torch::as_tensor(b.saved_input);
     const auto g = weave_torch::as_tensor(b.grad_output);
     auto gx = weave_torch::as_tensor(b.grad_input);
@@ -322,38 +365,29 @@ class moe_layer {
     }
   }
 
-  // Moves to the placement `plan.target`: experts arriving on this rank receive their weights
-  // and optimizer state from the rank holding them, departing ones are sent and dropped.
-  void migrate(const weave::migration_plan& plan) {
+  // Moves to the placement `plan.target` on `comm` (after a loss: the survivors' communicator,
+  // whose ranks the plan numbers): experts arriving on this rank receive their weights and
+  // optimizer state from a rank holding them, departing ones are dropped.
+  //! [migrate]
+  void migrate(const weave::migration_plan& plan, Comm& comm) {
     const std::int64_t P = expert_size(s_);
-    const int count = weave::checked_cast<int>(2 * P, "migrated floats");
-    const int rank = comm_->rank();
-    std::vector<MPI_Request> requests;
-    std::map<int, torch::Tensor> arriving;
-    std::vector<torch::Tensor> leaving; // kept alive until the sends complete
-    for (const weave::expert_move& m : plan.moves) {
-      if (m.to_device == rank && m.from_device == rank) {
-        const expert_state& e = experts_.at(m.expert);
-        arriving[m.expert] = torch::cat({e.weights, e.velocity});
-      } else if (m.to_device == rank) {
-        auto& buffer = arriving[m.expert] = torch::empty({2 * P});
-        requests.emplace_back();
-        WEAVE_MPI_CHECK(MPI_Irecv(buffer.data_ptr<float>(), count, MPI_FLOAT, m.from_device,
-                                  m.expert, MPI_COMM_WORLD, &requests.back()));
-      } else if (m.from_device == rank) {
-        const expert_state& e = experts_.at(m.expert);
-        leaving.push_back(torch::cat({e.weights, e.velocity}));
-        requests.emplace_back();
-        WEAVE_MPI_CHECK(MPI_Isend(leaving.back().data_ptr<float>(), count, MPI_FLOAT, m.to_device,
-                                  m.expert, MPI_COMM_WORLD, &requests.back()));
-      }
-    }
-    WEAVE_MPI_CHECK(
-        MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
+    const std::size_t bytes =
+        weave::checked_mul(static_cast<std::size_t>(2 * P), sizeof(float), "expert state bytes");
+    std::map<int, torch::Tensor> held, arriving; // weights then velocity, one tensor each
+    for (const auto& [e, st] : experts_)
+      held[e] = torch::cat({st.weights, st.velocity});
+    const auto bytes_of = [P](torch::Tensor& t) {
+      return std::as_writable_bytes(
+          std::span<float>(t.data_ptr<float>(), static_cast<std::size_t>(2 * P)));
+    };
+    weave::move_expert_state(
+        comm, comm_stream_, plan, bytes,
+        [&](int e) { return std::span<const std::byte>(bytes_of(held.at(e))); },
+        [&](int, int e) { return bytes_of(arriving[e] = torch::empty({2 * P})); });
     std::map<int, expert_state> next;
     const int spd = plan.target.slots_per_device();
     for (int l = 0; l < spd; ++l) {
-      const int e = plan.target.expert_of_slot(rank * spd + l);
+      const int e = plan.target.expert_of_slot(comm.rank() * spd + l);
       if (e == weave::placement::empty_slot)
         continue;
       if (const auto it = arriving.find(e); it != arriving.end()) {
@@ -365,8 +399,45 @@ class moe_layer {
       }
     }
     experts_ = std::move(next);
+    comm_ = &comm;
     rebuild(plan.target);
   }
+  //! [migrate]
+  void migrate(const weave::migration_plan& plan) { migrate(plan, *comm_); }
+
+  // After a failed step: ends its calls (the exchange first, so the handles are stale) and
+  // drops the partial gradients.
+  void drop_step() {
+    exchange_.reset();
+    for (auto& h : handles_)
+      h.reset();
+    for (weave::host_stream* st : {&compute_, &comm_stream_})
+      try {
+        st->synchronize();
+      } catch (...) {
+      }
+    for (auto& [e, state] : experts_)
+      state.grad.zero_();
+  }
+
+  // Sums the gradients of every expert's copies over the ranks (replicated placements), so that
+  // every copy takes the same step.
+  void sum_replica_gradients() {
+    if (!where().replicated())
+      return;
+    const std::int64_t P = expert_size(s_);
+    auto all = torch::zeros({s_.experts * P});
+    for (auto& [e, state] : experts_)
+      all.narrow(0, e * P, P).copy_(state.grad);
+    std::span<float> flat(all.data_ptr<float>(), static_cast<std::size_t>(all.numel()));
+    comm_->all_reduce(comm_stream_, std::span<const float>(flat), flat, weave::reduce_op::sum);
+    comm_stream_.synchronize();
+    for (auto& [e, state] : experts_)
+      state.grad.copy_(all.narrow(0, e * P, P));
+  }
+
+  // The lost rank's last act: its next backward throws in the experts.
+  void lose_device_in_backward() { lose_now_ = true; }
 
  private:
   void rebuild(weave::placement where) {
@@ -378,33 +449,34 @@ class moe_layer {
     o.save_for_backward = true;
     o.max_in_flight = 2; // two micro-batches from forward to backward
     exchange_.reset();
-    exchange_ = std::make_unique<exchange_type>(*comm_, std::move(where), o);
+    where_ = std::move(where);
+    exchange_ = std::make_unique<exchange_type>(*comm_, where_, o);
   }
 
-  void synchronize() {
-    compute_.synchronize();
-    comm_stream_.synchronize();
-  }
+  void synchronize() { exchange_->synchronize(compute_, comm_stream_); }
 
-  weave::mpi_communicator* comm_;
+  Comm* comm_;
+  weave::placement where_; // the layer's placement (kept while the exchange is rebuilt)
+  bool lose_now_ = false;
   settings s_;
   std::map<int, expert_state> experts_;
   weave::host_stream compute_{"compute"}, comm_stream_{"comm"};
   std::unique_ptr<exchange_type> exchange_;
   std::array<micro_batch, 2> inputs_;            // borrowed by the exchange until synchronized
-  std::array<exchange_type::handle, 2> handles_; // from forward_pair to backward_pair
+  std::array<typename exchange_type::handle, 2> handles_; // from forward_pair to backward_pair
 };
 
 // weave's exchange as an autograd node over two micro-batches: inputs (h, gate weights, ids) of
 // each and the layer; outputs y of each.
 //! [autograd]
-class moe_pair_function : public torch::autograd::Function<moe_pair_function> {
+template <class Comm>
+class moe_pair_function : public torch::autograd::Function<moe_pair_function<Comm>> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 torch::Tensor h0, torch::Tensor w0,
                                                 torch::Tensor ids0, torch::Tensor h1,
                                                 torch::Tensor w1, torch::Tensor ids1,
-                                                moe_layer* layer) {
+                                                moe_layer<Comm>* layer) {
     ctx->saved_data["layer"] = reinterpret_cast<std::int64_t>(layer);
     const auto y = layer->forward_pair({{{h0, w0, ids0}, {h1, w1, ids1}}});
     return {y[0], y[1]};
@@ -412,7 +484,7 @@ class moe_pair_function : public torch::autograd::Function<moe_pair_function> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto* layer = reinterpret_cast<moe_layer*>(ctx->saved_data["layer"].toInt());
+    auto* layer = reinterpret_cast<moe_layer<Comm>*>(ctx->saved_data["layer"].toInt());
     const auto g = layer->backward_pair({grads[0], grads[1]});
     return {g[0].first, g[0].second, {}, g[1].first, g[1].second, {}, {}};
   }
@@ -471,15 +543,31 @@ struct run_result {
   double worst_relative_gap = 0; // distributed vs dense
   int failed_step = -1;          // first step beyond tolerance
   int migrations = 0, moved_experts = 0;
+  int recovered_at = -1;      // the step redone after a loss
+  std::vector<int> survivors; // first ranks of the ranks left after it
 };
 
-run_result train(weave::mpi_communicator& comm, const settings& s, bool check_dense) {
-  const int rank = comm.rank(), world = comm.size();
-  torch::manual_seed(static_cast<std::uint64_t>(s.seed));
-  const auto teacher = torch::randn({s.hidden, s.hidden});
+template <class Comm>
+run_result train(Comm& world_comm, const settings& s, bool check_dense) {
+  const int identity = world_comm.rank(), world = world_comm.size();
+  Comm* comm = &world_comm;
+  std::unique_ptr<Comm> owned; // the survivors' communicator, after a loss
+  std::vector<int> alive(static_cast<std::size_t>(world)); // first rank of each current rank
+  std::iota(alive.begin(), alive.end(), 0);
+  torch::Tensor teacher;
+  {
+    std::lock_guard lock(rng_mutex());
+    torch::manual_seed(static_cast<std::uint64_t>(s.seed));
+    teacher = torch::randn({s.hidden, s.hidden});
+  }
   const auto topo = weave::topology::flat(world);
+  const bool elastic = s.lose_rank >= 0;
+  const std::vector<double> equal(static_cast<std::size_t>(s.experts), 1.0);
 
-  moe_layer layer(comm, weave::placement::contiguous(s.experts, world), s);
+  moe_layer<Comm> layer(*comm,
+                        elastic ? weave::place_survivable(equal, topo)
+                                : weave::placement::contiguous(s.experts, world),
+                        s);
   torch::Tensor gate = initial_gate(s).requires_grad_();
   torch::Tensor gate_velocity = torch::zeros_like(gate);
   std::unique_ptr<dense_model> dense;
@@ -489,43 +577,86 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
 
   run_result result;
   std::vector<float> reduced(static_cast<std::size_t>(gate.numel()) + 1);
-  for (int step = 0; step < s.steps; ++step) {
-    const batch all = make_batch(step, world, s, teacher);
+  for (int step = 0; step < s.steps;) {
+    batch all = make_batch(step, world, s, teacher);
+    if (static_cast<int>(alive.size()) < world) { // the tokens of the ranks left
+      std::vector<std::int64_t> rows;
+      for (const int r : alive)
+        for (std::int64_t t = 0; t < s.tokens; ++t)
+          rows.push_back(r * s.tokens + t);
+      const auto index = torch::tensor(rows);
+      all = {all.x.index_select(0, index), all.target.index_select(0, index)};
+    }
+    const int rank = comm->rank();
     const auto x = all.x.narrow(0, rank * s.tokens, s.tokens);
     const auto target = all.target.narrow(0, rank * s.tokens, s.tokens);
+    const bool lost_here = identity == s.lose_rank && step == s.lose_step;
+    if (lost_here)
+      layer.lose_device_in_backward();
+    double global_loss = 0;
+    try {
+      // Forward and backward through weave; the loss is normalised by the global token count
+      // so that summing the ranks' gradients gives the gradient of the global loss.
+      //! [model]
+      const auto h = torch::layer_norm(x, {s.hidden});
+      const routing r = route(h, gate, s); // softmax, top-k, renormalised weights; ids as int32
+      stats.decay(0.9);
+      stats.accumulate(std::span<const std::int32_t>(r.ids.data_ptr<std::int32_t>(), r.ids.numel()),
+                       s.k);
+      const std::int64_t half = s.tokens / 2; // two micro-batches in flight through the layer
+      const auto ys = moe_pair_function<Comm>::apply(
+          h.narrow(0, 0, half), r.weights.narrow(0, 0, half), r.ids.narrow(0, 0, half),
+          h.narrow(0, half, s.tokens - half), r.weights.narrow(0, half, s.tokens - half),
+          r.ids.narrow(0, half, s.tokens - half), &layer);
+      const auto y = torch::cat({ys[0], ys[1]});
+      const auto loss = (x + y - target).pow(2).sum() / static_cast<double>(all.x.numel());
+      loss.backward();
+      //! [model]
+      layer.sum_replica_gradients(); // copies of one expert take one step
 
-    // Forward and backward through weave; the loss is normalised by the global token count so
-    // that summing the ranks' gradients gives the gradient of the global loss.
-    //! [model]
-    const auto h = torch::layer_norm(x, {s.hidden});
-    const routing r = route(h, gate, s); // softmax, top-k, renormalised weights; ids as int32
-    stats.decay(0.9);
-    stats.accumulate(std::span<const std::int32_t>(r.ids.data_ptr<std::int32_t>(), r.ids.numel()),
-                     s.k);
-    const std::int64_t half = s.tokens / 2; // two micro-batches in flight through the layer
-    const auto ys = moe_pair_function::apply(
-        h.narrow(0, 0, half), r.weights.narrow(0, 0, half), r.ids.narrow(0, 0, half),
-        h.narrow(0, half, s.tokens - half), r.weights.narrow(0, half, s.tokens - half),
-        r.ids.narrow(0, half, s.tokens - half), &layer);
-    const auto y = torch::cat({ys[0], ys[1]});
-    const auto loss = (x + y - target).pow(2).sum() / static_cast<double>(all.x.numel());
-    loss.backward();
-    //! [model]
-
-    // Shared parameters (the gate): all-reduce the gradient, with the loss riding along.
-    const auto g = gate.grad().contiguous();
-    std::memcpy(reduced.data(), g.data_ptr<float>(), static_cast<std::size_t>(g.numel()) * 4);
-    reduced.back() = loss.item<float>();
-    //! [reduce]
-    comm.all_reduce(layer.comm_stream(), std::span<const float>(reduced), std::span<float>(reduced),
-                    weave::reduce_op::sum);
-    layer.comm_stream().synchronize();
-    //! [reduce]
+      // Shared parameters (the gate): all-reduce the gradient, with the loss riding along.
+      const auto g = gate.grad().contiguous();
+      std::memcpy(reduced.data(), g.data_ptr<float>(), static_cast<std::size_t>(g.numel()) * 4);
+      reduced.back() = loss.template item<float>();
+      //! [reduce]
+      comm->all_reduce(layer.comm_stream(), std::span<const float>(reduced),
+                       std::span<float>(reduced), weave::reduce_op::sum);
+      layer.comm_stream().synchronize();
+      //! [reduce]
+      global_loss = reduced.back();
+    } catch (const std::exception& e) {
+      if (!elastic || lost_here)
+        throw; // the lost rank ends here
+      // A rank was lost: the survivors agree on who is left, re-place on themselves, receive
+      // the state of the copies they lack, and redo the step.
+      //! [lost]
+      if (gate.grad().defined())
+        gate.mutable_grad().zero_();
+      layer.drop_step();
+      auto next = comm->shrink();
+      const weave::loss_recovery rec = weave::plan_after_loss(layer.where(), next.lost);
+      layer.migrate(rec.plan, *next.comm);
+      //! [lost]
+      std::vector<int> left;
+      for (const int r : next.survivors)
+        left.push_back(alive[static_cast<std::size_t>(r)]);
+      alive = left;
+      owned = std::move(next.comm);
+      comm = owned.get();
+      result.recovered_at = step;
+      result.survivors = alive;
+      result.moved_experts += static_cast<int>(rec.plan.moves.size());
+      if (comm->rank() == 0)
+        std::printf("step %4d  lost a rank: %s\n           survivors %s go on with placement "
+                    "%s (%zu expert copies moved)\n",
+                    step, e.what(), weave::detail::rank_list(alive).c_str(),
+                    describe(layer.where()).c_str(), rec.plan.moves.size());
+      continue;
+    }
     const auto global_grad = torch::from_blob(reduced.data(), {gate.numel()}).clone();
-    const double global_loss = reduced.back();
     sgd_step(gate, gate_velocity, global_grad, s);
     gate.mutable_grad().zero_();
-    // Expert parameters: each owner already holds the gradient from every rank's tokens.
+    // Expert parameters: each holder already has the gradient from every rank's tokens.
     for (auto& [e, state] : layer.experts()) {
       sgd_step(state.weights, state.velocity, state.grad, s);
       state.grad.zero_();
@@ -538,7 +669,7 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
       result.worst_relative_gap = std::max(result.worst_relative_gap, gap);
       if (gap > s.tolerance && result.failed_step < 0)
         result.failed_step = step;
-      if (rank == 0 && (step % s.print_every == 0 || step + 1 == s.steps))
+      if (comm->rank() == 0 && (step % s.print_every == 0 || step + 1 == s.steps))
         std::printf("step %4d  loss %.6f  dense %.6f  gap %.1e  placement %s\n", step, global_loss,
                     reference, gap, describe(layer.where()).c_str());
     }
@@ -547,8 +678,8 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
     if (s.replace_every > 0 && (step + 1) % s.replace_every == 0 && step + 1 < s.steps) {
       auto raw = stats.raw();
       weave::expert_statistics merged = stats;
-      comm.all_reduce(layer.comm_stream(), std::span<const double>(raw), merged.raw(),
-                      weave::reduce_op::sum);
+      comm->all_reduce(layer.comm_stream(), std::span<const double>(raw), merged.raw(),
+                       weave::reduce_op::sum);
       layer.comm_stream().synchronize();
       //! [replace]
       const auto next = weave::place_collaborative(merged, topo);
@@ -558,8 +689,69 @@ run_result train(weave::mpi_communicator& comm, const settings& s, bool check_de
       ++result.migrations;
       result.moved_experts += static_cast<int>(plan.moves.size());
     }
+    ++step;
   }
   return result;
+}
+
+// Prints the loss trend and the gap to the dense copy; true when the loss halved and the two
+// agreed at every step.
+bool summarize(const run_result& run, const settings& s) {
+  const auto mean = [](std::span<const double> v) {
+    double t = 0;
+    for (double x : v)
+      t += x;
+    return t / static_cast<double>(v.size());
+  };
+  const std::size_t window = std::min<std::size_t>(10, run.losses.size());
+  const double first = mean(std::span(run.losses).first(window));
+  const double last = mean(std::span(run.losses).last(window));
+  const bool decreased = last < 0.5 * first;
+  const bool matched = run.failed_step < 0;
+  std::printf("loss %.6f -> %.6f (mean of first/last %zu steps): %s\n", first, last, window,
+              decreased ? "decreased" : "DID NOT HALVE");
+  std::printf("distributed vs dense loss: worst relative gap %.2e (tolerance %.0e): %s\n",
+              run.worst_relative_gap, s.tolerance, matched ? "match at every step" : "MISMATCH");
+  if (!matched)
+    std::printf("first mismatch at step %d\n", run.failed_step);
+  return decreased && matched;
+}
+
+// In-process ranks on a local_world (--ranks), losing one where --lose-rank says.
+int run_in_process(const settings& s) {
+  torch::set_num_threads(1);
+  std::printf("MoE block: %d in-process ranks, %lld tokens per rank, hidden %lld, %d experts (MLP "
+              "%lld), top-%d, %d chunks, %d steps%s\n",
+              s.ranks, static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
+              s.experts, static_cast<long long>(s.ffn), s.k, s.chunks, s.steps,
+              s.lose_rank >= 0 ? "; survivable placement, one rank lost" : "");
+  weave::local_world world(s.ranks, {.timeout = std::chrono::seconds(60)});
+  std::vector<std::optional<run_result>> runs(static_cast<std::size_t>(s.ranks));
+  const auto failures = world.run_collect([&](weave::local_communicator& c) {
+    runs[static_cast<std::size_t>(c.rank())] = train(c, s, true);
+  });
+  bool ok = true;
+  for (int r = 0; r < s.ranks; ++r)
+    if (failures[static_cast<std::size_t>(r)] && r != s.lose_rank) {
+      std::fprintf(stderr, "moe_trainer: rank %d: %s\n", r,
+                   weave::what_of(failures[static_cast<std::size_t>(r)]).c_str());
+      ok = false;
+    }
+  const int witness = s.lose_rank == 0 ? 1 : 0;
+  if (!ok || !runs[static_cast<std::size_t>(witness)])
+    return 1;
+  const run_result& run = *runs[static_cast<std::size_t>(witness)];
+  const bool lost_as_planned =
+      s.lose_rank < 0 || s.lose_step >= s.steps ||
+      (failures[static_cast<std::size_t>(s.lose_rank)] && run.recovered_at == s.lose_step &&
+       run.survivors.size() == static_cast<std::size_t>(s.ranks - 1));
+  if (s.lose_rank >= 0)
+    std::printf("rank %d lost at step %d: %s\n", s.lose_rank, s.lose_step,
+                lost_as_planned ? "the survivors went on" : "NOT RECOVERED");
+  return summarize(run, s) && lost_as_planned &&
+                 run.losses.size() == static_cast<std::size_t>(s.steps)
+             ? 0
+             : 1;
 }
 
 } // namespace
@@ -572,6 +764,18 @@ int main(int argc, char** argv) {
           cli::first_or_only_process()); // rank 0 says it for all
       status != 0)
     return status < 0 ? 0 : status; // -1: --help
+  if (s.ranks > 0) {
+    if (s.experts % s.ranks != 0 && s.lose_rank < 0) {
+      std::fprintf(stderr, "moe_trainer: --experts must be a multiple of the ranks\n");
+      return 2;
+    }
+    try {
+      return run_in_process(s);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "moe_trainer: %s\n", e.what());
+      return 1;
+    }
+  }
   int provided = 0;
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   torch::set_num_threads(1); // one process per core
@@ -591,17 +795,6 @@ int main(int argc, char** argv) {
             comm.size(), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
             s.experts, static_cast<long long>(s.ffn), s.k, s.chunks, s.steps);
       const run_result run = train(comm, s, true);
-      const auto mean = [](std::span<const double> v) {
-        double t = 0;
-        for (double x : v)
-          t += x;
-        return t / static_cast<double>(v.size());
-      };
-      const std::size_t window = std::min<std::size_t>(10, run.losses.size());
-      const double first = mean(std::span(run.losses).first(window));
-      const double last = mean(std::span(run.losses).last(window));
-      const bool decreased = last < 0.5 * first;
-      const bool matched = run.failed_step < 0;
       // Re-placement must not change the training. For k <= 2 the losses are bitwise those of
       // a run that never re-places (a token's two contributions are added once, and addition
       // commutes); for k > 2 a token's sums may run in another order after a migration, so
@@ -628,16 +821,12 @@ int main(int argc, char** argv) {
                       bitwise ? "bitwise identical" : "within tolerance",
                       identical ? "ok" : "FAILED");
       }
-      if (root) {
-        std::printf("loss %.6f -> %.6f (mean of first/last %zu steps): %s\n", first, last, window,
-                    decreased ? "decreased" : "DID NOT HALVE");
-        std::printf("distributed vs dense loss: worst relative gap %.2e (tolerance %.0e): %s\n",
-                    run.worst_relative_gap, s.tolerance,
-                    matched ? "match at every step" : "MISMATCH");
-        if (!matched)
-          std::printf("first mismatch at step %d\n", run.failed_step);
-      }
-      status = decreased && matched && identical ? 0 : 1;
+      bool good = true;
+      if (root)
+        good = summarize(run, s);
+      int all_good = good ? 1 : 0; // rank 0 judged; every rank returns its verdict
+      MPI_Bcast(&all_good, 1, MPI_INT, 0, MPI_COMM_WORLD);
+      status = all_good == 1 && identical ? 0 : 1;
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_trainer: %s\n", e.what());
