@@ -462,7 +462,7 @@ class moe_layer {
   std::map<int, expert_state> experts_;
   weave::host_stream compute_{"compute"}, comm_stream_{"comm"};
   std::unique_ptr<exchange_type> exchange_;
-  std::array<micro_batch, 2> inputs_;            // borrowed by the exchange until synchronized
+  std::array<micro_batch, 2> inputs_; // borrowed by the exchange until synchronized
   std::array<typename exchange_type::handle, 2> handles_; // from forward_pair to backward_pair
 };
 
