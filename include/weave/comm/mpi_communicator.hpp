@@ -33,6 +33,7 @@
 
 #include "weave/comm/communicator.hpp"
 #include "weave/comm/mpi_failure_notices.hpp"
+#include "weave/comm/mpi_large_blocks.hpp"
 #include "weave/comm/mpi_options.hpp"
 #include "weave/comm/shrink.hpp"
 #include "weave/core/checked.hpp"
@@ -160,11 +161,9 @@ class mpi_communicator {
   //! True once this communicator failed: aborted here, told by a peer, or timed out.
   bool aborted() const noexcept { return failed_flag_.load(std::memory_order_acquire); }
 
-  //! Refuses with `errc::not_supported`: MPI 3.1 has no way for survivors to continue without a
-  //! process. Open MPI (4.1 here) ends the whole job when one process dies; shrinking needs the
-  //! ULFM extension (`MPIX_Comm_shrink`, Open MPI 5 built with `--with-ft=ulfm`), which weave
-  //! does not use yet. Recover by restarting the job on the surviving hosts from a checkpoint, or
-  //! run the layer on NCCL or an in-process world, whose communicators shrink (`shrink.hpp`).
+  //! Refuses with `errc::not_supported` (see `shrink.hpp`): Open MPI without the ULFM extension
+  //! (`MPIX_Comm_shrink`, which weave does not use yet) ends the whole job when a process dies;
+  //! restart on the surviving hosts from a checkpoint, or use NCCL or an in-process world.
   shrunk_communicator<mpi_communicator> shrink(std::span<const int> excluded = {}) {
     (void)detail::excluded_ranks(excluded, size_, "mpi_communicator::shrink");
 #if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI
@@ -508,27 +507,12 @@ class mpi_communicator {
     int* sd = sc + n;
     int* rc = sd + n;
     int* rd = rc + n;
-    bool large = false;
-    // Blocks above the limit leave the collective (count 0 there) on both sides.
-    auto collective_part = [&](std::span<const std::int64_t> counts,
-                               std::span<const std::int64_t> displs, int* c, int* d) {
-      bool fits = true;
-      for (std::size_t j = 0; j < n; ++j) {
-        const bool big = counts[j] > limit;
-        large = large || big;
-        c[j] = big ? 0 : static_cast<int>(counts[j]);
-        d[j] = 0;
-        if (!big && counts[j] > 0) {
-          if (displs[j] > options_.max_displacement_units)
-            fits = false;
-          else
-            d[j] = static_cast<int>(displs[j]);
-        }
-      }
-      return fits;
-    };
-    const bool send_fits = collective_part(send_counts, send_displs, sc, sd);
-    const bool recv_fits = collective_part(recv_counts, recv_displs, rc, rd);
+    const auto send_part = detail::mpi_collective_part(send_counts, send_displs, limit,
+                                                       options_.max_displacement_units, sc, sd);
+    const auto recv_part = detail::mpi_collective_part(recv_counts, recv_displs, limit,
+                                                       options_.max_displacement_units, rc, rd);
+    const bool large = send_part.large || recv_part.large;
+    const bool send_fits = send_part.fits, recv_fits = recv_part.fits;
     // Staging for a side whose displacements overflow: its small blocks, packed in peer order,
     // span at most size * limit <= INT_MAX units.
     std::vector<std::byte> send_stage, recv_stage;
@@ -542,26 +526,17 @@ class mpi_communicator {
         }
       }
     } stages{send_stage, recv_stage, *abandoned_};
-    auto pack_offsets = [&](int* c, int* d) {
-      std::int64_t offset = 0;
-      for (std::size_t j = 0; j < n; ++j) {
-        d[j] = static_cast<int>(offset);
-        offset += c[j];
-      }
-      return offset;
-    };
     const std::byte* send_base = send;
     std::byte* recv_base = recv;
     if (!send_fits) {
-      send_stage.resize(static_cast<std::size_t>(pack_offsets(sc, sd)) * unit);
-      for (std::size_t j = 0; j < n; ++j)
-        if (sc[j] > 0)
-          std::memcpy(send_stage.data() + std::size_t(sd[j]) * unit,
-                      send + send_displs[j] * std::int64_t(unit), std::size_t(sc[j]) * unit);
+      send_stage.resize(static_cast<std::size_t>(detail::mpi_packed_offsets(n, sc, sd)) * unit);
+      detail::mpi_each_block(n, unit, sc, send_displs, sd, [&](auto at, auto staged, auto bytes) {
+        std::memcpy(send_stage.data() + staged, send + at, bytes);
+      });
       send_base = send_stage.data();
     }
     if (!recv_fits) {
-      recv_stage.resize(static_cast<std::size_t>(pack_offsets(rc, rd)) * unit);
+      recv_stage.resize(static_cast<std::size_t>(detail::mpi_packed_offsets(n, rc, rd)) * unit);
       recv_base = recv_stage.data();
     }
     if (!large) {
@@ -598,10 +573,9 @@ class mpi_communicator {
       wait_all(requests, "all_to_all_v");
     }
     if (!recv_fits)
-      for (std::size_t j = 0; j < n; ++j)
-        if (rc[j] > 0)
-          std::memcpy(recv + recv_displs[j] * std::int64_t(unit),
-                      recv_stage.data() + std::size_t(rd[j]) * unit, std::size_t(rc[j]) * unit);
+      detail::mpi_each_block(n, unit, rc, recv_displs, rd, [&](auto at, auto staged, auto bytes) {
+        std::memcpy(recv + at, recv_stage.data() + staged, bytes);
+      });
   }
 
   mpi_options options_;
