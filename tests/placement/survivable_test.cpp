@@ -86,15 +86,11 @@ void check_survivable(const weave::placement& p, const weave::topology& t,
 
 TEST_CASE("place_survivable: two copies of every expert in distinct domains, in the fewest slots") {
   std::mt19937 rng(7);
-  for (const auto& [E, nodes, dpn] : std::vector<std::tuple<int, int, int>>{{4, 1, 4},
-                                                                            {8, 1, 4},
-                                                                            {9, 1, 4},
-                                                                            {16, 2, 4},
-                                                                            {64, 2, 4},
-                                                                            {64, 4, 8},
-                                                                            {30, 3, 2},
-                                                                            {256, 4, 8},
-                                                                            {7, 1, 3}}) {
+  const std::vector<std::tuple<int, int, int>> shapes{{4, 1, 4},  {8, 1, 4},   {9, 1, 4},
+                                                      {16, 2, 4}, {64, 2, 4},  {64, 4, 8},
+                                                      {30, 3, 2}, {256, 4, 8}, {7, 1, 3}};
+  for (const auto& shape : shapes) {
+    const int E = std::get<0>(shape), nodes = std::get<1>(shape), dpn = std::get<2>(shape);
     const weave::topology t = weave::topology::grid(nodes, dpn);
     const int D = t.num_devices();
     for (const auto domain : {weave::failure_domain::device, weave::failure_domain::node}) {
@@ -198,8 +194,10 @@ TEST_CASE("check_losses names the experts each device and node takes with it") {
 
 TEST_CASE("plan_after_loss: every expert served from the survivors' copies, moves that are real") {
   std::mt19937 rng(5);
-  for (const auto& [E, nodes, dpn, spd] : std::vector<std::tuple<int, int, int, int>>{
+  for (const auto& shape : std::vector<std::tuple<int, int, int, int>>{
            {8, 1, 4, 0}, {16, 1, 8, 0}, {8, 1, 8, 4}, {32, 2, 4, 0}, {64, 2, 8, 12}}) {
+    const int E = std::get<0>(shape), nodes = std::get<1>(shape), dpn = std::get<2>(shape),
+              spd = std::get<3>(shape);
     const weave::topology t = weave::topology::grid(nodes, dpn);
     const auto loads = random_loads(E, rng);
     weave::survivable_options so;
