@@ -17,8 +17,9 @@
 //! its communicator's enqueue order, which is checked).
 //!
 //! After a failure the ranks still alive may `shrink` the world and go on without the lost ones
-//! (see `shrink.hpp`): a rank that threw inside `run`, whose handle was destroyed, or that does
-//! not reach the shrink within the world's timeout is left out.
+//! (see `shrink.hpp`): a rank that threw inside `run`, whose handle was destroyed, that a
+//! timeout found missing, or that does not reach the shrink within the world's timeout is left
+//! out.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -151,10 +152,10 @@ class local_communicator {
   //! world of the ranks that reached the shrink, less `excluded`, with the same options and
   //! links. A rank whose thread ended, whose handle was destroyed or that a timeout of this
   //! world found missing is not waited for; any other rank that does not arrive is left out
-  //! after the world's timeout. Throws `errc::config_mismatch` on every
-  //! rank when the ranks' `excluded` differ, `errc::invalid_state` for a rank excluded or
-  //! arriving after the group closed, `errc::out_of_range` for an excluded rank outside the
-  //! world. Once per world: shrink the new handle after a later failure.
+  //! after the world's timeout. Throws `errc::config_mismatch` on every rank when the ranks'
+  //! `excluded` differ, `errc::invalid_state` for a rank excluded or arriving after the group
+  //! closed, `errc::out_of_range` for an excluded rank outside the world. Once per world:
+  //! shrink the new handle after a later failure.
   shrunk_communicator<local_communicator> shrink(std::span<const int> excluded = {}) {
     std::vector<int> ex = detail::excluded_ranks(excluded, size(), "local_communicator::shrink");
     state_->abort({rank_, errc::invalid_state, true,
