@@ -109,6 +109,24 @@ struct step_input {
   }
 };
 
+// The survivors' side of a re-placement: the weights of the copies `plan` makes, from the
+// ranks holding them (`where` is the placement before, `rank` this rank's place in it).
+void carry_weights(comm_type& survivors, weave::host_stream& s, const weave::migration_plan& plan,
+                   const weave::placement& where, int rank, slot_weights& sw) {
+  const std::vector<std::vector<float>> before = sw.w; // sources stay apart from destinations
+  weave::move_expert_state(
+      survivors, s, plan, H * H * sizeof(float),
+      [&](int e) {
+        for (int l = 0; l < where.slots_per_device(); ++l)
+          if (where.expert_of_slot(rank * where.slots_per_device() + l) == e)
+            return std::as_bytes(std::span<const float>(before[static_cast<std::size_t>(l)]));
+        throw std::logic_error("asked for an expert this rank does not hold");
+      },
+      [&](int slot, int) {
+        return std::as_writable_bytes(std::span<float>(sw.w[static_cast<std::size_t>(slot)]));
+      });
+}
+
 // What one step produced on one rank, compared bitwise.
 struct step_output {
   std::vector<float> y, dx, dw;
@@ -269,20 +287,7 @@ void run_elastic(elastic_run& run, int ranks, int experts, const weave::placemen
               weave::plan_after_loss(ep->layer->where(), next.lost, loads);
           ep.reset();
           ep = std::make_unique<epoch>();
-          const std::vector<std::vector<float>> before = sw.w;
-          weave::move_expert_state(
-              *next.comm, ep->compute, rec.plan, H * H * sizeof(float),
-              [&](int e) {
-                for (int l = 0; l < where.slots_per_device(); ++l)
-                  if (where.expert_of_slot(comm->rank() * where.slots_per_device() + l) == e)
-                    return std::as_bytes(
-                        std::span<const float>(before[static_cast<std::size_t>(l)]));
-                throw std::logic_error("asked for an expert this rank does not hold");
-              },
-              [&](int slot, int) {
-                return std::as_writable_bytes(
-                    std::span<float>(sw.w[static_cast<std::size_t>(slot)]));
-              });
+          carry_weights(*next.comm, ep->compute, rec.plan, where, comm->rank(), sw);
           where = rec.plan.target;
           owned = std::move(next.comm);
           comm = owned.get();
@@ -392,34 +397,31 @@ TEST_CASE("elastic: a 4- and an 8-rank layer survives the loss of a rank at any 
   }
 }
 
-TEST_CASE("elastic: two losses in a row, where the placement allows it") {
-  // 8 experts in 4 slots of 8 ranks: four copies each; after the first loss the survivors'
-  // 28 slots hold a survivable placement again.
+namespace {
+
+// 8 experts in 4 slots of 8 ranks: four copies of each, so any two losses leave a copy.
+void check_two_losses(const std::vector<planned_loss>& losses, int last_loss_step) {
   const int ranks = 8, experts = 8;
   const std::vector<double> loads(experts, 1.0);
   weave::survivable_options o;
   o.slots_per_device = 4;
   const weave::placement start = weave::place_survivable(loads, weave::topology::flat(ranks), o);
-  const std::vector<planned_loss> losses{{5, 2, loss_at::experts}, {1, 4, loss_at::backward}};
   elastic_run run;
-  run_elastic(run, ranks, experts, start, losses, 4 + compared_steps, 20s);
+  run_elastic(run, ranks, experts, start, losses, last_loss_step + compared_steps, 20s);
   check_recovered(run, ranks, experts, losses);
-  CHECK(run.last_recovery_step == 4);
+  CHECK(run.last_recovery_step == last_loss_step);
   CHECK(run.final_placement.num_devices() == 6);
 }
 
+} // namespace
+
+TEST_CASE("elastic: two losses in a row, where the placement allows it") {
+  // After the first loss the survivors' 28 slots hold a survivable placement again.
+  check_two_losses({{5, 2, loss_at::experts}, {1, 4, loss_at::backward}}, 4);
+}
+
 TEST_CASE("elastic: two ranks lost in one step, where the placement allows it") {
-  const int ranks = 8, experts = 8;
-  const std::vector<double> loads(experts, 1.0);
-  weave::survivable_options o;
-  o.slots_per_device = 4; // four copies of each: any two devices leave one
-  const weave::placement start = weave::place_survivable(loads, weave::topology::flat(ranks), o);
-  const std::vector<planned_loss> losses{{2, 3, loss_at::experts}, {6, 3, loss_at::backward}};
-  elastic_run run;
-  run_elastic(run, ranks, experts, start, losses, 3 + compared_steps, 20s);
-  check_recovered(run, ranks, experts, losses);
-  CHECK(run.last_recovery_step == 3);
-  CHECK(run.final_placement.num_devices() == 6);
+  check_two_losses({{2, 3, loss_at::experts}, {6, 3, loss_at::backward}}, 3);
 }
 
 TEST_CASE("elastic: a loss the placement cannot survive ends every survivor with experts_lost") {
@@ -508,18 +510,7 @@ TEST_CASE("elastic serving: a decode layer loses a rank mid-call, the survivors 
         const auto rec = weave::plan_after_loss(where, next.lost, loads);
         layer.reset();
         stream = std::make_unique<weave::host_stream>("decode");
-        const auto before = sw.w;
-        weave::move_expert_state(
-            *next.comm, *stream, rec.plan, H * H * sizeof(float),
-            [&](int e) {
-              for (int l = 0; l < where.slots_per_device(); ++l)
-                if (where.expert_of_slot(comm->rank() * where.slots_per_device() + l) == e)
-                  return std::as_bytes(std::span<const float>(before[static_cast<std::size_t>(l)]));
-              throw std::logic_error("asked for an expert this rank does not hold");
-            },
-            [&](int slot, int) {
-              return std::as_writable_bytes(std::span<float>(sw.w[static_cast<std::size_t>(slot)]));
-            });
+        carry_weights(*next.comm, *stream, rec.plan, where, comm->rank(), sw);
         where = rec.plan.target;
         owned = std::move(next.comm);
         comm = owned.get();
