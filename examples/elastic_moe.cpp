@@ -269,7 +269,8 @@ void train_rank(const settings& s, comm_type& first, shared_run& run) {
       compute = std::make_unique<weave::host_stream>("compute");
       comm_stream = std::make_unique<weave::host_stream>("comm");
       // 3. Weights and optimizer state of the copies the plan makes, from survivors that hold
-      //    them (new rank numbers; a slot may be a source and a destination at once).
+      //    them (new rank numbers). Sources are read from a copy: a slot may send its expert
+      //    away and receive another in the same move.
       const std::vector<expert_state> before = slots;
       weave::move_expert_state(
           *next.comm, *comm_stream, rec.plan, 2 * H * H * sizeof(float),
