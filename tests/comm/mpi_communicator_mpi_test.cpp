@@ -11,6 +11,8 @@
 #include <weave/comm.hpp>
 #include <weave/comm/mpi_communicator.hpp>
 #include <weave/core/failure.hpp>
+#include <weave/overlap/expert_state_moves.hpp>
+#include <weave/placement/migration.hpp>
 
 #include <mpi.h>
 
@@ -388,4 +390,58 @@ TEST_CASE("shrink on MPI refuses with not_supported, saying what can, and leaves
   s.synchronize();
   for (int j = 0; j < n; ++j)
     CHECK(heard[std::size_t(j)] == 10 * j + r);
+}
+
+TEST_CASE("move_expert_state over MPI carries a plan's copies, and a rank refusing its arguments "
+          "ends every rank at once") {
+  const int n = world_size(), r = world_rank();
+  const int experts = 2 * n;
+  const auto state_of = [](int e) {
+    std::vector<std::byte> b(24);
+    for (std::size_t i = 0; i < b.size(); ++i)
+      b[i] = static_cast<std::byte>(e * 31 + static_cast<int>(i));
+    return b;
+  };
+  // Device d holds {2d, 2d + 1}; the next placement swaps expert 1 and the last one.
+  const auto current = weave::placement::contiguous(experts, n);
+  std::vector<std::int32_t> slots(current.slot_experts().begin(), current.slot_experts().end());
+  std::swap(slots[1], slots.back());
+  const auto plan =
+      weave::plan_migration(current, weave::placement(experts, n, slots), weave::topology::flat(n));
+  REQUIRE(plan.moves.size() == 2);
+  for (const bool bad : {false, true}) {
+    CAPTURE(bad);
+    weave::mpi_communicator comm(MPI_COMM_WORLD);
+    weave::host_stream s;
+    std::vector<std::vector<std::byte>> held, got(2);
+    for (int e = 0; e < experts; ++e)
+      held.push_back(state_of(e));
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      weave::move_expert_state(
+          comm, s, plan, 24,
+          [&](int e) {
+            auto span = std::span<const std::byte>(held[static_cast<std::size_t>(e)]);
+            return bad && r == n - 1 ? span.first(8) : span; // the last rank's is too short
+          },
+          [&](int slot, int) {
+            got[static_cast<std::size_t>(slot)].assign(24, std::byte{0});
+            return std::span<std::byte>(got[static_cast<std::size_t>(slot)]);
+          });
+      CHECK_FALSE(bad);
+      for (const weave::expert_move& m : plan.moves)
+        if (m.to_device == r)
+          CHECK(got[static_cast<std::size_t>(m.to_slot % 2)] == state_of(m.expert));
+    } catch (const weave::peer_error& e) {
+      CHECK(bad);
+      CHECK(r != n - 1);
+      CHECK(e.origin().rank == n - 1);
+      CHECK(e.origin().code == weave::errc::size_mismatch);
+    } catch (const weave::error& e) {
+      CHECK(bad);
+      CHECK(r == n - 1);
+      CHECK(e.code() == weave::errc::size_mismatch);
+    }
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(20));
+  }
 }

@@ -10,6 +10,7 @@
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
+#include "weave/core/retain.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/placement/migration.hpp"
 
@@ -31,59 +32,77 @@ WEAVE_NAMESPACE_BEGIN
 //! `examples/elastic_moe.cpp` does). Collective: every rank passes the same plan. With grouped
 //! point-to-point transfers (`has_send_recv`: local_world, NCCL) the copies go straight from
 //! source to destination, in as many groups as the most copies between one pair of ranks;
-//! otherwise (MPI) they are packed into one all-to-all on the host. Throws
+//! otherwise (MPI) they are packed into one all-to-all on the host, after a count exchange that
+//! checks the ranks' plans agree. Throws
 //! `errc::size_mismatch` for a plan of another device count or a span of another size,
-//! `errc::size_overflow` when the bytes overflow, and the communicator's errors.
+//! `errc::out_of_range` / `errc::invalid_argument` for a move naming a device outside the plan
+//! or within one device, `errc::size_overflow` when the bytes overflow, and the communicator's
+//! errors; a rank that refuses its arguments aborts the communicator first, so its peers fail
+//! at once with a `peer_error` naming it instead of waiting for its copies.
 template <communicator C, class Source, class Dest>
 void move_expert_state(C& comm, typename C::stream_type& s, const migration_plan& plan,
                        std::size_t bytes, Source&& source, Dest&& dest) {
   const int D = comm.size(), me = comm.rank();
-  WEAVE_EXPECT(plan.target.num_devices() == D, errc::size_mismatch,
-               "move_expert_state: a plan for ", plan.target.num_devices(), " devices on ", D,
-               " ranks");
-  WEAVE_EXPECT(bytes > 0, errc::invalid_argument, "move_expert_state: 0 bytes per expert");
-  const int S = plan.target.slots_per_device();
-  const auto from_here = [&](const expert_move& m) {
-    const std::span<const std::byte> src = source(static_cast<int>(m.expert));
-    WEAVE_EXPECT(src.size() == bytes, errc::size_mismatch, "move_expert_state: expert ", m.expert,
-                 "'s state is ", src.size(), " bytes, not ", bytes);
-    return src;
-  };
-  const auto to_here = [&](const expert_move& m) {
-    const std::span<std::byte> dst = dest(m.to_slot % S, static_cast<int>(m.expert));
-    WEAVE_EXPECT(dst.size() == bytes, errc::size_mismatch, "move_expert_state: slot ",
-                 m.to_slot % S, " takes ", dst.size(), " bytes, not ", bytes);
-    return dst;
-  };
   const auto n = static_cast<std::size_t>(D);
-  const auto b = checked_cast<std::int64_t>(bytes, "bytes per expert");
-  if constexpr (has_send_recv<C>) {
-    // Round r carries the r-th copy between each pair of ranks (a peer appears once per group).
-    std::vector<int> count(n * n, 0), round(plan.moves.size());
-    int rounds = 0;
-    for (std::size_t i = 0; i < plan.moves.size(); ++i) {
-      const expert_move& m = plan.moves[i];
-      round[i] = count[static_cast<std::size_t>(m.from_device) * n +
-                       static_cast<std::size_t>(m.to_device)]++;
-      rounds = std::max(rounds, round[i] + 1);
+  // This rank's copies in plan order: what it sends (to whom) and where what it receives goes.
+  struct leg {
+    int peer;
+    const std::byte* send;
+    std::byte* recv;
+  };
+  std::vector<leg> legs;
+  std::int64_t b = 0;
+  // A bad argument here would leave the peers waiting in the transfer: they are told at once.
+  abort_peers_on_failure(comm, [&] {
+    WEAVE_EXPECT(plan.target.num_devices() == D, errc::size_mismatch,
+                 "move_expert_state: a plan for ", plan.target.num_devices(), " devices on ", D,
+                 " ranks");
+    WEAVE_EXPECT(bytes > 0, errc::invalid_argument, "move_expert_state: 0 bytes per expert");
+    b = checked_cast<std::int64_t>(bytes, "bytes per expert");
+    const int S = plan.target.slots_per_device();
+    for (const expert_move& m : plan.moves) {
+      WEAVE_EXPECT(m.from_device >= 0 && m.from_device < D && m.to_device >= 0 && m.to_device < D,
+                   errc::out_of_range, "move_expert_state: a move of expert ", m.expert, " from ",
+                   m.from_device, " to ", m.to_device, " on ", D, " ranks");
+      WEAVE_EXPECT(m.from_device != m.to_device, errc::invalid_argument,
+                   "move_expert_state: a move of expert ", m.expert, " within device ",
+                   m.to_device);
+      if (m.from_device == me) {
+        const std::span<const std::byte> src = source(static_cast<int>(m.expert));
+        WEAVE_EXPECT(src.size() == bytes, errc::size_mismatch, "move_expert_state: expert ",
+                     m.expert, "'s state is ", src.size(), " bytes, not ", bytes);
+        legs.push_back({m.to_device, src.data(), nullptr});
+      } else if (m.to_device == me) {
+        const std::span<std::byte> dst = dest(m.to_slot % S, static_cast<int>(m.expert));
+        WEAVE_EXPECT(dst.size() == bytes, errc::size_mismatch, "move_expert_state: slot ",
+                     m.to_slot % S, " takes ", dst.size(), " bytes, not ", bytes);
+        legs.push_back({m.from_device, nullptr, dst.data()});
+      }
     }
+  });
+  if constexpr (has_send_recv<C>) {
+    // Round r carries the r-th copy between each pair of ranks (a peer appears once per group);
+    // every rank counts the rounds of the whole plan, so all issue as many groups.
+    std::vector<int> count(n * n, 0);
+    int rounds = 0;
+    for (const expert_move& m : plan.moves)
+      rounds = std::max(rounds, ++count[static_cast<std::size_t>(m.from_device) * n +
+                                        static_cast<std::size_t>(m.to_device)]);
     // Every group's list stays alive until the stream ran it (host streams read it then).
     std::vector<std::vector<peer_transfer>> groups(static_cast<std::size_t>(rounds));
-    for (std::size_t i = 0; i < plan.moves.size(); ++i) {
-      const expert_move& m = plan.moves[i];
-      if (m.from_device != me && m.to_device != me)
-        continue;
-      auto& group = groups[static_cast<std::size_t>(round[i])];
-      const int peer = m.from_device == me ? m.to_device : m.from_device;
+    std::vector<int> sent(n, 0), received(n, 0);
+    for (const leg& l : legs) {
+      const auto p = static_cast<std::size_t>(l.peer);
+      auto& group = groups[static_cast<std::size_t>(l.send ? sent[p]++ : received[p]++)];
       auto at = std::find_if(group.begin(), group.end(),
-                             [&](const peer_transfer& t) { return t.peer == peer; });
+                             [&](const peer_transfer& t) { return t.peer == l.peer; });
       if (at == group.end())
-        at = group.insert(group.end(), peer_transfer{peer});
-      if (m.from_device == me) {
-        at->send = from_here(m).data();
+        at = group.insert(group.end(), peer_transfer{l.peer});
+      if (l.send) {
+        at->send = l.send;
         at->send_bytes = b;
       } else {
-        at->recv = to_here(m).data();
+        at->recv = l.recv;
         at->recv_bytes = b;
       }
     }
@@ -95,12 +114,8 @@ void move_expert_state(C& comm, typename C::stream_type& s, const migration_plan
                   "move_expert_state packs on the host without send_recv");
     std::vector<std::int64_t> send_counts(n, 0), recv_counts(n, 0), send_displs(n, 0),
         recv_displs(n, 0);
-    for (const expert_move& m : plan.moves) {
-      if (m.from_device == me)
-        ++send_counts[static_cast<std::size_t>(m.to_device)];
-      if (m.to_device == me)
-        ++recv_counts[static_cast<std::size_t>(m.from_device)];
-    }
+    for (const leg& l : legs)
+      ++(l.send ? send_counts : recv_counts)[static_cast<std::size_t>(l.peer)];
     std::int64_t sends = 0, recvs = 0;
     for (std::size_t j = 0; j < n; ++j) {
       send_displs[j] = sends;
@@ -108,26 +123,47 @@ void move_expert_state(C& comm, typename C::stream_type& s, const migration_plan
       sends += send_counts[j];
       recvs += recv_counts[j];
     }
+    if constexpr (has_exchange_counts<C>) {
+      // Every rank takes part in a count exchange (an all-to-all of zero blocks may complete
+      // without a rank that failed), and the counts check that the ranks' plans agree.
+      std::vector<std::int64_t> announced(n, 0);
+      weave::exchange_counts(comm, s, std::span<const std::int64_t>(send_counts),
+                             std::span<std::int64_t>(announced));
+      wait_watched(comm, s);
+      abort_peers_on_failure(comm, [&] {
+        for (std::size_t j = 0; j < n; ++j)
+          WEAVE_EXPECT(announced[j] == recv_counts[j], errc::size_mismatch,
+                       "move_expert_state: rank ", j, " sends ", announced[j], " copies to rank ",
+                       me, ", whose plan expects ", recv_counts[j], " (the ranks' plans differ)");
+      });
+    }
     std::vector<std::byte> out(checked_mul(static_cast<std::size_t>(sends), bytes, "sent state")),
         in(checked_mul(static_cast<std::size_t>(recvs), bytes, "received state"));
-    // Packed by destination, in plan order (each receiver walks the plan in the same order).
-    std::vector<std::int64_t> at(send_displs);
-    for (const expert_move& m : plan.moves)
-      if (m.from_device == me)
+    // Packed by peer, in plan order (each receiver walks the plan in the same order).
+    std::vector<std::int64_t> at_out(send_displs), at_in(recv_displs);
+    for (const leg& l : legs)
+      if (l.send)
         std::memcpy(out.data() +
-                        static_cast<std::size_t>(at[static_cast<std::size_t>(m.to_device)]++) *
+                        static_cast<std::size_t>(at_out[static_cast<std::size_t>(l.peer)]++) *
                             bytes,
-                    from_here(m).data(), bytes);
-    weave::all_to_all_v(comm, s, out.data(), send_counts, send_displs, in.data(), recv_counts,
-                        recv_displs, bytes);
-    wait_watched(comm, s);
-    at = recv_displs;
-    for (const expert_move& m : plan.moves)
-      if (m.to_device == me)
-        std::memcpy(to_here(m).data(),
+                    l.send, bytes);
+    const auto abandoned_after = abandoned_flag_of(comm);
+    try {
+      weave::all_to_all_v(comm, s, out.data(), send_counts, send_displs, in.data(), recv_counts,
+                          recv_displs, bytes);
+      wait_watched(comm, s);
+    } catch (...) {
+      if (abandoned(abandoned_after)) { // MPI may still write into them (see fail_stop.hpp)
+        detail::retain_value_until_exit(std::move(out));
+        detail::retain_value_until_exit(std::move(in));
+      }
+      throw;
+    }
+    for (const leg& l : legs)
+      if (!l.send)
+        std::memcpy(l.recv,
                     in.data() +
-                        static_cast<std::size_t>(at[static_cast<std::size_t>(m.from_device)]++) *
-                            bytes,
+                        static_cast<std::size_t>(at_in[static_cast<std::size_t>(l.peer)]++) * bytes,
                     bytes);
   }
 }
