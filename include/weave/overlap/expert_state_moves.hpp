@@ -112,58 +112,64 @@ void move_expert_state(C& comm, typename C::stream_type& s, const migration_plan
   } else {
     static_assert(host_executor<typename C::stream_type>,
                   "move_expert_state packs on the host without send_recv");
-    std::vector<std::int64_t> send_counts(n, 0), recv_counts(n, 0), send_displs(n, 0),
-        recv_displs(n, 0);
+    // Everything MPI is given, in one block: kept until the process exits if MPI abandons an
+    // operation (it may still read and write them until MPI_Finalize; see fail_stop.hpp).
+    struct staging {
+      std::vector<std::int64_t> send_counts, recv_counts, send_displs, recv_displs, announced;
+      std::vector<std::byte> out, in;
+    };
+    const auto st = std::make_shared<staging>();
+    for (auto* v :
+         {&st->send_counts, &st->recv_counts, &st->send_displs, &st->recv_displs, &st->announced})
+      v->assign(n, 0);
     for (const leg& l : legs)
-      ++(l.send ? send_counts : recv_counts)[static_cast<std::size_t>(l.peer)];
+      ++(l.send ? st->send_counts : st->recv_counts)[static_cast<std::size_t>(l.peer)];
     std::int64_t sends = 0, recvs = 0;
     for (std::size_t j = 0; j < n; ++j) {
-      send_displs[j] = sends;
-      recv_displs[j] = recvs;
-      sends += send_counts[j];
-      recvs += recv_counts[j];
+      st->send_displs[j] = sends;
+      st->recv_displs[j] = recvs;
+      sends += st->send_counts[j];
+      recvs += st->recv_counts[j];
     }
-    if constexpr (has_exchange_counts<C>) {
-      // Every rank takes part in a count exchange (an all-to-all of zero blocks may complete
-      // without a rank that failed), and the counts check that the ranks' plans agree.
-      std::vector<std::int64_t> announced(n, 0);
-      weave::exchange_counts(comm, s, std::span<const std::int64_t>(send_counts),
-                             std::span<std::int64_t>(announced));
-      wait_watched(comm, s);
-      abort_peers_on_failure(comm, [&] {
-        for (std::size_t j = 0; j < n; ++j)
-          WEAVE_EXPECT(announced[j] == recv_counts[j], errc::size_mismatch,
-                       "move_expert_state: rank ", j, " sends ", announced[j], " copies to rank ",
-                       me, ", whose plan expects ", recv_counts[j], " (the ranks' plans differ)");
-      });
-    }
-    std::vector<std::byte> out(checked_mul(static_cast<std::size_t>(sends), bytes, "sent state")),
-        in(checked_mul(static_cast<std::size_t>(recvs), bytes, "received state"));
-    // Packed by peer, in plan order (each receiver walks the plan in the same order).
-    std::vector<std::int64_t> at_out(send_displs), at_in(recv_displs);
-    for (const leg& l : legs)
-      if (l.send)
-        std::memcpy(out.data() +
-                        static_cast<std::size_t>(at_out[static_cast<std::size_t>(l.peer)]++) *
-                            bytes,
-                    l.send, bytes);
     const auto abandoned_after = abandoned_flag_of(comm);
     try {
-      weave::all_to_all_v(comm, s, out.data(), send_counts, send_displs, in.data(), recv_counts,
-                          recv_displs, bytes);
+      if constexpr (has_exchange_counts<C>) {
+        // Every rank takes part in a count exchange (an all-to-all of zero blocks may complete
+        // without a rank that failed), and the counts check that the ranks' plans agree.
+        weave::exchange_counts(comm, s, std::span<const std::int64_t>(st->send_counts),
+                               std::span<std::int64_t>(st->announced));
+        wait_watched(comm, s);
+        abort_peers_on_failure(comm, [&] {
+          for (std::size_t j = 0; j < n; ++j)
+            WEAVE_EXPECT(st->announced[j] == st->recv_counts[j], errc::size_mismatch,
+                         "move_expert_state: rank ", j, " sends ", st->announced[j],
+                         " copies to rank ", me, ", whose plan expects ", st->recv_counts[j],
+                         " (the ranks' plans differ)");
+        });
+      }
+      st->out.resize(checked_mul(static_cast<std::size_t>(sends), bytes, "sent state"));
+      st->in.resize(checked_mul(static_cast<std::size_t>(recvs), bytes, "received state"));
+      // Packed by peer, in plan order (each receiver walks the plan in the same order).
+      std::vector<std::int64_t> at(st->send_displs);
+      for (const leg& l : legs)
+        if (l.send)
+          std::memcpy(st->out.data() +
+                          static_cast<std::size_t>(at[static_cast<std::size_t>(l.peer)]++) * bytes,
+                      l.send, bytes);
+      weave::all_to_all_v(comm, s, st->out.data(), st->send_counts, st->send_displs, st->in.data(),
+                          st->recv_counts, st->recv_displs, bytes);
       wait_watched(comm, s);
     } catch (...) {
-      if (abandoned(abandoned_after)) { // MPI may still write into them (see fail_stop.hpp)
-        detail::retain_value_until_exit(std::move(out));
-        detail::retain_value_until_exit(std::move(in));
-      }
+      if (abandoned(abandoned_after))
+        detail::retain_until_exit(st);
       throw;
     }
+    std::vector<std::int64_t> at(st->recv_displs);
     for (const leg& l : legs)
       if (!l.send)
         std::memcpy(l.recv,
-                    in.data() +
-                        static_cast<std::size_t>(at_in[static_cast<std::size_t>(l.peer)]++) * bytes,
+                    st->in.data() +
+                        static_cast<std::size_t>(at[static_cast<std::size_t>(l.peer)]++) * bytes,
                     bytes);
   }
 }
