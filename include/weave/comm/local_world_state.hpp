@@ -100,8 +100,6 @@ class local_world_state {
       : size_(size)
       , options_(options)
       , shrink_(size)
-      , timeout_(options.timeout)
-      , inline_max_bytes_(options.inline_max_bytes)
       , links_(static_cast<std::size_t>(size) * static_cast<std::size_t>(size), options.link)
       , posts_(static_cast<std::size_t>(size))
       , finished_(static_cast<std::size_t>(size), 0)
@@ -115,12 +113,12 @@ class local_world_state {
   const local_world_options& options() const noexcept { return options_; }
   //! The world's one shrink agreement (`local_communicator::shrink`).
   local_shrink_round& shrink_round() noexcept { return shrink_; }
-  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+  std::chrono::milliseconds timeout() const noexcept { return options_.timeout; }
   //! Whether operations may run on the calling thread at all.
-  bool inline_enabled() const noexcept { return inline_max_bytes_ > 0; }
+  bool inline_enabled() const noexcept { return options_.inline_max_bytes > 0; }
   //! Whether an operation moving `bytes` on a rank may run on the calling thread.
   bool runs_inline(std::size_t bytes) const noexcept {
-    return inline_max_bytes_ > 0 && bytes <= inline_max_bytes_;
+    return options_.inline_max_bytes > 0 && bytes <= options_.inline_max_bytes;
   }
   emulated_link& link(int src, int dst) { return links_[index(src, dst)]; }
 
@@ -221,7 +219,7 @@ class local_world_state {
   template <class Ready>
   void await(std::unique_lock<std::mutex>& lock, int rank, const local_post& post, bool arriving,
              Ready ready) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     // A failing rank leaves only once no peer is still copying from buffers that the caller
     // may free as soon as the failure surfaces.
     auto drain = [&] { changed_.wait(lock, [&] { return in_transfer_ == 0; }); };
@@ -247,10 +245,10 @@ class local_world_state {
             shrink_.depart(peer); // a later shrink does not wait for it again
           }
         }
-        const std::string message =
-            detail::concat("local_world rank ", rank, ": ", to_string(post.op), " #", post.seq,
-                           " timed out after ", timeout_.count(), " ms waiting for rank(s) ",
-                           missing, arriving ? " to arrive at it" : " to complete it");
+        const std::string message = detail::concat(
+            "local_world rank ", rank, ": ", to_string(post.op), " #", post.seq,
+            " timed out after ", options_.timeout.count(), " ms waiting for rank(s) ", missing,
+            arriving ? " to arrive at it" : " to complete it");
         fail({rank, errc::timeout, true, message});
         changed_.notify_all();
         drain();
@@ -415,10 +413,8 @@ class local_world_state {
   }
 
   int size_;
-  local_world_options options_;
+  local_world_options options_; // its `link` is every link's start; `links_` holds them
   local_shrink_round shrink_;
-  std::chrono::milliseconds timeout_;
-  std::size_t inline_max_bytes_;
   std::vector<emulated_link> links_; // links_[src * size + dst]; set before any operation
   mutable std::mutex mutex_;
   std::condition_variable changed_;
