@@ -116,12 +116,8 @@ inline loss_recovery plan_after_loss(const placement& current, std::span<const i
   const failure_domain domain = options.domain == failure_domain::node && r.topo.nodes >= 2
                                     ? failure_domain::node
                                     : failure_domain::device;
-  const int domains = domain == failure_domain::node ? r.topo.nodes : Dn;
-  const int bin_slots = domain == failure_domain::node ? S * dpn : S;
-  const bool fits =
-      domains >= 2 && 2LL * E <= static_cast<long long>(domains) * std::min(bin_slots, E);
   placement next;
-  if (options.survivable && fits) {
+  if (options.survivable && detail::survivable_room(E, r.topo, domain, S).fits_two(E)) {
     next = place_survivable(l, r.topo, {domain, S, &r.held, options.keep_tolerance});
     r.survivable = true;
   } else {

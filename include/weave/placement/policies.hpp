@@ -39,11 +39,11 @@ inline void expect_loads(std::span<const double> loads) {
 }
 
 //! A placement from the experts of each device; each device's experts sorted ascending so the
-//! result depends only on the groups. Groups smaller than the largest are padded with empty
-//! slots at their end.
+//! result depends only on the groups. Groups are padded with empty slots at their end to
+//! `width` slots (0: the largest group's size; a larger group is not cut).
 inline placement placement_from_groups(int num_experts,
-                                       std::vector<std::vector<std::int32_t>> groups) {
-  std::size_t width = 0;
+                                       std::vector<std::vector<std::int32_t>> groups,
+                                       std::size_t width = 0) {
   for (const auto& g : groups)
     width = std::max(width, g.size());
   std::vector<std::int32_t> slots;

@@ -348,6 +348,34 @@ inline std::vector<std::vector<std::int32_t>> groups_of_packing(const replica_pa
 
 } // namespace detail
 
+namespace detail {
+
+//! Gives up to `extra` more copies, each to the expert with the largest load per copy (lowest id
+//! on ties) among those below `max_copies`; returns how many it gave (fewer only when every
+//! expert reached `max_copies`).
+inline long long add_copies(std::span<const double> loads, std::vector<int>& count, long long extra,
+                            int max_copies) {
+  const auto E = loads.size();
+  std::vector<double> copies(count.begin(), count.end()); // as doubles: no conversions below
+  for (long long r = 0; r < extra; ++r) {
+    std::size_t best = E;
+    double best_load = 0, best_copies = 1; // of `best`, kept in registers
+    for (std::size_t e = 0; e < E; ++e)
+      if (count[e] < max_copies && (best == E || loads[e] * best_copies > best_load * copies[e])) {
+        best = e;
+        best_load = loads[e];
+        best_copies = copies[e];
+      }
+    if (best == E)
+      return r;
+    ++count[best];
+    copies[best] += 1.0;
+  }
+  return extra;
+}
+
+} // namespace detail
+
 //! Replica count per expert: one each, then each of `redundant_slots` extra slots to the expert
 //! with the largest load per replica (lowest id on ties), at most `max_replicas` each.
 //! Throws `errc::invalid_argument` when the slots cannot all be used.
@@ -361,20 +389,7 @@ inline std::vector<int> replica_counts(std::span<const double> loads, int redund
                errc::invalid_argument, redundant_slots, " redundant slots exceed what ", E,
                " experts with at most ", max_replicas, " replicas each can use");
   std::vector<int> count(E, 1);
-  std::vector<double> replicas(E, 1.0); // count as doubles: the same products, no conversions
-  for (int r = 0; r < redundant_slots; ++r) {
-    std::size_t best = E;
-    double best_load = 0, best_replicas = 1; // of `best`, kept in registers
-    for (std::size_t e = 0; e < E; ++e)
-      if (count[e] < max_replicas &&
-          (best == E || loads[e] * best_replicas > best_load * replicas[e])) {
-        best = e;
-        best_load = loads[e];
-        best_replicas = replicas[e];
-      }
-    ++count[best];
-    replicas[best] += 1.0;
-  }
+  detail::add_copies(loads, count, redundant_slots, max_replicas);
   return count;
 }
 

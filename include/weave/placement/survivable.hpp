@@ -53,23 +53,21 @@ struct survivable_options {
 
 namespace detail {
 
-// Copies per expert: two each, then each of `extra` slots to the expert with the largest load
-// per copy (lowest id on ties), at most `max_copies`; slots no expert can take are left over.
-inline std::vector<int> survivable_counts(std::span<const double> loads, long long extra,
-                                          int max_copies) {
-  std::vector<int> count(loads.size(), 2);
-  for (long long r = 0; r < extra; ++r) {
-    std::size_t best = loads.size();
-    for (std::size_t e = 0; e < loads.size(); ++e)
-      if (count[e] < max_copies &&
-          (best == loads.size() || loads[e] * count[best] > loads[best] * count[e]))
-        best = e;
-    if (best == loads.size())
-      break;
-    ++count[best];
+// Domains of kind `domain` on `topo`, and the copies of E experts they hold with S slots per
+// device, one copy of an expert per domain.
+struct survivable_room {
+  int domains = 0;
+  int domain_slots = 0;
+  long long copies = 0;
+  survivable_room(int E, const topology& topo, failure_domain domain, int S) {
+    const bool by_node = domain == failure_domain::node;
+    domains = by_node ? topo.nodes : topo.num_devices();
+    domain_slots = by_node ? S * topo.devices_per_node : S;
+    copies = static_cast<long long>(domains) * std::min(domain_slots, E);
   }
-  return count;
-}
+  //! Whether two copies of every expert fit, in two domains or more.
+  bool fits_two(int E) const { return domains >= 2 && 2LL * E <= copies; }
+};
 
 // Copies of `experts` (weights `weights`) into `bins` of `capacity`, one copy of an expert per
 // bin; `held[i]` is a bin copy i starts in (-1: none). The fresh packing, or the one grown from
@@ -119,26 +117,28 @@ inline placement place_survivable(std::span<const double> loads, const topology&
   const int E = static_cast<int>(loads.size());
   const int D = topo.num_devices();
   const bool by_node = options.domain == failure_domain::node;
-  const int domains = by_node ? topo.nodes : D;
   WEAVE_EXPECT(E > 0, errc::invalid_argument, "no experts to place");
+  const int S = options.slots_per_device > 0 ? options.slots_per_device : (2 * E + D - 1) / D;
+  const detail::survivable_room room(E, topo, options.domain, S);
+  const int domains = room.domains;
   WEAVE_EXPECT(domains >= 2, errc::invalid_argument, "a survivable placement needs two ",
                by_node ? "nodes" : "devices", " or more; the topology has ", domains);
   WEAVE_EXPECT(weave::detail::is_finite(options.keep_tolerance) && options.keep_tolerance >= 0,
                errc::invalid_argument, "keep_tolerance = ", options.keep_tolerance);
-  const int S = options.slots_per_device > 0 ? options.slots_per_device : (2 * E + D - 1) / D;
   WEAVE_EXPECT(options.slots_per_device >= 0 && S <= E, errc::invalid_argument,
                "slots_per_device = ", options.slots_per_device, " for ", E, " experts");
-  const int bin_slots = by_node ? S * topo.devices_per_node : S;
-  WEAVE_EXPECT(2LL * E <= static_cast<long long>(domains) * std::min(bin_slots, E),
-               errc::invalid_argument, domains, by_node ? " nodes" : " devices", " of ", bin_slots,
-               " slots cannot hold two copies of each of ", E, " experts in different domains");
+  const int bin_slots = room.domain_slots;
+  WEAVE_EXPECT(room.fits_two(E), errc::invalid_argument, domains, by_node ? " nodes" : " devices",
+               " of ", bin_slots, " slots cannot hold two copies of each of ", E,
+               " experts in different domains");
   const placement* cur = options.current;
   if (cur != nullptr)
     WEAVE_EXPECT(cur->num_experts() == E && cur->num_devices() == D, errc::size_mismatch,
                  "current placement has ", cur->num_experts(), " experts on ", cur->num_devices(),
                  " devices, expected ", E, " on ", D);
-  const long long capacity = static_cast<long long>(domains) * std::min(bin_slots, E);
-  const std::vector<int> count = detail::survivable_counts(loads, capacity - 2LL * E, domains);
+  // Two copies of each, then the room left to the experts with the most load per copy.
+  std::vector<int> count(static_cast<std::size_t>(E), 2);
+  detail::add_copies(loads, count, room.copies - 2LL * E, domains);
 
   std::vector<std::int32_t> experts;
   std::vector<double> weights;
@@ -200,13 +200,7 @@ inline placement place_survivable(std::span<const double> loads, const topology&
   std::vector<std::vector<std::int32_t>> groups(static_cast<std::size_t>(D));
   for (std::size_t i = 0; i < experts.size(); ++i)
     groups[static_cast<std::size_t>(device_of[i])].push_back(experts[i]);
-  std::vector<std::int32_t> slots;
-  for (auto& g : groups) {
-    std::sort(g.begin(), g.end());
-    slots.insert(slots.end(), g.begin(), g.end());
-    slots.insert(slots.end(), static_cast<std::size_t>(S) - g.size(), placement::empty_slot);
-  }
-  placement p(E, D, std::move(slots));
+  placement p = detail::placement_from_groups(E, std::move(groups), static_cast<std::size_t>(S));
   return cur != nullptr ? detail::align_slots(*cur, std::move(p), topo, true) : p;
 }
 
