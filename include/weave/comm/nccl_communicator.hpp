@@ -134,10 +134,7 @@ class nccl_communicator {
     WEAVE_EXPECT(!std::binary_search(ex.begin(), ex.end(), rank_), errc::invalid_argument,
                  "nccl_communicator rank ", rank_, ": shrink excludes this rank itself");
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
-    if (!revoked_) {
-      WEAVE_NCCL_CHECK(ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT));
-      revoked_ = true;
-    }
+    WEAVE_NCCL_CHECK(revoke());
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     for (ncclResult_t state = ncclInProgress; state == ncclInProgress;) {
       WEAVE_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
@@ -323,13 +320,20 @@ class nccl_communicator {
                  rank_, ": used after it was aborted", why_.empty() ? "" : " (", why_,
                  why_.empty() ? "" : ")");
   }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  // Revokes the communicator once (`ncclCommRevoke`); later calls do nothing.
+  ncclResult_t revoke() noexcept {
+    if (revoked_)
+      return ncclSuccess;
+    revoked_ = true;
+    return ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+  }
+#endif
   // Gives up on the communicator: aborts it (freed) or revokes it (kept for `shrink`).
   void abort() noexcept {
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
     if (options_.on_failure == nccl_failure_action::revoke) {
-      if (!revoked_)
-        (void)ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
-      revoked_ = true;
+      (void)revoke();
       return;
     }
 #endif
