@@ -694,9 +694,9 @@ run_result train(Comm& world_comm, const settings& s, bool check_dense) {
   return result;
 }
 
-// Prints the loss trend and the gap to the dense copy; true when the loss halved and the two
-// agreed at every step.
-bool summarize(const run_result& run, const settings& s) {
+// The loss trend and the gap to the dense copy, printed when `print`; true when the loss halved
+// and the two agreed at every step (every rank judges the same global losses alike).
+bool summarize(const run_result& run, const settings& s, bool print = true) {
   const auto mean = [](std::span<const double> v) {
     double t = 0;
     for (double x : v)
@@ -708,6 +708,8 @@ bool summarize(const run_result& run, const settings& s) {
   const double last = mean(std::span(run.losses).last(window));
   const bool decreased = last < 0.5 * first;
   const bool matched = run.failed_step < 0;
+  if (!print)
+    return decreased && matched;
   std::printf("loss %.6f -> %.6f (mean of first/last %zu steps): %s\n", first, last, window,
               decreased ? "decreased" : "DID NOT HALVE");
   std::printf("distributed vs dense loss: worst relative gap %.2e (tolerance %.0e): %s\n",
@@ -821,12 +823,7 @@ int main(int argc, char** argv) {
                       bitwise ? "bitwise identical" : "within tolerance",
                       identical ? "ok" : "FAILED");
       }
-      bool good = true;
-      if (root)
-        good = summarize(run, s);
-      int all_good = good ? 1 : 0; // rank 0 judged; every rank returns its verdict
-      MPI_Bcast(&all_good, 1, MPI_INT, 0, MPI_COMM_WORLD);
-      status = all_good == 1 && identical ? 0 : 1;
+      status = summarize(run, s, root) && identical ? 0 : 1;
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_trainer: %s\n", e.what());
