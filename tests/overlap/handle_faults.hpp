@@ -24,6 +24,7 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -91,8 +92,9 @@ struct layer {
   exchange ex;
 
   layer(Comm& comm, weave::host_stream& s, bool static_shape = false)
-      : ex(comm, weave::placement::contiguous(experts_per_rank * comm.size(), comm.size()),
-           options(static_shape)) {
+      : layer(comm, s, options(static_shape)) {}
+  layer(Comm& comm, weave::host_stream& s, const weave::moe_options& o)
+      : ex(comm, weave::placement::contiguous(experts_per_rank * comm.size(), comm.size()), o) {
     if constexpr (K != kind::host) {
       ws = std::make_shared<weave_test::aligned_buffer>(ex.workspace_size());
       ex.initialize(ws->ptr, ws->size, s);
@@ -123,6 +125,23 @@ void experts(Exchange& ex, typename Exchange::handle& h, weave::host_stream& com
         const auto out = b.output.template row_as<float>(r);
         for (std::size_t i = 0; i < in.size(); ++i)
           out[i] = 2.0f * in[i];
+      }
+    });
+}
+
+// The caller's backward on a chunk: dL/dx = 2 dL/dy (the experts' y = 2x), as `experts` does.
+template <class Exchange>
+void experts_grad(Exchange& ex, typename Exchange::handle& h, weave::host_matrix<float>& dx,
+                  std::span<float> dw, weave::host_stream& compute) {
+  for (const auto chunk : ex.chunks(h, dx, dw))
+    compute.submit([chunk] {
+      const auto b = chunk.experts_grad();
+      const auto rows = static_cast<std::size_t>(b.expert_offsets.back());
+      for (std::size_t r = 0; r < rows; ++r) {
+        const auto dy = b.grad_output.template row_as<float>(r);
+        const auto out = b.grad_input.template row_as<float>(r);
+        for (std::size_t i = 0; i < dy.size(); ++i)
+          out[i] = 2.0f * dy[i];
       }
     });
 }

@@ -9,6 +9,8 @@
 
 #include <weave/comm/local_world.hpp>
 
+#include <array>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -165,6 +167,107 @@ void run_untagged_layers(int ranks, bool equal_sizes, bool static_shape = false)
   }
 }
 
+// Two handles of one layer on a communicator without tags, dispatched in one order everywhere,
+// whose combines (or backward passes) the culprit issues in another order: one chunk per call, so
+// iterating a handle issues its combine alone, and no count exchange carries the call's tag. The
+// layer exchanges those stages' call tags first (a word per peer, checked where the data lives),
+// so every rank ends with `call_mismatch` naming both calls, or a peer's abort carrying it,
+// instead of returning the other call's rows. Equal sizes: b routes as a (x scaled), so every
+// message has the same size and only the tags differ. With other sizes the emulated GPU (the CUDA
+// control flow) may meet the world's size check of the rows first: they were posted before the
+// device's verdict was read, as on NCCL.
+template <kind K>
+void run_untagged_combines(int ranks, bool equal_sizes, bool backward, bool swap = true) {
+  using comm_t = weave_test::corrupting_communicator;
+  using layer_t = handle_faults::layer<comm_t, K>;
+  using handle = typename layer_t::exchange::handle;
+  const std::string layer = handle_faults::name(K);
+  CAPTURE(layer);
+  CAPTURE(ranks);
+  CAPTURE(equal_sizes);
+  CAPTURE(backward);
+  CAPTURE(swap);
+  std::vector<handle_faults::outcome> seen(static_cast<std::size_t>(ranks));
+  std::vector<std::unique_ptr<comm_t>> comms(static_cast<std::size_t>(ranks)); // outlive layers
+  std::vector<std::shared_ptr<void>> kept;
+  std::mutex kept_mutex;
+  weave::local_world world(ranks);
+  world.run([&](weave::local_communicator& local) {
+    const int rank = local.rank();
+    auto& comm = comms[static_cast<std::size_t>(rank)];
+    comm = std::make_unique<comm_t>(local);
+    auto& o = seen[static_cast<std::size_t>(rank)];
+    auto compute = std::make_shared<weave::host_stream>("compute");
+    auto stream = std::make_shared<weave::host_stream>("comm");
+    std::shared_ptr<layer_t> l;
+    const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
+    auto b = equal_sizes ? handle_faults::input_of(rank, ranks, handle_faults::tokens, 1)
+                         : handle_faults::input_of(rank, ranks, handle_faults::tokens / 2, 2);
+    if (equal_sizes)
+      for (std::size_t t = 0; t < b.x.rows(); ++t)
+        for (float& v : b.x.view().row_as<float>(t))
+          v *= 3.0f;
+    weave::host_matrix<float> ya(a.x.rows(), handle_faults::hidden),
+        yb(b.x.rows(), handle_faults::hidden), dxa(a.x.rows(), handle_faults::hidden),
+        dxb(b.x.rows(), handle_faults::hidden);
+    std::vector<float> dwa(a.ids.size()), dwb(b.ids.size());
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      auto o_layer = layer_t::options(false);
+      o_layer.chunks = 1;
+      o_layer.save_for_backward = backward;
+      l = std::make_shared<layer_t>(*comm, *compute, o_layer);
+      auto& ex = l->ex;
+      const bool guilty = swap && rank == ranks - 1;
+      handle ha = ex.dispatch(a.x, a.ids, a.weights, *compute, *stream);
+      handle hb = ex.dispatch(b.x, b.ids, b.weights, *compute, *stream);
+      const bool swap_forward = guilty && !backward, swap_backward = guilty && backward;
+      for (handle* h : swap_forward ? std::array{&hb, &ha} : std::array{&ha, &hb}) {
+        handle_faults::experts(ex, *h, *compute); // issues the combine's collectives
+        ex.combine(*h, h == &ha ? ya : yb, *compute, *stream);
+      }
+      if (backward) // dL/dy = y
+        for (handle* h : swap_backward ? std::array{&hb, &ha} : std::array{&ha, &hb}) {
+          const bool is_a = h == &ha;
+          ex.combine_backward(*h, is_a ? ya : yb, *compute, *stream);
+          handle_faults::experts_grad(ex, *h, is_a ? dxa : dxb, is_a ? dwa : dwb, *compute);
+          ex.dispatch_backward(*h, is_a ? dxa : dxb, is_a ? dwa : dwb, *compute, *stream);
+        }
+      ex.synchronize(*compute, *stream);
+      o.outputs_right = handle_faults::doubled(a, ya) && handle_faults::doubled(b, yb);
+    } catch (...) {
+      handle_faults::record(o, std::current_exception());
+    }
+    o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    handle_faults::drain(*compute, *stream);
+    std::lock_guard lock(kept_mutex);
+    for (std::shared_ptr<void> p :
+         {std::shared_ptr<void>(l), std::shared_ptr<void>(compute), std::shared_ptr<void>(stream)})
+      kept.push_back(std::move(p));
+  });
+  kept.clear(); // layers before the communicators they use
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    const auto& o = seen[static_cast<std::size_t>(r)];
+    const int code = static_cast<int>(o.code), origin_code = static_cast<int>(o.origin_code);
+    CAPTURE(code);
+    CAPTURE(origin_code);
+    CHECK(o.seconds < 5.0);
+    if (!swap) { // the calls in one order: the tag exchanges pass, the results are right
+      CHECK(o.code == weave::errc{});
+      CHECK(o.outputs_right);
+      continue;
+    }
+    const auto is = [&](weave::errc e) {
+      return o.code == e || (o.code == weave::errc::peer_failure && o.origin_code == e);
+    };
+    if (K == kind::emulated && !equal_sizes)
+      CHECK((is(weave::errc::call_mismatch) || is(weave::errc::size_mismatch)));
+    else
+      CHECK(is(weave::errc::call_mismatch));
+  }
+}
+
 } // namespace
 
 TEST_CASE("handle faults: moe_exchange on local_world") {
@@ -191,5 +294,19 @@ TEST_CASE("handle faults: layers called in another order on a communicator witho
   for (const int ranks : {2, 4}) {
     run_untagged_layers<kind::device>(ranks, false, true);
     run_untagged_layers<kind::emulated>(ranks, false, true);
+  }
+}
+
+TEST_CASE("handle faults: combines and backward passes in another order without tags") {
+  // Every rank ends with call_mismatch; in one order (3 ranks) the results are right.
+  for (const int ranks : {2, 4})
+    for (const bool equal_sizes : {true, false})
+      for (const bool backward : {false, true}) {
+        run_untagged_combines<kind::device>(ranks, equal_sizes, backward);
+        run_untagged_combines<kind::emulated>(ranks, equal_sizes, backward);
+      }
+  for (const bool backward : {false, true}) {
+    run_untagged_combines<kind::device>(3, false, backward, false);
+    run_untagged_combines<kind::emulated>(3, false, backward, false);
   }
 }

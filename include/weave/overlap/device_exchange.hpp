@@ -24,10 +24,14 @@
 //! chunk's count exchange carries every rank's status (its flags, or a call rejected on the
 //! host), so with dynamic shapes every rank fails at that exchange, and with static shapes
 //! `check_errors` reports the peers' failures; host waits go through the communicator (NCCL:
-//! its timeout and abort). `synchronize` is the one wait that reports the root cause.
+//! its timeout and abort). `synchronize` is the one wait that reports the root cause. Every
+//! stage's first collective carries its call's tag; on communicators without tagged collectives
+//! (NCCL) the count exchanges carry it in their blocks and the other stages exchange it first
+//! (`device_call_tags`).
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/device_call_tags.hpp"
 #include "weave/comm/device_status_exchange.hpp"
 #include "weave/comm/fail_stop.hpp"
 #include "weave/core/checked.hpp"
@@ -104,6 +108,7 @@ class basic_device_exchange
             layout_type::sized_at_call(options) ? 2 : 1,
             device_plan_bad_expert | device_plan_duplicate | device_plan_bad_weight |
                 (device_exchange_slot_overflow | device_exchange_bad_count) << 16)
+      , tags_(comm.size(), comm.rank(), !has_tagged_collectives<Comm>, "device exchange")
       , layout_(options, this->placement_, comm.size())
       , allocator_(stream_allocator<Space>::space_default()) {
     D_ = comm.size();
@@ -120,8 +125,10 @@ class basic_device_exchange
     for (const auto& s : this->slots()) {
       s->state.construct(this->placement_, options, this->rank_, layout_.chunk_tokens(),
                          layout_.advance_rows(), layout_.advance_epd_rows());
-      for (chunk_state& ch : s->state.chunks)
+      for (chunk_state& ch : s->state.chunks) {
         status_.size_block(ch.status);
+        tags_.size_block(ch.tags);
+      }
       chunk_states += s->state.chunks.size();
     }
     error_words_ = host_mirror<Space, std::uint32_t>(3 * chunk_states);
@@ -170,6 +177,7 @@ class basic_device_exchange
           ch.experts.initialize(ch.experts_ws, ch.experts.workspace_size(), stream);
         Space::fill(stream, ch.error, 0, sizeof(std::uint32_t));
         Space::fill(stream, ch.status.recv, 0, status_.words() * sizeof(std::int64_t));
+        tags_.initialize(stream, ch.tags);
         if (ch.quant_status != nullptr)
           Space::fill(stream, ch.quant_status, 0xff, sizeof(std::int64_t)); // -1: none
       }
@@ -252,8 +260,9 @@ class basic_device_exchange
   //! NaN, and no other token's are affected), a peer's count outside the static slot
   //! (`errc::size_mismatch`), else a peer's failure its count exchanges reported (`peer_error`),
   //! else bad received rows. First of all, a peer that was at another call at one of this rank's
-  //! count exchanges (`errc::call_mismatch`, naming both; the communicator is aborted). Clears
-  //! the flags.
+  //! count exchanges, or (communicators without tagged collectives) at the tag exchange of a
+  //! combine or backward pass (`errc::call_mismatch`, naming both; the communicator is
+  //! aborted). Clears the flags.
   void check_errors(stream_arg stream) {
     const bool fp8 = this->options_.fp8_dispatch.has_value();
     host_mirror<Space, std::uint32_t>& words = error_words_; // the copies land here, pinned
@@ -265,20 +274,24 @@ class basic_device_exchange
         take_error_word<Space>(stream, &words[at++], ch.plan.error_word());
         take_error_word<Space>(stream, &words[at++], ch.experts.error_word());
         status_.take(stream, ch.status);
+        tags_.take(stream, ch.tags);
         if (fp8) {
           Space::copy_to_host(stream, &bad_tokens[c++], ch.quant_status, sizeof(std::int64_t));
           Space::fill(stream, ch.quant_status, 0xff, sizeof(std::int64_t)); // -1: none
         }
       }
     wait_watched(*this->comm_, stream);
-    // A call of another handle at one of this rank's count exchanges explains everything else
-    // (its rows were another call's): every rank finds it; the ranks are out of step, so abort.
+    // A call of another handle at one of this rank's count or tag exchanges explains everything
+    // else (its rows were another call's): every rank finds it; the ranks are out of step, so
+    // abort.
     for (const auto& s : this->slots())
       for (const chunk_state& ch : s->state.chunks)
-        if (std::exception_ptr mismatch = status_.call_mismatch(ch.status)) {
-          abort_peers(*this->comm_, mismatch);
-          std::rethrow_exception(mismatch);
-        }
+        for (std::exception_ptr mismatch :
+             {status_.call_mismatch(ch.status), tags_.mismatch(ch.tags)})
+          if (mismatch) {
+            abort_peers(*this->comm_, mismatch);
+            std::rethrow_exception(mismatch);
+          }
     std::uint32_t own = 0, plan = 0, experts = 0;
     for (std::size_t i = 0; i < words.size(); i += 3) {
       own |= words[i];
@@ -343,6 +356,8 @@ class basic_device_exchange
         flagged = std::current_exception();
       }
     }
+    if (is_call_mismatch(flagged)) // the ranks were at other calls: that explains the rest
+      std::rethrow_exception(flagged);
     if (std::exception_ptr root = root_cause({waited, flagged}))
       std::rethrow_exception(root);
   }
@@ -389,7 +404,7 @@ class basic_device_exchange
     const auto set = carve_into<Self>(c);
     set(self.static_displs_, static_cast<std::size_t>(self.D_));
     for (const auto& s : self.slots())
-      self.layout_.carve_call(s->state, set, self.status_);
+      self.layout_.carve_call(s->state, set, self.status_, self.tags_);
     return c;
   }
 
@@ -524,6 +539,12 @@ class basic_device_exchange
   // Each peer's count is checked before it is added: a garbage count cannot overflow the sum.
   void plan_receive(chunk_state& ch);
 
+  // Communicators without tagged collectives: the tag exchange before a stage's first
+  // collective where no count exchange carries the tag (see `device_call_tags`).
+  void exchange_stage_tag(chunk_state& ch, stream_type& st, call_tag tag) {
+    tags_.exchange(*this->comm_, st, ch.tags, tag);
+  }
+
   // The all-to-all back: the receive layout returns to the send layout.
   void exchange_back(chunk_state& ch, stream_type& s, std::byte* from, std::byte* to,
                      std::size_t unit, call_tag tag = {});
@@ -560,6 +581,7 @@ class basic_device_exchange
   std::int64_t* static_displs_ = nullptr;
   const slot_type* last_forward_ = nullptr;
   device_counts_with_status<Space> status_; // the count exchanges, carrying each rank's status
+  device_call_tags<Space> tags_;            // untagged communicators: combines' call checks
   layout_type layout_;                      // the buffers and their sizes
   stream_allocator<Space> allocator_;       // buffers sized at call time
   std::size_t workspace_bytes_ = 0;

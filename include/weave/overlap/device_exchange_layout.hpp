@@ -81,10 +81,10 @@ class device_exchange_layout {
   //! The most EPD rows a chunk can produce (every received row naming min(k, L) experts).
   std::size_t most_epd_rows() const noexcept { return recv_cap_ * std::min(k_, L_); }
 
-  //! The workspace of one call (slot): what it sends, its plans, counts and status, and its
+  //! The workspace of one call (slot): what it sends, its plans, counts, status and tags, and its
   //! receive side unless sized at call time. `set(ptr, count)` as `carve_into`.
-  template <class Set, class Status>
-  void carve_call(call_state& st, Set&& set, const Status& status) const {
+  template <class Set, class Status, class Tags>
+  void carve_call(call_state& st, Set&& set, const Status& status, const Tags& tags) const {
     const bool fixed = o_.static_shape, grads = o_.save_for_backward;
     const bool fp8 = o_.fp8_dispatch.has_value();
     set(st.counters, counter_count);
@@ -110,6 +110,7 @@ class device_exchange_layout {
       set(ch.expert_rows, std::max<std::size_t>(chunk_tokens_ * k_, 1));
       set(ch.error, 1);
       status.carve(ch.status, set);
+      tags.carve(ch.tags, set);
       if (at_call()) {
         set(ch.send_pairs, D_);
         set(ch.recv_pairs, D_);

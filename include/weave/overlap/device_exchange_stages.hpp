@@ -155,6 +155,7 @@ void basic_device_exchange<Space, Comm>::complete_dispatch(slot_type& s, int c, 
   }
   // The backward's dispatch has no count exchange: its rows carry the stage's call tag.
   const call_tag tag = s.backward ? this->tag_of(s, c, false) : call_tag{};
+  exchange_stage_tag(ch, st, tag);
   if (fixed)
     all_to_all_v(*this->comm_, st, send, uniform_counts_, uniform_displs_, recv, uniform_counts_,
                  uniform_displs_, row, tag);
@@ -365,9 +366,10 @@ requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &
     has_exchange_counts<Comm> && has_all_to_all_v<Comm>
 void basic_device_exchange<Space, Comm>::enqueue_combine(slot_type& s, int c, stream_type& st) {
   chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
+  const call_tag tag = this->tag_of(s, c, true); // the stage's first collective carries it
+  exchange_stage_tag(ch, st, tag);
   exchange_back(ch, st, ch.back, ch.returned,
-                this->options_.hidden * size_of(this->options_.element),
-                this->tag_of(s, c, true)); // the stage's first collective carries its tag
+                this->options_.hidden * size_of(this->options_.element), tag);
   if (s.backward)
     exchange_back(ch, st, reinterpret_cast<std::byte*>(ch.send_dw),
                   reinterpret_cast<std::byte*>(ch.returned_dw),

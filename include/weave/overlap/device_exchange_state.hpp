@@ -4,6 +4,7 @@
 //! filter, statistics counters and backward scratch. Internal.
 #pragma once
 
+#include "weave/comm/device_call_tags.hpp"
 #include "weave/comm/device_status_exchange.hpp"
 #include "weave/core/config.hpp"
 #include "weave/exec/host_mirror.hpp"
@@ -67,6 +68,7 @@ struct device_chunk {
   typename Space::stream_type::event_type counts_ready{};
   std::uint32_t* error = nullptr;    // the exchange's own flags (a static slot overflowing)
   device_status_block<Space> status; // its count exchange with every rank's status
+  device_tag_block<Space> tags;      // untagged communicators: its combine's call check
 };
 
 // Everything one call needs, reused by the calls of its slot.
