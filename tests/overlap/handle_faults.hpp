@@ -112,6 +112,17 @@ struct layer {
   }
 };
 
+// out = 2 in on the first `rows` rows (the cases' experts, and their backward).
+template <class In, class Out>
+void double_rows(const In& in, const Out& out, std::size_t rows) {
+  for (std::size_t r = 0; r < rows; ++r) {
+    const auto from = in.template row_as<float>(r);
+    const auto to = out.template row_as<float>(r);
+    for (std::size_t i = 0; i < from.size(); ++i)
+      to[i] = 2.0f * from[i];
+  }
+}
+
 // The caller's experts on a chunk: y = 2x, a task on the compute stream that reads the chunk's
 // rows when it runs (the handle API's contract on host streams).
 template <class Exchange>
@@ -119,30 +130,18 @@ void experts(Exchange& ex, typename Exchange::handle& h, weave::host_stream& com
   for (const auto chunk : ex.chunks(h))
     compute.submit([chunk] {
       const auto b = chunk.experts();
-      const auto rows = static_cast<std::size_t>(b.expert_offsets.back());
-      for (std::size_t r = 0; r < rows; ++r) {
-        const auto in = b.input.template row_as<float>(r);
-        const auto out = b.output.template row_as<float>(r);
-        for (std::size_t i = 0; i < in.size(); ++i)
-          out[i] = 2.0f * in[i];
-      }
+      double_rows(b.input, b.output, static_cast<std::size_t>(b.expert_offsets.back()));
     });
 }
 
-// The caller's backward on a chunk: dL/dx = 2 dL/dy (the experts' y = 2x), as `experts` does.
+// The caller's backward on a chunk: dL/dx = 2 dL/dy (the experts' y = 2x).
 template <class Exchange>
 void experts_grad(Exchange& ex, typename Exchange::handle& h, weave::host_matrix<float>& dx,
                   std::span<float> dw, weave::host_stream& compute) {
   for (const auto chunk : ex.chunks(h, dx, dw))
     compute.submit([chunk] {
       const auto b = chunk.experts_grad();
-      const auto rows = static_cast<std::size_t>(b.expert_offsets.back());
-      for (std::size_t r = 0; r < rows; ++r) {
-        const auto dy = b.grad_output.template row_as<float>(r);
-        const auto out = b.grad_input.template row_as<float>(r);
-        for (std::size_t i = 0; i < dy.size(); ++i)
-          out[i] = 2.0f * dy[i];
-      }
+      double_rows(b.grad_output, b.grad_input, static_cast<std::size_t>(b.expert_offsets.back()));
     });
 }
 

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -93,78 +94,108 @@ void run_all(int ranks) {
   }
 }
 
-// Two layers on one communicator whose collectives carry no tag, as NCCL's (a local_world rank
-// behind a wrapper without the tagged overloads), called in another order by the culprit: the
-// device exchange's count exchanges carry the call's tag (its layer) in their own blocks, so
-// every rank ends with `call_mismatch` (its own finding, or a peer's abort naming it) before any
-// row of the wrong layer is exchanged, whether or not the sizes agree; with static shapes (every
-// message one slot) at `synchronize`'s check of the flags.
-template <kind K>
-void run_untagged_layers(int ranks, bool equal_sizes, bool static_shape = false) {
-  using comm_t = weave_test::corrupting_communicator;
-  using layer_t = handle_faults::layer<comm_t, K>;
-  static_assert(!weave::has_tagged_collectives<comm_t>);
-  const std::string layer = handle_faults::name(K);
-  CAPTURE(layer);
-  CAPTURE(ranks);
-  CAPTURE(equal_sizes);
-  CAPTURE(static_shape);
+using untagged_comm = weave_test::corrupting_communicator;
+static_assert(!weave::has_tagged_collectives<untagged_comm>);
+using keep_fn = std::function<void(std::shared_ptr<void>)>;
+
+// Runs `side(comm, compute, stream, o, keep)` on every rank of a local_world, each behind a
+// communicator without tags (a local_world rank behind a wrapper without the tagged overloads, as
+// NCCL's collectives carry none). `side` records its outputs in `o` and `keep`s what must outlive
+// its streams' work (its layers, inputs and outputs, as a caller's must); its error is recorded,
+// the streams are drained, and the kept objects released before the communicators.
+template <class Side>
+std::vector<handle_faults::outcome> on_untagged_world(int ranks, Side&& side) {
   std::vector<handle_faults::outcome> seen(static_cast<std::size_t>(ranks));
-  std::vector<std::unique_ptr<comm_t>> comms(static_cast<std::size_t>(ranks)); // outlive layers
+  std::vector<std::unique_ptr<untagged_comm>> comms(static_cast<std::size_t>(ranks));
   std::vector<std::shared_ptr<void>> kept;
   std::mutex kept_mutex;
   weave::local_world world(ranks);
   world.run([&](weave::local_communicator& local) {
     const int rank = local.rank();
     auto& comm = comms[static_cast<std::size_t>(rank)];
-    comm = std::make_unique<comm_t>(local);
+    comm = std::make_unique<untagged_comm>(local);
     auto& o = seen[static_cast<std::size_t>(rank)];
     auto compute = std::make_shared<weave::host_stream>("compute");
     auto stream = std::make_shared<weave::host_stream>("comm");
-    std::shared_ptr<layer_t> first, second;
-    // The inputs and outputs outlive the streams' work (drained below), as a caller's must.
-    const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
-    const auto b = handle_faults::input_of(
-        rank, ranks, equal_sizes ? handle_faults::tokens : handle_faults::tokens / 2, 2);
-    weave::host_matrix<float> ya(a.x.rows(), handle_faults::hidden),
-        yb(b.x.rows(), handle_faults::hidden);
+    std::vector<std::shared_ptr<void>> mine{compute, stream};
     const auto start = std::chrono::steady_clock::now();
     try {
-      first = std::make_shared<layer_t>(*comm, *compute, static_shape);
-      second = std::make_shared<layer_t>(*comm, *compute, static_shape);
-      const bool guilty = rank == ranks - 1;
-      auto& one = guilty ? second->ex : first->ex; // the culprit calls the second layer first
-      auto& two = guilty ? first->ex : second->ex;
-      auto h1 = one.dispatch(a.x, a.ids, a.weights, *compute, *stream);
-      auto h2 = two.dispatch(b.x, b.ids, b.weights, *compute, *stream);
-      handle_faults::experts(one, h1, *compute);
-      handle_faults::experts(two, h2, *compute);
-      one.combine(h1, ya, *compute, *stream);
-      two.combine(h2, yb, *compute, *stream);
-      one.synchronize(*compute, *stream);
-      two.synchronize(*compute, *stream);
-      o.outputs_right = handle_faults::doubled(a, ya) && handle_faults::doubled(b, yb);
+      side(*comm, *compute, *stream, o,
+           keep_fn([&](std::shared_ptr<void> p) { mine.push_back(p); }));
     } catch (...) {
       handle_faults::record(o, std::current_exception());
     }
     o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     handle_faults::drain(*compute, *stream);
     std::lock_guard lock(kept_mutex);
-    for (std::shared_ptr<void> p : {std::shared_ptr<void>(first), std::shared_ptr<void>(second),
-                                    std::shared_ptr<void>(compute), std::shared_ptr<void>(stream)})
-      kept.push_back(std::move(p));
+    kept.insert(kept.end(), mine.begin(), mine.end());
   });
   kept.clear(); // layers before the communicators they use
-  for (int r = 0; r < ranks; ++r) {
+  return seen;
+}
+
+// Every rank ended within seconds with `call_mismatch` (its own finding, or a peer's abort
+// naming it), or with `also` where that is allowed.
+void check_call_mismatch(const std::vector<handle_faults::outcome>& seen,
+                         weave::errc also = weave::errc::call_mismatch) {
+  for (std::size_t r = 0; r < seen.size(); ++r) {
     CAPTURE(r);
-    const auto& o = seen[static_cast<std::size_t>(r)];
+    const auto& o = seen[r];
     const int code = static_cast<int>(o.code), origin_code = static_cast<int>(o.origin_code);
     CAPTURE(code);
     CAPTURE(origin_code);
-    CHECK(o.seconds < 5.0);
-    CHECK((o.code == weave::errc::call_mismatch ||
-           (o.code == weave::errc::peer_failure && o.origin_code == weave::errc::call_mismatch)));
+    CHECK(o.seconds < 5.0); // well inside the world's 60 s timeout
+    const auto is = [&](weave::errc e) {
+      return o.code == e || (o.code == weave::errc::peer_failure && o.origin_code == e);
+    };
+    CHECK((is(weave::errc::call_mismatch) || is(also)));
   }
+}
+
+// Two layers on one communicator without tags, called in another order by the culprit: the
+// device exchange's count exchanges carry the call's tag (its layer) in their own blocks, so
+// every rank ends with `call_mismatch` before any row of the wrong layer is exchanged, whether or
+// not the sizes agree; with static shapes (every message one slot) at `synchronize`'s check of
+// the flags.
+template <kind K>
+void run_untagged_layers(int ranks, bool equal_sizes, bool static_shape = false) {
+  using layer_t = handle_faults::layer<untagged_comm, K>;
+  const std::string layer = handle_faults::name(K);
+  CAPTURE(layer);
+  CAPTURE(ranks);
+  CAPTURE(equal_sizes);
+  CAPTURE(static_shape);
+  check_call_mismatch(on_untagged_world(ranks, [&](untagged_comm& comm, weave::host_stream& compute,
+                                                   weave::host_stream& stream,
+                                                   handle_faults::outcome& o, const keep_fn& keep) {
+    const int rank = comm.rank();
+    struct io {
+      moe_test::rank_input<float> a, b;
+      weave::host_matrix<float> ya, yb;
+    };
+    const auto b_tokens = equal_sizes ? handle_faults::tokens : handle_faults::tokens / 2;
+    auto d = std::make_shared<io>(io{handle_faults::input_of(rank, ranks, handle_faults::tokens, 1),
+                                     handle_faults::input_of(rank, ranks, b_tokens, 2),
+                                     {handle_faults::tokens, handle_faults::hidden},
+                                     {b_tokens, handle_faults::hidden}});
+    keep(d);
+    auto first = std::make_shared<layer_t>(comm, compute, static_shape);
+    keep(first);
+    auto second = std::make_shared<layer_t>(comm, compute, static_shape);
+    keep(second);
+    const bool guilty = rank == ranks - 1;
+    auto& one = guilty ? second->ex : first->ex; // the culprit calls the second layer first
+    auto& two = guilty ? first->ex : second->ex;
+    auto h1 = one.dispatch(d->a.x, d->a.ids, d->a.weights, compute, stream);
+    auto h2 = two.dispatch(d->b.x, d->b.ids, d->b.weights, compute, stream);
+    handle_faults::experts(one, h1, compute);
+    handle_faults::experts(two, h2, compute);
+    one.combine(h1, d->ya, compute, stream);
+    two.combine(h2, d->yb, compute, stream);
+    one.synchronize(compute, stream);
+    two.synchronize(compute, stream);
+    o.outputs_right = handle_faults::doubled(d->a, d->ya) && handle_faults::doubled(d->b, d->yb);
+  }));
 }
 
 // Two handles of one layer on a communicator without tags, dispatched in one order everywhere,
@@ -175,11 +206,10 @@ void run_untagged_layers(int ranks, bool equal_sizes, bool static_shape = false)
 // instead of returning the other call's rows. Equal sizes: b routes as a (x scaled), so every
 // message has the same size and only the tags differ. With other sizes the emulated GPU (the CUDA
 // control flow) may meet the world's size check of the rows first: they were posted before the
-// device's verdict was read, as on NCCL.
+// device's verdict was read, as on NCCL. Without the swap, every rank computes the right result.
 template <kind K>
 void run_untagged_combines(int ranks, bool equal_sizes, bool backward, bool swap = true) {
-  using comm_t = weave_test::corrupting_communicator;
-  using layer_t = handle_faults::layer<comm_t, K>;
+  using layer_t = handle_faults::layer<untagged_comm, K>;
   using handle = typename layer_t::exchange::handle;
   const std::string layer = handle_faults::name(K);
   CAPTURE(layer);
@@ -187,84 +217,67 @@ void run_untagged_combines(int ranks, bool equal_sizes, bool backward, bool swap
   CAPTURE(equal_sizes);
   CAPTURE(backward);
   CAPTURE(swap);
-  std::vector<handle_faults::outcome> seen(static_cast<std::size_t>(ranks));
-  std::vector<std::unique_ptr<comm_t>> comms(static_cast<std::size_t>(ranks)); // outlive layers
-  std::vector<std::shared_ptr<void>> kept;
-  std::mutex kept_mutex;
-  weave::local_world world(ranks);
-  world.run([&](weave::local_communicator& local) {
-    const int rank = local.rank();
-    auto& comm = comms[static_cast<std::size_t>(rank)];
-    comm = std::make_unique<comm_t>(local);
-    auto& o = seen[static_cast<std::size_t>(rank)];
-    auto compute = std::make_shared<weave::host_stream>("compute");
-    auto stream = std::make_shared<weave::host_stream>("comm");
-    std::shared_ptr<layer_t> l;
-    const auto a = handle_faults::input_of(rank, ranks, handle_faults::tokens, 1);
-    auto b = equal_sizes ? handle_faults::input_of(rank, ranks, handle_faults::tokens, 1)
-                         : handle_faults::input_of(rank, ranks, handle_faults::tokens / 2, 2);
-    if (equal_sizes)
-      for (std::size_t t = 0; t < b.x.rows(); ++t)
-        for (float& v : b.x.view().row_as<float>(t))
-          v *= 3.0f;
-    weave::host_matrix<float> ya(a.x.rows(), handle_faults::hidden),
-        yb(b.x.rows(), handle_faults::hidden), dxa(a.x.rows(), handle_faults::hidden),
-        dxb(b.x.rows(), handle_faults::hidden);
-    std::vector<float> dwa(a.ids.size()), dwb(b.ids.size());
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      auto o_layer = layer_t::options(false);
-      o_layer.chunks = 1;
-      o_layer.save_for_backward = backward;
-      l = std::make_shared<layer_t>(*comm, *compute, o_layer);
-      auto& ex = l->ex;
-      const bool guilty = swap && rank == ranks - 1;
-      handle ha = ex.dispatch(a.x, a.ids, a.weights, *compute, *stream);
-      handle hb = ex.dispatch(b.x, b.ids, b.weights, *compute, *stream);
-      const bool swap_forward = guilty && !backward, swap_backward = guilty && backward;
-      for (handle* h : swap_forward ? std::array{&hb, &ha} : std::array{&ha, &hb}) {
-        handle_faults::experts(ex, *h, *compute); // issues the combine's collectives
-        ex.combine(*h, h == &ha ? ya : yb, *compute, *stream);
-      }
-      if (backward) // dL/dy = y
-        for (handle* h : swap_backward ? std::array{&hb, &ha} : std::array{&ha, &hb}) {
-          const bool is_a = h == &ha;
-          ex.combine_backward(*h, is_a ? ya : yb, *compute, *stream);
-          handle_faults::experts_grad(ex, *h, is_a ? dxa : dxb, is_a ? dwa : dwb, *compute);
-          ex.dispatch_backward(*h, is_a ? dxa : dxb, is_a ? dwa : dwb, *compute, *stream);
-        }
-      ex.synchronize(*compute, *stream);
-      o.outputs_right = handle_faults::doubled(a, ya) && handle_faults::doubled(b, yb);
-    } catch (...) {
-      handle_faults::record(o, std::current_exception());
-    }
-    o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    handle_faults::drain(*compute, *stream);
-    std::lock_guard lock(kept_mutex);
-    for (std::shared_ptr<void> p :
-         {std::shared_ptr<void>(l), std::shared_ptr<void>(compute), std::shared_ptr<void>(stream)})
-      kept.push_back(std::move(p));
-  });
-  kept.clear(); // layers before the communicators they use
-  for (int r = 0; r < ranks; ++r) {
-    CAPTURE(r);
-    const auto& o = seen[static_cast<std::size_t>(r)];
-    const int code = static_cast<int>(o.code), origin_code = static_cast<int>(o.origin_code);
-    CAPTURE(code);
-    CAPTURE(origin_code);
-    CHECK(o.seconds < 5.0);
-    if (!swap) { // the calls in one order: the tag exchanges pass, the results are right
-      CHECK(o.code == weave::errc{});
-      CHECK(o.outputs_right);
-      continue;
-    }
-    const auto is = [&](weave::errc e) {
-      return o.code == e || (o.code == weave::errc::peer_failure && o.origin_code == e);
+  const auto seen = on_untagged_world(ranks, [&](untagged_comm& comm, weave::host_stream& compute,
+                                                 weave::host_stream& stream,
+                                                 handle_faults::outcome& o, const keep_fn& keep) {
+    const int rank = comm.rank();
+    const std::size_t T = handle_faults::tokens, H = handle_faults::hidden;
+    struct io {
+      moe_test::rank_input<float> a, b;
+      weave::host_matrix<float> ya, yb, dxa, dxb;
+      std::vector<float> dwa, dwb;
     };
-    if (K == kind::emulated && !equal_sizes)
-      CHECK((is(weave::errc::call_mismatch) || is(weave::errc::size_mismatch)));
-    else
-      CHECK(is(weave::errc::call_mismatch));
+    const std::size_t b_tokens = equal_sizes ? T : T / 2;
+    auto d =
+        std::make_shared<io>(io{handle_faults::input_of(rank, ranks, T, 1),
+                                handle_faults::input_of(rank, ranks, b_tokens, equal_sizes ? 1 : 2),
+                                {T, H},
+                                {b_tokens, H},
+                                {T, H},
+                                {b_tokens, H},
+                                std::vector<float>(T * handle_faults::k),
+                                std::vector<float>(b_tokens * handle_faults::k)});
+    keep(d);
+    if (equal_sizes) // b routes exactly as a
+      for (std::size_t t = 0; t < b_tokens; ++t)
+        for (float& v : d->b.x.view().template row_as<float>(t))
+          v *= 3.0f;
+    auto o_layer = layer_t::options(false);
+    o_layer.chunks = 1;
+    o_layer.save_for_backward = backward;
+    auto l = std::make_shared<layer_t>(comm, compute, o_layer);
+    keep(l);
+    auto& ex = l->ex;
+    const bool guilty = swap && rank == ranks - 1;
+    handle ha = ex.dispatch(d->a.x, d->a.ids, d->a.weights, compute, stream);
+    handle hb = ex.dispatch(d->b.x, d->b.ids, d->b.weights, compute, stream);
+    const auto order = [&](bool swapped) {
+      return swapped ? std::array{&hb, &ha} : std::array{&ha, &hb};
+    };
+    for (handle* h : order(guilty && !backward)) {
+      handle_faults::experts(ex, *h, compute); // issues the combine's collectives
+      ex.combine(*h, h == &ha ? d->ya : d->yb, compute, stream);
+    }
+    if (backward) // dL/dy = y
+      for (handle* h : order(guilty)) {
+        const bool is_a = h == &ha;
+        auto& dx = is_a ? d->dxa : d->dxb;
+        auto& dw = is_a ? d->dwa : d->dwb;
+        ex.combine_backward(*h, is_a ? d->ya : d->yb, compute, stream);
+        handle_faults::experts_grad(ex, *h, dx, dw, compute);
+        ex.dispatch_backward(*h, dx, dw, compute, stream);
+      }
+    ex.synchronize(compute, stream);
+    o.outputs_right = handle_faults::doubled(d->a, d->ya) && handle_faults::doubled(d->b, d->yb);
+  });
+  if (swap) {
+    check_call_mismatch(seen, K == kind::emulated && !equal_sizes ? weave::errc::size_mismatch
+                                                                  : weave::errc::call_mismatch);
+    return;
+  }
+  for (const auto& o : seen) { // the calls in one order: the tag exchanges pass
+    CHECK(o.code == weave::errc{});
+    CHECK(o.outputs_right);
   }
 }
 
