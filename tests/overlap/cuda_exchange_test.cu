@@ -424,89 +424,98 @@ TEST_CASE("cuda_moe_exchange without tags: two handles' combines in another orde
   // b routes exactly as a (x scaled by 3), so every message has the same size and only the call
   // tags differ; one chunk per call, so iterating a handle issues its combine alone. The last
   // rank iterates and combines b before a. In one order every rank computes 2 x per choice.
-  for (const bool fixed : {false, true})
-    for (const bool swap : {false, true}) {
-      CAPTURE(fixed);
-      CAPTURE(swap);
-      const int ranks = 2;
-      const std::size_t T = 24, H = 8;
-      std::vector<weave::errc> codes(ranks, weave::errc{}), origin_codes(ranks, weave::errc{});
-      std::vector<bool> right(ranks, false);
-      weave::cuda_local_world world(ranks);
-      world.run([&](weave::cuda_local_communicator& local) {
-        untagged_cuda_comm comm(local);
-        const auto r = static_cast<std::size_t>(comm.rank());
-        std::mt19937 rng(31 + static_cast<unsigned>(r));
-        const auto in = moe_test::random_input<float>(T, H, 4, 2, rng);
-        std::vector<float> xa(in.x.elements().begin(), in.x.elements().end()), xb = xa;
-        for (float& v : xb)
-          v *= 3.0f;
-        stream_holder compute, comm_stream;
-        dev<float> dxa(xa), dxb(xb), ya(T * H), yb(T * H);
-        dev<std::int32_t> ids(in.ids);
-        dev<float> weights(in.weights);
-        const auto view = [&](dev<float>& b) {
-          return weave::token_view(reinterpret_cast<std::byte*>(b.ptr), T, H, weave::dtype::f32,
-                                   weave::memory_space::device, 0);
-        };
-        weave::moe_options o;
-        o.k = 2;
-        o.hidden = H;
-        o.max_tokens = T;
-        o.chunks = 1;
-        o.max_in_flight = 2;
-        o.static_shape = fixed;
-        try {
-          weave::basic_device_exchange<weave::cuda_space, untagged_cuda_comm> ex(
-              comm, weave::placement::contiguous(4, ranks), o);
-          dev<std::byte> ws(ex.workspace_size());
-          ex.initialize(ws.ptr, ws.size, compute.ref());
-          auto ha = ex.dispatch(weave::const_token_view(view(dxa)), ids.cspan(), weights.cspan(),
-                                compute.ref(), comm_stream.ref());
-          auto hb = ex.dispatch(weave::const_token_view(view(dxb)), ids.cspan(), weights.cspan(),
-                                compute.ref(), comm_stream.ref());
-          const bool guilty = swap && r == ranks - 1;
-          for (auto* h : guilty ? std::array{&hb, &ha} : std::array{&ha, &hb}) {
-            for (const auto chunk : ex.chunks(*h)) {
-              const auto b = chunk.experts();
-              weave::cuda_space::for_each(
-                  b.stream, static_cast<std::int64_t>(b.input.rows() * H),
-                  double_rows{reinterpret_cast<const float*>(b.input.data()),
-                              reinterpret_cast<float*>(b.output.data())});
-            }
-            ex.combine(*h, view(h == &ha ? ya : yb), compute.ref(), comm_stream.ref());
+  // With moe_options::strict_call_order b routes otherwise (other sizes): the host reads the
+  // tags before it posts the rows, so every rank fails before any row moves.
+  struct mode {
+    bool fixed, swap, strict;
+  };
+  for (const mode m :
+       {mode{false, false, false}, mode{false, true, false}, mode{true, false, false},
+        mode{true, true, false}, mode{false, true, true}}) {
+    const bool fixed = m.fixed, swap = m.swap;
+    CAPTURE(fixed);
+    CAPTURE(swap);
+    CAPTURE(m.strict);
+    const int ranks = 2;
+    const std::size_t T = 24, H = 8;
+    std::vector<weave::errc> codes(ranks, weave::errc{}), origin_codes(ranks, weave::errc{});
+    std::vector<bool> right(ranks, false);
+    weave::cuda_local_world world(ranks);
+    world.run([&](weave::cuda_local_communicator& local) {
+      untagged_cuda_comm comm(local);
+      const auto r = static_cast<std::size_t>(comm.rank());
+      std::mt19937 rng(31 + static_cast<unsigned>(r));
+      const auto in = moe_test::random_input<float>(T, H, 4, 2, rng);
+      const auto other = moe_test::random_input<float>(T, H, 4, 2, rng); // b's routes (strict)
+      std::vector<float> xa(in.x.elements().begin(), in.x.elements().end()), xb = xa;
+      for (float& v : xb)
+        v *= 3.0f;
+      stream_holder compute, comm_stream;
+      dev<float> dxa(xa), dxb(xb), ya(T * H), yb(T * H);
+      dev<std::int32_t> ids(in.ids), ids_b(m.strict ? other.ids : in.ids);
+      dev<float> weights(in.weights), weights_b(m.strict ? other.weights : in.weights);
+      const auto view = [&](dev<float>& b) {
+        return weave::token_view(reinterpret_cast<std::byte*>(b.ptr), T, H, weave::dtype::f32,
+                                 weave::memory_space::device, 0);
+      };
+      weave::moe_options o;
+      o.k = 2;
+      o.hidden = H;
+      o.max_tokens = T;
+      o.chunks = 1;
+      o.max_in_flight = 2;
+      o.static_shape = fixed;
+      o.strict_call_order = m.strict;
+      try {
+        weave::basic_device_exchange<weave::cuda_space, untagged_cuda_comm> ex(
+            comm, weave::placement::contiguous(4, ranks), o);
+        dev<std::byte> ws(ex.workspace_size());
+        ex.initialize(ws.ptr, ws.size, compute.ref());
+        auto ha = ex.dispatch(weave::const_token_view(view(dxa)), ids.cspan(), weights.cspan(),
+                              compute.ref(), comm_stream.ref());
+        auto hb = ex.dispatch(weave::const_token_view(view(dxb)), ids_b.cspan(), weights_b.cspan(),
+                              compute.ref(), comm_stream.ref());
+        const bool guilty = swap && r == ranks - 1;
+        for (auto* h : guilty ? std::array{&hb, &ha} : std::array{&ha, &hb}) {
+          for (const auto chunk : ex.chunks(*h)) {
+            const auto b = chunk.experts();
+            weave::cuda_space::for_each(b.stream, static_cast<std::int64_t>(b.input.rows() * H),
+                                        double_rows{reinterpret_cast<const float*>(b.input.data()),
+                                                    reinterpret_cast<float*>(b.output.data())});
           }
-          ex.synchronize(compute.ref(), comm_stream.ref());
-          const auto got_a = to_host(ya.cspan()), got_b = to_host(yb.cspan());
-          bool ok = true;
-          for (std::size_t t = 0; t < T; ++t)
-            for (std::size_t h = 0; h < H; ++h) {
-              float acc = 0.0f;
-              for (std::size_t j = 0; j < 2; ++j)
-                if (in.ids[t * 2 + j] >= 0)
-                  acc = acc + in.weights[t * 2 + j] * (2.0f * in.x(t, h));
-              ok = ok && got_a[t * H + h] == acc &&
-                   got_b[t * H + h] == doctest::Approx(3.0f * acc).epsilon(1e-5);
-            }
-          right[r] = ok;
-        } catch (const weave::peer_error& e) {
-          codes[r] = e.code();
-          origin_codes[r] = e.origin().code;
-        } catch (const weave::error& e) {
-          codes[r] = e.code();
+          ex.combine(*h, view(h == &ha ? ya : yb), compute.ref(), comm_stream.ref());
         }
-      });
-      for (int r = 0; r < ranks; ++r) {
-        CAPTURE(r);
-        const auto at = static_cast<std::size_t>(r);
-        if (!swap) {
-          CHECK(codes[at] == weave::errc{});
-          CHECK(right[at]);
-        } else {
-          CHECK((codes[at] == weave::errc::call_mismatch ||
-                 (codes[at] == weave::errc::peer_failure &&
-                  origin_codes[at] == weave::errc::call_mismatch)));
-        }
+        ex.synchronize(compute.ref(), comm_stream.ref());
+        const auto got_a = to_host(ya.cspan()), got_b = to_host(yb.cspan());
+        bool ok = true;
+        for (std::size_t t = 0; t < T; ++t)
+          for (std::size_t h = 0; h < H; ++h) {
+            float acc = 0.0f;
+            for (std::size_t j = 0; j < 2; ++j)
+              if (in.ids[t * 2 + j] >= 0)
+                acc = acc + in.weights[t * 2 + j] * (2.0f * in.x(t, h));
+            ok = ok && got_a[t * H + h] == acc &&
+                 got_b[t * H + h] == doctest::Approx(3.0f * acc).epsilon(1e-5);
+          }
+        right[r] = ok;
+      } catch (const weave::peer_error& e) {
+        codes[r] = e.code();
+        origin_codes[r] = e.origin().code;
+      } catch (const weave::error& e) {
+        codes[r] = e.code();
+      }
+    });
+    for (int r = 0; r < ranks; ++r) {
+      CAPTURE(r);
+      const auto at = static_cast<std::size_t>(r);
+      if (!swap) {
+        CHECK(codes[at] == weave::errc{});
+        CHECK(right[at]);
+      } else {
+        CHECK((codes[at] == weave::errc::call_mismatch ||
+               (codes[at] == weave::errc::peer_failure &&
+                origin_codes[at] == weave::errc::call_mismatch)));
       }
     }
+  }
 }

@@ -12,7 +12,9 @@
 //!   space until the owner's `check_errors` reads it (`take`, then `mismatch`). The collective's
 //!   data is posted before anyone reads that verdict: with equal sizes it carries another call's
 //!   rows, found at the owner's next check; with other sizes it is NCCL's undefined behaviour (a
-//!   truncated receive, which the check reports, or a hang, which the watchdog ends).
+//!   truncated receive, which the check reports, or a hang, which the watchdog ends). Unless the
+//!   owner asks the host to wait for the tags (`wait_on_host`): then the host reads them (a wait
+//!   through the communicator) and fails before it posts the data, as host streams do.
 #pragma once
 
 #include "weave/comm/call_tag.hpp"
@@ -33,11 +35,13 @@ WEAVE_NAMESPACE_BEGIN
 
 //! One tag exchange's buffers (memory of the space, carved from the owner's workspace): the tag
 //! sent to each peer, the tags received, and the first mismatch found (peer + 1, its tag, this
-//! rank's tag; zero when none), with the host's copy of the last.
+//! rank's tag; zero when none), with the host's copy of the last; where the host waits for the
+//! tags, its copy of them and the event it waits on.
 template <class Space>
 struct device_tag_block {
   std::int64_t *send = nullptr, *recv = nullptr, *mismatch = nullptr;
-  host_mirror<Space, std::int64_t> host;
+  host_mirror<Space, std::int64_t> host, received;
+  typename Space::stream_type::event_type ready{};
 };
 
 namespace detail {
@@ -79,11 +83,13 @@ class device_call_tags {
  public:
   using stream_arg = typename Space::stream_arg;
 
-  //! For rank `rank` of `ranks`; `what` names the owner in errors.
-  device_call_tags(int ranks, int rank, bool enabled, std::string what)
+  //! For rank `rank` of `ranks`; `what` names the owner in errors. `wait_on_host`: where host
+  //! code runs at enqueue time, the host reads the tags before the data is posted.
+  device_call_tags(int ranks, int rank, bool enabled, std::string what, bool wait_on_host = false)
       : ranks_(ranks)
       , rank_(rank)
       , enabled_(enabled)
+      , wait_on_host_(enabled && wait_on_host && !Space::runs_later)
       , what_(std::move(what)) {}
 
   bool enabled() const noexcept { return enabled_; }
@@ -92,6 +98,8 @@ class device_call_tags {
   void size_block(device_tag_block<Space>& b) const {
     if (enabled_)
       b.host = host_mirror<Space, std::int64_t>(detail::tag_mismatch_words);
+    if (wait_on_host_)
+      b.received = host_mirror<Space, std::int64_t>(static_cast<std::size_t>(ranks_));
   }
   //! Carves `b`'s buffers: `set(pointer, count)` as in `carve_into`.
   template <class Set>
@@ -108,10 +116,12 @@ class device_call_tags {
       Space::fill(s, b.mismatch, 0, detail::tag_mismatch_words * sizeof(std::int64_t));
   }
 
-  //! Enqueues on `s` the exchange of `tag` through `b` and its check (see the file comment).
+  //! Enqueues on `s` the exchange of `tag` through `b` and its check (see the file comment);
+  //! where the host waits for the tags, throws `errc::call_mismatch` (after aborting `comm`).
   template <communicator Comm>
   requires has_exchange_counts<Comm>
-  void exchange(Comm& comm, stream_arg s, device_tag_block<Space>& b, call_tag tag) {
+  void exchange(Comm& comm, typename Space::stream_type& s, device_tag_block<Space>& b,
+                call_tag tag) {
     if (!enabled_ || !tag.tagged())
       return;
     const auto D = static_cast<std::int64_t>(ranks_);
@@ -121,15 +131,12 @@ class device_call_tags {
                            std::span<const std::int64_t>(b.send, static_cast<std::size_t>(D)),
                            std::span<std::int64_t>(b.recv, static_cast<std::size_t>(D)));
     if constexpr (Space::runs_later) {
-      Space::on_host(s, [this, &comm, recv = b.recv, tag] {
-        for (int r = 0; r < ranks_; ++r)
-          if (recv[r] != static_cast<std::int64_t>(tag.bits)) {
-            const std::exception_ptr e =
-                mismatch_error(r, call_tag{static_cast<std::uint64_t>(recv[r])}, tag);
-            abort_peers(comm, e); // the ranks' collectives are out of step from here
-            std::rethrow_exception(e);
-          }
-      });
+      Space::on_host(s, [this, &comm, recv = b.recv, tag] { check_on_host(comm, recv, tag); });
+    } else if (wait_on_host_) {
+      Space::copy_to_host(s, b.received.data(), b.recv, static_cast<std::size_t>(D) * 8);
+      s.record(b.ready);
+      wait_watched(comm, b.ready);
+      check_on_host(comm, b.received.data(), tag);
     } else {
       Space::for_each(s, 1, detail::check_call_tags_step{b.recv, b.mismatch, D, bits});
     }
@@ -157,6 +164,19 @@ class device_call_tags {
   }
 
  private:
+  // Throws `errc::call_mismatch` for the lowest rank whose tag in `recv` differs from `tag`,
+  // after aborting `comm` (the ranks' collectives are out of step from here).
+  template <communicator Comm>
+  void check_on_host(Comm& comm, const std::int64_t* recv, call_tag tag) const {
+    for (int r = 0; r < ranks_; ++r)
+      if (recv[r] != static_cast<std::int64_t>(tag.bits)) {
+        const std::exception_ptr e =
+            mismatch_error(r, call_tag{static_cast<std::uint64_t>(recv[r])}, tag);
+        abort_peers(comm, e);
+        std::rethrow_exception(e);
+      }
+  }
+
   std::exception_ptr mismatch_error(int peer, call_tag theirs, call_tag mine) const {
     try {
       detail::throw_call_mismatch((what_ + " call tag exchange").c_str(), rank_, mine, peer,
@@ -167,7 +187,7 @@ class device_call_tags {
   }
 
   int ranks_ = 0, rank_ = 0;
-  bool enabled_ = false;
+  bool enabled_ = false, wait_on_host_ = false;
   std::string what_;
 };
 

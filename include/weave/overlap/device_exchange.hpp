@@ -108,7 +108,8 @@ class basic_device_exchange
             layout_type::sized_at_call(options) ? 2 : 1,
             device_plan_bad_expert | device_plan_duplicate | device_plan_bad_weight |
                 (device_exchange_slot_overflow | device_exchange_bad_count) << 16)
-      , tags_(comm.size(), comm.rank(), !has_tagged_collectives<Comm>, "device exchange")
+      , tags_(comm.size(), comm.rank(), !has_tagged_collectives<Comm>, "device exchange",
+              options.strict_call_order && !options.static_shape)
       , layout_(options, this->placement_, comm.size())
       , allocator_(stream_allocator<Space>::space_default()) {
     D_ = comm.size();

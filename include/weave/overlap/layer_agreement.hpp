@@ -84,7 +84,8 @@ inline config_fingerprint layer_fingerprint(const std::string& kind, const place
                  detail::rounding_label)
       .add_flag("save_for_backward", o.save_for_backward)
       .add_flag("static_shape", o.static_shape)
-      .add("static_rows_per_peer", static_cast<std::int64_t>(o.static_rows_per_peer));
+      .add("static_rows_per_peer", static_cast<std::int64_t>(o.static_rows_per_peer))
+      .add_flag("strict_call_order", o.strict_call_order);
   detail::add_fp8_dispatch(f, o.fp8_dispatch);
   return f;
 }

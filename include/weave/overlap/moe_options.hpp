@@ -53,6 +53,14 @@ struct moe_options {
   //! chunk, or fewer when a capacity factor bounds the experts of a device). Smaller slots send
   //! fewer bytes; a chunk that overflows one fails `check_errors` with `errc::size_overflow`.
   std::size_t static_rows_per_peer = 0;
+  //! Device exchange with dynamic shapes over a communicator without tagged collectives (NCCL)
+  //! only: the host waits for each combine's and backward stage's call-tag exchange before it
+  //! posts the stage's rows, so two handles' stages issued in another order fail every rank
+  //! with `errc::call_mismatch` before any row moves, whatever the sizes (docs/faults.md). The
+  //! price: one host wait per such chunk, which holds the caller until the chunk's experts ran.
+  //! Off (the default), a broken order is found after the rows moved; static shapes (one
+  //! message size whatever the call) and tagged communicators need no wait.
+  bool strict_call_order = false;
   //! Send the forward dispatch quantised to FP8 (see `fp8_dispatch_options`); empty (the
   //! default): rows travel in `element`. Every rank must pass the same format and block.
   std::optional<fp8_dispatch_options> fp8_dispatch{};
