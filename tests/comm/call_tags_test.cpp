@@ -1,0 +1,144 @@
+// device_call_tags on local_world ranks behind a communicator without tagged collectives, against
+// a naive reference: every rank gets every rank's tag, and a rank whose tags differ fails with
+// call_mismatch naming the lowest rank whose tag differs from its own and both calls. Host
+// streams fail on the stream; the CUDA control flow (emulated GPU) keeps the first mismatch for
+// `take` / `mismatch` (cleared by `take`), or with `wait_on_host` throws at the exchange.
+#include <doctest/doctest.h>
+
+#include "corrupting_communicator.hpp"
+
+#include <weave/comm/device_call_tags.hpp>
+#include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
+#include <weave/exec/host_stream.hpp>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace {
+
+using untagged = weave_test::corrupting_communicator;
+static_assert(!weave::has_tagged_collectives<untagged>);
+
+weave::call_tag tag_of(std::uint64_t call) {
+  return weave::call_tag::of(3, call, weave::call_stage::combine, 1);
+}
+
+// The reference: the lowest rank whose call differs from rank `rank`'s, or -1.
+int first_other(const std::vector<std::uint64_t>& calls, int rank) {
+  for (std::size_t r = 0; r < calls.size(); ++r)
+    if (calls[r] != calls[static_cast<std::size_t>(rank)])
+      return static_cast<int>(r);
+  return -1;
+}
+
+// What one rank saw: its error's code and message (none: errc{}).
+struct seen {
+  weave::errc code{};
+  std::string message;
+};
+
+seen seen_of(const std::exception_ptr& e) {
+  if (!e)
+    return {};
+  try {
+    std::rethrow_exception(e);
+  } catch (const weave::error& w) {
+    return {w.code(), w.what()};
+  }
+}
+
+// Runs one tag exchange of call `calls[rank]` on every rank (twice, the second of `second`
+// where given, to check that the first mismatch is kept) in `Space`, and returns what each rank
+// saw.
+template <class Space>
+std::vector<seen> run(const std::vector<std::uint64_t>& calls, bool wait_on_host,
+                      const std::vector<std::uint64_t>& second = {}) {
+  const int ranks = static_cast<int>(calls.size());
+  std::vector<seen> out(calls.size());
+  weave::local_world world(ranks);
+  world.run([&](weave::local_communicator& local) {
+    untagged comm(local);
+    const int rank = comm.rank();
+    const auto R = static_cast<std::size_t>(ranks);
+    weave::device_call_tags<Space> tags(ranks, rank, true, "test", wait_on_host);
+    weave::device_tag_block<Space> b;
+    tags.size_block(b);
+    std::vector<std::int64_t> send(R), recv(R), mismatch(3);
+    b.send = send.data();
+    b.recv = recv.data();
+    b.mismatch = mismatch.data();
+    weave::host_stream s("comm");
+    std::exception_ptr failure;
+    try {
+      tags.initialize(s, b);
+      tags.exchange(comm, s, b, tag_of(calls[static_cast<std::size_t>(rank)]));
+      if (!second.empty())
+        tags.exchange(comm, s, b, tag_of(second[static_cast<std::size_t>(rank)]));
+      tags.take(s, b);
+      s.synchronize();
+      failure = tags.mismatch(b);
+      if (!failure) { // take cleared what it copied: a second take finds nothing
+        tags.take(s, b);
+        s.synchronize();
+        CHECK(tags.mismatch(b) == nullptr);
+      }
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    out[static_cast<std::size_t>(rank)] = seen_of(failure);
+  });
+  return out;
+}
+
+// Every rank whose calls differ from a peer's saw call_mismatch naming the reference's rank and
+// both calls; the others saw nothing.
+void check(const std::vector<seen>& got, const std::vector<std::uint64_t>& calls) {
+  for (std::size_t r = 0; r < got.size(); ++r) {
+    CAPTURE(r);
+    const int other = first_other(calls, static_cast<int>(r));
+    if (other < 0) {
+      CHECK(got[r].code == weave::errc{});
+      continue;
+    }
+    CHECK(got[r].code == weave::errc::call_mismatch);
+    const std::string want = "rank " + std::to_string(r) + " is at " + tag_of(calls[r]).describe() +
+                             ", rank " + std::to_string(other) + " at " +
+                             tag_of(calls[static_cast<std::size_t>(other)]).describe();
+    CAPTURE(got[r].message);
+    CHECK(got[r].message.find(want) != std::string::npos);
+  }
+}
+
+} // namespace
+
+TEST_CASE("device_call_tags: ranks at one call pass, ranks at other calls fail naming both") {
+  const std::vector<std::vector<std::uint64_t>> cases = {{5, 5},    {5, 5, 5},    {5, 7},
+                                                         {5, 7, 5}, {5, 5, 9, 5}, {2, 3, 4}};
+  for (const auto& calls : cases) {
+    CAPTURE(calls.size());
+    CAPTURE(calls[1]);
+    check(run<weave::host_space>(calls, false), calls);
+    check(run<weave::emulated_gpu_space>(calls, false), calls);
+    check(run<weave::emulated_gpu_space>(calls, true), calls);
+  }
+}
+
+TEST_CASE("device_call_tags: the CUDA control flow keeps the first mismatch until take") {
+  // The first exchange differs on rank 1; the second differs elsewhere: the first is reported.
+  const std::vector<std::uint64_t> first = {5, 7, 5}, second = {8, 8, 6};
+  check(run<weave::emulated_gpu_space>(first, false, second), first);
+}
+
+TEST_CASE("device_call_tags: disabled, it carves and sends nothing") {
+  weave::device_call_tags<weave::host_space> tags(2, 0, false, "test");
+  weave::device_tag_block<weave::host_space> b;
+  tags.size_block(b);
+  std::size_t carved = 0;
+  tags.carve(b, [&](auto* const&, std::size_t n) { carved += n; });
+  CHECK(carved == 0);
+  CHECK(tags.mismatch(b) == nullptr);
+}
