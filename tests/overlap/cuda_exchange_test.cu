@@ -41,6 +41,16 @@ struct double_rows {
   __host__ __device__ void operator()(std::int64_t i) const { out[i] = 2.0f * in[i]; }
 };
 
+// Token t's output element h under experts y = 2x with k = 2: its kept choices' weights times
+// 2 x, summed in choice order (what one rank's exchange computes, bitwise).
+float doubled_output(const moe_test::rank_input<float>& in, std::size_t t, std::size_t h) {
+  float acc = 0.0f;
+  for (std::size_t j = 0; j < 2; ++j)
+    if (in.ids[t * 2 + j] >= 0)
+      acc = acc + in.weights[t * 2 + j] * (2.0f * in.x(t, h));
+  return acc;
+}
+
 template <class T>
 struct cuda_type {
   using type = T;
@@ -339,13 +349,8 @@ TEST_CASE("a static-shape cuda_moe_exchange over NCCL runs inside a CUDA graph")
     CHECK(eager == replayed);
     // One device: y[t] = the sum over its choices, in rank order, of w * (2 x[t]).
     for (std::size_t t = 0; t < T; ++t)
-      for (std::size_t h = 0; h < H; ++h) {
-        float acc = 0.0f;
-        for (std::size_t j = 0; j < 2; ++j)
-          if (in.ids[t * 2 + j] >= 0)
-            acc = acc + in.weights[t * 2 + j] * (2.0f * in.x(t, h));
-        REQUIRE(eager[t * H + h] == acc);
-      }
+      for (std::size_t h = 0; h < H; ++h)
+        REQUIRE(eager[t * H + h] == doubled_output(in, t, h));
     WEAVE_CUDA_CHECK(cudaGraphExecDestroy(exec));
     WEAVE_CUDA_CHECK(cudaGraphDestroy(graph));
   }
@@ -490,12 +495,9 @@ TEST_CASE("cuda_moe_exchange without tags: two handles' combines in another orde
         bool ok = true;
         for (std::size_t t = 0; t < T; ++t)
           for (std::size_t h = 0; h < H; ++h) {
-            float acc = 0.0f;
-            for (std::size_t j = 0; j < 2; ++j)
-              if (in.ids[t * 2 + j] >= 0)
-                acc = acc + in.weights[t * 2 + j] * (2.0f * in.x(t, h));
-            ok = ok && got_a[t * H + h] == acc &&
-                 got_b[t * H + h] == doctest::Approx(3.0f * acc).epsilon(1e-5);
+            const float want = doubled_output(in, t, h);
+            ok = ok && got_a[t * H + h] == want &&
+                 got_b[t * H + h] == doctest::Approx(3.0f * want).epsilon(1e-5);
           }
         right[r] = ok;
       } catch (const weave::peer_error& e) {
