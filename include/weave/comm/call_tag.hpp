@@ -16,6 +16,7 @@
 #include "weave/core/error.hpp"
 
 #include <cstdint>
+#include <exception>
 #include <string>
 
 WEAVE_NAMESPACE_BEGIN
@@ -88,6 +89,16 @@ namespace detail {
   WEAVE_THROW(errc::call_mismatch, where, ": rank ", rank, " is at ", mine.describe(), ", rank ",
               peer, " at ", theirs.describe(),
               " (every rank must issue a layer's calls, chunks and stages in the same order)");
+}
+
+//! The error `throw_call_mismatch` throws, as a pointer (for a verdict reported later).
+inline std::exception_ptr call_mismatch_error(const char* where, int rank, call_tag mine, int peer,
+                                              call_tag theirs) {
+  try {
+    throw_call_mismatch(where, rank, mine, peer, theirs);
+  } catch (...) {
+    return std::current_exception();
+  }
 }
 
 } // namespace detail

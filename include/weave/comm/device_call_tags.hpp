@@ -178,12 +178,8 @@ class device_call_tags {
   }
 
   std::exception_ptr mismatch_error(int peer, call_tag theirs, call_tag mine) const {
-    try {
-      detail::throw_call_mismatch((what_ + " call tag exchange").c_str(), rank_, mine, peer,
-                                  theirs);
-    } catch (...) {
-      return std::current_exception();
-    }
+    return detail::call_mismatch_error((what_ + " call tag exchange").c_str(), rank_, mine, peer,
+                                       theirs);
   }
 
   int ranks_ = 0, rank_ = 0;

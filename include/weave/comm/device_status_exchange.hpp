@@ -298,14 +298,9 @@ class device_counts_with_status {
     if (!mine.tagged())
       return nullptr;
     for (int r = 0; r < ranks_; ++r)
-      if (tag_of(r) != mine) {
-        try {
-          detail::throw_call_mismatch((what_ + " count exchange").c_str(), rank_, mine, r,
-                                      tag_of(r));
-        } catch (...) {
-          return std::current_exception();
-        }
-      }
+      if (tag_of(r) != mine)
+        return detail::call_mismatch_error((what_ + " count exchange").c_str(), rank_, mine, r,
+                                           tag_of(r));
     return nullptr;
   }
 
