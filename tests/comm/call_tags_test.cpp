@@ -9,10 +9,12 @@
 
 #include <weave/comm/device_call_tags.hpp>
 #include <weave/comm/local_world.hpp>
+#include <weave/comm/mpi_call_header.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -141,4 +143,36 @@ TEST_CASE("device_call_tags: disabled, it carves and sends nothing") {
   tags.carve(b, [&](auto* const&, std::size_t n) { carved += n; });
   CHECK(carved == 0);
   CHECK(tags.mismatch(b) == nullptr);
+}
+
+TEST_CASE("mpi_call_header: a header written for a call passes only that call, kind and size") {
+  using header = weave::detail::mpi_call_header;
+  const auto failure = [](const std::array<std::int64_t, header::words>& h, weave::call_tag tag,
+                          std::int64_t kind, std::int64_t expected) -> std::string {
+    try {
+      header::check(h, 0, 1, tag, kind, expected, "all_to_all_v");
+      return "passed";
+    } catch (const weave::error& e) {
+      return std::string(weave::to_string(e.code())) + ": " + e.message();
+    }
+  };
+  std::array<std::int64_t, header::words> h{};
+  header::write(h.data(), tag_of(5), header::all_to_all, header::size_of(header::all_to_all, 3, 8));
+  CHECK(h[3] == 24); // an all-to-all states bytes, a count exchange its counts per peer
+  CHECK(header::size_of(header::counts, 3, 8) == 3);
+  CHECK(failure(h, tag_of(5), header::all_to_all, 24) == "passed");
+  const std::string other_call = failure(h, tag_of(6), header::all_to_all, 24);
+  CHECK(other_call.starts_with("call_mismatch"));
+  CHECK(other_call.find("call 5") != std::string::npos);
+  CHECK(other_call.find("call 6") != std::string::npos);
+  CHECK(failure(h, tag_of(5), header::counts, 24)
+            .find("is at an all-to-all of that call, this "
+                  "rank at a count exchange") != std::string::npos);
+  CHECK(failure(h, tag_of(5), header::all_to_all, 16)
+            .find("size_mismatch: mpi_communicator rank 0: all_to_all_v of layer 3 call 5 combine "
+                  "chunk "
+                  "1: rank 1 sends 24 bytes where this rank receives 16") == 0);
+  h[0] = 0; // a collective without weave's header
+  CHECK(failure(h, tag_of(5), header::all_to_all, 24).find("carries no weave call header") !=
+        std::string::npos);
 }

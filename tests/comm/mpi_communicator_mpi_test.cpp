@@ -135,25 +135,50 @@ TEST_CASE("inline and handed-off operations agree with MPI, and counts are read 
   }
 }
 
-TEST_CASE("the large-message path (pieces and staging) equals MPI_Alltoallv") {
+TEST_CASE("blocks cut into pieces equal MPI_Alltoallv") {
   const int n = world_size(), r = world_rank();
-  struct knobs {
-    std::int64_t chunk, displacement;
-  };
-  for (knobs k : {knobs{64, INT_MAX}, knobs{1000, 5}, knobs{7, 0}}) {
-    CAPTURE(k.chunk);
-    CAPTURE(k.displacement);
+  for (std::int64_t chunk : {64, 1000, 7, 1}) {
+    CAPTURE(chunk);
     weave::mpi_options options;
-    options.max_chunk_units = k.chunk;
-    options.max_displacement_units = k.displacement;
+    options.max_chunk_units = chunk;
     weave::mpi_communicator comm(MPI_COMM_WORLD, options);
     for (std::size_t unit : {std::size_t{1}, std::size_t{8}}) {
-      const auto c = comm_test::make_case(n, unit, 77 + unit, 3000);
+      const auto c = comm_test::make_case(n, unit, 77 + unit, chunk == 1 ? 300 : 3000);
       const auto got = weave_mpi(c, comm, 1);
       CHECK(got == comm_test::mpi_alltoallv_reference(c, MPI_COMM_WORLD));
       CHECK(got == comm_test::expected_recv(c, r));
     }
   }
+}
+
+TEST_CASE("a rank whose own block's counts disagree fails with size_mismatch, its peers learn it") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  weave::host_stream s;
+  const int n = comm.size(), r = comm.rank();
+  const auto ranks = static_cast<std::size_t>(n);
+  std::vector<std::int64_t> send_counts(ranks, 4), recv_counts(ranks, 4), displs(ranks);
+  for (int j = 0; j < n; ++j)
+    displs[std::size_t(j)] = 8 * j;
+  if (r == n - 1)
+    send_counts[std::size_t(r)] = 8; // to itself: 8 sent, 4 received
+  auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n), std::byte{1});
+  auto recv = std::make_shared<std::vector<std::byte>>(send->size());
+  abandoned.keep(send); // the peers' receives from the failing rank stay posted
+  abandoned.keep(recv);
+  comm.all_to_all_v(s, send->data(), send_counts, displs, recv->data(), recv_counts, displs);
+  try {
+    s.synchronize();
+    FAIL("rank ", r, " returned from an all-to-all whose rank ", n - 1, " counts disagree");
+  } catch (const weave::peer_error& e) {
+    CHECK(r != n - 1);
+    CHECK(e.origin().rank == n - 1);
+    CHECK(e.origin().code == weave::errc::size_mismatch);
+  } catch (const weave::error& e) {
+    CHECK(r == n - 1);
+    CHECK(e.code() == weave::errc::size_mismatch);
+    CHECK(e.message().find("sends 8 units to itself but receives 4") != std::string::npos);
+  }
+  CHECK(comm.aborted());
 }
 
 TEST_CASE("counts exchange, all_reduce and barrier agree with MPI") {

@@ -5,8 +5,8 @@
 //! owns only the duplicates, on which it installs `MPI_ERRORS_RETURN` (so MPI failures become
 //! `errc::mpi` errors naming the operation and MPI's error string instead of aborting the job;
 //! the caller's communicator and its handler are left untouched, and weave's traffic cannot
-//! match the caller's messages). Operations are non-blocking MPI calls (MPI_Ialltoallv,
-//! MPI_Ialltoall, MPI_Iallreduce, MPI_Ibarrier) issued and progressed by a task on a
+//! match the caller's messages). Operations are non-blocking MPI calls (MPI_Isend/MPI_Irecv per
+//! peer, MPI_Ialltoall, MPI_Iallreduce, MPI_Ibarrier) issued and progressed by a task on a
 //! `host_stream`, so they compose with compute on other streams; a small one on an idle stream
 //! runs on the calling thread instead, saving the hand-off (`mpi_options::inline_max_bytes`).
 //!
@@ -17,23 +17,22 @@
 //! communicator is unusable (every later operation fails at once): the collective the
 //! survivors were in stays incomplete, and MPI may still write into the receive buffers it
 //! named until `MPI_Finalize`, so keep them alive until then (or end the job); for the same
-//! reason the destructor leaves that duplicate to `MPI_Finalize`. Open MPI 4.1 reports errors
-//! found inside its non-blocking collectives through `MPI_COMM_WORLD`'s handler (fatal by
-//! default): weave's layers rule out the size disagreements that cause them by agreeing on
-//! their configuration first; for direct use, set `MPI_ERRORS_RETURN` on `MPI_COMM_WORLD` to
-//! have them reported as `errc::mpi`.
+//! reason the destructor leaves that duplicate to `MPI_Finalize`. `all_to_all_v` is point to
+//! point, so its errors (a truncated block) come back on the duplicate; Open MPI 4.1 reports
+//! errors found inside its non-blocking collectives (an untagged `exchange_counts` whose ranks
+//! disagree) through `MPI_COMM_WORLD`'s handler (fatal by default): weave's layers rule them out
+//! by agreeing on their configuration first; for direct use, set `MPI_ERRORS_RETURN` on
+//! `MPI_COMM_WORLD` to have them reported as `errc::mpi`.
 //!
-//! 64-bit sizes: MPI 3.1 (Open MPI 4.1) counts are `int`. A peer block of more than
-//! `max_chunk_units` units (at most INT_MAX / size) is sent point to point in pieces of at most
-//! that many units, beside the MPI_Ialltoallv carrying the other blocks; sender and receiver
-//! agree on which blocks go that way because both know the block's count. If a displacement of
-//! the remaining blocks does not fit an `int`, that side packs (or receives) them through a
-//! temporary buffer. Results are identical to one MPI_Alltoallv in every case.
+//! 64-bit sizes: MPI 3.1 (Open MPI 4.1) counts are `int`. `all_to_all_v` sends each peer block
+//! point to point from its own address (no `int` displacement), in pieces of at most
+//! `max_chunk_units` units (at most INT_MAX / size); both sides know the block's count, so they
+//! cut it alike. Results are identical to one MPI_Alltoallv in every case.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/mpi_call_header.hpp"
 #include "weave/comm/mpi_failure_notices.hpp"
-#include "weave/comm/mpi_large_blocks.hpp"
 #include "weave/comm/mpi_options.hpp"
 #include "weave/comm/shrink.hpp"
 #include "weave/core/checked.hpp"
@@ -93,28 +92,26 @@ class mpi_communicator {
     WEAVE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     WEAVE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
     notices_.open(comm);
-    const auto n = static_cast<std::size_t>(size_);
-    ints_.resize(4 * n);
     options_.max_chunk_units =
         std::max<std::int64_t>(1, std::min<std::int64_t>(options.max_chunk_units, INT_MAX / size_));
-    options_.max_displacement_units =
-        std::max<std::int64_t>(0, std::min<std::int64_t>(options.max_displacement_units, INT_MAX));
   }
 
   mpi_communicator(const mpi_communicator&) = delete;
   mpi_communicator& operator=(const mpi_communicator&) = delete;
 
-  //! Frees the duplicate communicators (and cached datatype); never throws. A duplicate on which
-  //! a collective was abandoned (after an abort) is not freed: MPI may still progress that
-  //! collective, which must find its communicator and the count arrays and headers it names
-  //! (retained; MPI_Finalize releases the communicator).
+  //! Frees the duplicate communicators (and cached datatype); never throws. A duplicate that
+  //! aborted, or on which an operation was abandoned, is not freed: MPI may still progress that
+  //! operation, which must find its communicator and the headers it names, and peers may still
+  //! send to it (retained; MPI_Finalize releases the communicator).
   ~mpi_communicator() {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized)
       return;
-    if (abandoned_->load(std::memory_order_acquire)) {
-      detail::retain_value_until_exit(std::move(ints_));
+    // After an abort, peers may still send to this rank on the duplicate (their part of the
+    // operation it left): freeing it would let a later duplicate meet those messages.
+    if (abandoned_->load(std::memory_order_acquire) ||
+        failed_flag_.load(std::memory_order_acquire)) {
       detail::retain_value_until_exit(std::move(header_send_));
       detail::retain_value_until_exit(std::move(header_recv_));
       return; // the datatype too may still be in use
@@ -179,9 +176,10 @@ class mpi_communicator {
   }
 
   //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`). A tagged one
-  //! (`call_tag`) first exchanges a small header with every peer, its tag and the bytes it sends:
-  //! ranks at different calls fail with `errc::call_mismatch`, a size that disagrees with this
-  //! rank's receive with `errc::size_mismatch`, before any data moves (so MPI never truncates).
+  //! (`call_tag`) sends every peer a small header with its data, its tag and the bytes it sends,
+  //! and receives a peer's data only after its header checked: ranks at different calls fail
+  //! with `errc::call_mismatch`, a size that disagrees with this rank's receive with
+  //! `errc::size_mismatch`, before any data is received (so MPI never truncates).
   void all_to_all_v(host_stream& s, const void* send, std::span<const std::int64_t> send_counts,
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
@@ -191,13 +189,8 @@ class mpi_communicator {
         s, "all_to_all_v",
         [=, this] { return inline_allowed(detail::moved_bytes(send_counts, recv_counts, unit)); },
         [=, this] {
-          if (tag.tagged()) {
-            detail::check_layout(size_, send_counts, send_displs, unit, "send");
-            detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
-            check_header(tag, header_all_to_all, send_counts, recv_counts, unit, "all_to_all_v");
-          }
           run_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
-                           static_cast<std::byte*>(recv), recv_counts, recv_displs, unit);
+                           static_cast<std::byte*>(recv), recv_counts, recv_displs, unit, tag);
         });
   }
 
@@ -219,9 +212,19 @@ class mpi_communicator {
     call_tag tag;
     std::exception_ptr operator()(std::exception_ptr failure) const {
       return self->step("exchange_counts", std::move(failure), [this] {
-        if (tag.tagged())
-          self->check_header(tag, header_counts, {}, {}, static_cast<std::size_t>(k),
-                             "exchange_counts");
+        if (tag.tagged()) { // the counts go as a tagged all-to-all of k counts per peer
+          const auto n = static_cast<std::size_t>(self->size_);
+          std::vector<std::int64_t>& layout = self->counts_layout_;
+          layout.assign(2 * n, k);
+          for (std::size_t j = 0; j < n; ++j)
+            layout[n + j] = static_cast<std::int64_t>(j) * k;
+          const std::span<const std::int64_t> counts(layout.data(), n),
+              displs(layout.data() + n, n);
+          self->run_all_to_all_v(reinterpret_cast<const std::byte*>(send.data()), counts, displs,
+                                 reinterpret_cast<std::byte*>(recv.data()), counts, displs,
+                                 sizeof(std::int64_t), tag, header::counts, "exchange_counts");
+          return;
+        }
         MPI_Request request = MPI_REQUEST_NULL;
         self->check(MPI_Ialltoall(send.data(), k, MPI_INT64_T, recv.data(), k, MPI_INT64_T,
                                   self->comm_, &request),
@@ -274,59 +277,9 @@ class mpi_communicator {
   }
 
  private:
-  static constexpr int piece_tag = 0x5EA7;
-  // The header of a tagged collective, per peer: a marker, the tag, the kind, and the size the
-  // sender sends (all_to_all_v: bytes to that peer; exchange_counts: counts per peer).
-  static constexpr std::int64_t header_marker = 0x7765617665544147; // "weaveTAG"
-  static constexpr std::int64_t header_all_to_all = 1, header_counts = 2;
-  static constexpr std::size_t header_words = 4;
-
-  // Exchanges the headers of a tagged collective (one small MPI_Ialltoall) and checks every
-  // peer's against this rank's: the same marker, kind and tag, and for an all-to-all the bytes
-  // this rank will receive from it (`recv_counts[j] * unit`; for a count exchange, `unit` is
-  // the counts per peer). A mismatch aborts the communicator (the peers find theirs too) and
-  // throws, so the collective's data is never posted.
-  void check_header(call_tag tag, std::int64_t kind, std::span<const std::int64_t> send_counts,
-                    std::span<const std::int64_t> recv_counts, std::size_t unit, const char* what) {
-    const auto n = static_cast<std::size_t>(size_);
-    header_send_.resize(n * header_words);
-    header_recv_.resize(n * header_words);
-    const auto u = static_cast<std::int64_t>(unit);
-    for (std::size_t j = 0; j < n; ++j) {
-      std::int64_t* h = header_send_.data() + j * header_words;
-      h[0] = header_marker;
-      h[1] = static_cast<std::int64_t>(tag.bits);
-      h[2] = kind;
-      h[3] = kind == header_counts ? u : send_counts[j] * u;
-    }
-    MPI_Request request = MPI_REQUEST_NULL;
-    check(MPI_Ialltoall(header_send_.data(), static_cast<int>(header_words), MPI_INT64_T,
-                        header_recv_.data(), static_cast<int>(header_words), MPI_INT64_T, comm_,
-                        &request),
-          "MPI_Ialltoall", what);
-    wait_all(std::span<MPI_Request>(&request, 1), what);
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::int64_t* h = header_recv_.data() + j * header_words;
-      const int peer = static_cast<int>(j);
-      try {
-        WEAVE_EXPECT(h[0] == header_marker, errc::call_mismatch, "mpi_communicator rank ", rank_,
-                     ": ", what, ": rank ", peer,
-                     " is at a collective that carries no weave call header");
-        const call_tag theirs{static_cast<std::uint64_t>(h[1])};
-        if (theirs != tag || h[2] != kind)
-          detail::throw_call_mismatch("mpi_communicator", rank_, tag, peer, theirs);
-        const std::int64_t expected = kind == header_counts ? u : recv_counts[j] * u;
-        WEAVE_EXPECT(h[3] == expected, errc::size_mismatch, "mpi_communicator rank ", rank_, ": ",
-                     what, " of ", tag.describe(), ": rank ", peer, " sends ", h[3],
-                     kind == header_counts ? " counts per peer" : " bytes",
-                     " where this rank receives ", expected);
-      } catch (...) {
-        abort(record_of(std::current_exception(), rank_));
-        send_notices();
-        throw;
-      }
-    }
-  }
+  static constexpr int block_tag = 0x5EA7;  // the all-to-all's messages
+  static constexpr int header_tag = 0x5EA8; // a tagged all-to-all's headers
+  using header = detail::mpi_call_header;
 
   // Runs an operation's task on `s`. On a failed stream it moves nothing but still sends the
   // notices of an abort that waited for this thread. A failed communicator fails at once.
@@ -494,88 +447,122 @@ class mpi_communicator {
     return unit_type_;
   }
 
+  // Posts the receive of every peer's header (the first size - 1 of `requests_`), then sends
+  // this rank's to every peer.
+  void post_headers(call_tag tag, std::int64_t kind, std::span<const std::int64_t> send_counts,
+                    std::size_t unit, const char* what) {
+    const auto n = static_cast<std::size_t>(size_);
+    header_send_.resize(n * header::words);
+    header_recv_.resize(n * header::words);
+    for (int i = 1; i < size_; ++i) {
+      const int peer = (rank_ + size_ - i) % size_;
+      requests_.push_back(MPI_REQUEST_NULL);
+      check(MPI_Irecv(header_recv_.data() + static_cast<std::size_t>(peer) * header::words,
+                      static_cast<int>(header::words), MPI_INT64_T, peer, header_tag, comm_,
+                      &requests_.back()),
+            "MPI_Irecv", what);
+    }
+    for (int i = 1; i < size_; ++i) {
+      const int peer = (rank_ + i) % size_;
+      const auto j = static_cast<std::size_t>(peer);
+      std::int64_t* h = header_send_.data() + j * header::words;
+      header::write(h, tag, kind, header::size_of(kind, send_counts[j], unit));
+      requests_.push_back(MPI_REQUEST_NULL);
+      check(MPI_Isend(h, static_cast<int>(header::words), MPI_INT64_T, peer, header_tag, comm_,
+                      &requests_.back()),
+            "MPI_Isend", what);
+    }
+  }
+
+  // Waits for the peers' headers (`post_headers`) and checks every one against this rank's tag,
+  // kind and receive sizes before any data receive is posted. A mismatch aborts the
+  // communicator (the peers find theirs too), leaves this rank's sends with MPI (abandoned) and
+  // throws, so MPI never truncates a block.
+  void check_headers(call_tag tag, std::int64_t kind, std::span<const std::int64_t> recv_counts,
+                     std::size_t unit, const char* what) {
+    if (size_ == 1)
+      return;
+    wait_all(std::span<MPI_Request>(requests_.data(), static_cast<std::size_t>(size_ - 1)), what);
+    try {
+      for (int peer = 0; peer < size_; ++peer) {
+        const auto j = static_cast<std::size_t>(peer);
+        if (peer != rank_)
+          header::check(std::span<const std::int64_t, header::words>(
+                            header_recv_.data() + j * header::words, header::words),
+                        rank_, peer, tag, kind, header::size_of(kind, recv_counts[j], unit), what);
+      }
+    } catch (...) {
+      abandoned_->store(true, std::memory_order_release);
+      abort(record_of(std::current_exception(), rank_));
+      send_notices();
+      throw;
+    }
+  }
+
+  // Every peer block goes point to point at its own address (a receive, then a send per peer,
+  // in pieces of at most `max_chunk_units` units) and this rank's own block by memcpy: the
+  // messages of Open MPI's linear MPI_Alltoallv, without a non-blocking collective's schedule
+  // per call (1.1-1.3x faster than MPI_Ialltoallv at 1-4 KiB per peer; docs/perf.md), and no
+  // `int` displacement to overflow. Pieces of one pair share (source, tag, communicator), and a
+  // stream issues its operations in order, so MPI matches every message to its receive.
+  // Tagged: each peer's header leaves with its data, and the receive of a peer's data is posted
+  // once its header checked (`check_headers`): one round trip, not a header exchange first.
   void run_all_to_all_v(const std::byte* send, std::span<const std::int64_t> send_counts,
                         std::span<const std::int64_t> send_displs, std::byte* recv,
                         std::span<const std::int64_t> recv_counts,
-                        std::span<const std::int64_t> recv_displs, std::size_t unit) {
+                        std::span<const std::int64_t> recv_displs, std::size_t unit,
+                        call_tag tag = {}, std::int64_t kind = header::all_to_all,
+                        const char* what = "all_to_all_v") {
     detail::check_layout(size_, send_counts, send_displs, unit, "send");
     detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
+    const auto self = static_cast<std::size_t>(rank_);
+    WEAVE_EXPECT(send_counts[self] == recv_counts[self], errc::size_mismatch,
+                 "mpi_communicator rank ", rank_, ": ", what, " sends ", send_counts[self],
+                 " units to itself but receives ", recv_counts[self]);
     const MPI_Datatype type = unit_type(unit);
     const std::int64_t limit = options_.max_chunk_units;
-    const auto n = static_cast<std::size_t>(size_);
-    int* sc = ints_.data();
-    int* sd = sc + n;
-    int* rc = sd + n;
-    int* rd = rc + n;
-    const auto send_part = detail::mpi_collective_part(send_counts, send_displs, limit,
-                                                       options_.max_displacement_units, sc, sd);
-    const auto recv_part = detail::mpi_collective_part(recv_counts, recv_displs, limit,
-                                                       options_.max_displacement_units, rc, rd);
-    const bool large = send_part.large || recv_part.large;
-    const bool send_fits = send_part.fits, recv_fits = recv_part.fits;
-    // Staging for a side whose displacements overflow: its small blocks, packed in peer order,
-    // span at most size * limit <= INT_MAX units.
-    std::vector<std::byte> send_stage, recv_stage;
-    struct retain_stages { // an abandoned collective may still use them (see abandoned())
-      std::vector<std::byte>&send, &recv;
-      const std::atomic<bool>& abandoned;
-      ~retain_stages() {
-        if (abandoned.load(std::memory_order_acquire) && (!send.empty() || !recv.empty())) {
-          detail::retain_value_until_exit(std::move(send));
-          detail::retain_value_until_exit(std::move(recv));
-        }
+    const auto bytes = static_cast<std::int64_t>(unit);
+    requests_.clear();
+    auto post = [&](std::int64_t count, auto&& one) {
+      for (std::int64_t done = 0; done < count; done += limit) {
+        requests_.push_back(MPI_REQUEST_NULL);
+        one(done, static_cast<int>(std::min(limit, count - done)), &requests_.back());
       }
-    } stages{send_stage, recv_stage, *abandoned_};
-    const std::byte* send_base = send;
-    std::byte* recv_base = recv;
-    if (!send_fits) {
-      send_stage.resize(static_cast<std::size_t>(detail::mpi_packed_offsets(n, sc, sd)) * unit);
-      detail::mpi_each_block(n, unit, sc, send_displs, sd, [&](auto at, auto staged, auto bytes) {
-        std::memcpy(send_stage.data() + staged, send + at, bytes);
+    };
+    const auto receive_from = [&](int peer) {
+      const auto j = static_cast<std::size_t>(peer);
+      post(recv_counts[j], [&](std::int64_t at, int count, MPI_Request* request) {
+        check(MPI_Irecv(recv + (recv_displs[j] + at) * bytes, count, type, peer, block_tag, comm_,
+                        request),
+              "MPI_Irecv", what);
       });
-      send_base = send_stage.data();
-    }
-    if (!recv_fits) {
-      recv_stage.resize(static_cast<std::size_t>(detail::mpi_packed_offsets(n, rc, rd)) * unit);
-      recv_base = recv_stage.data();
-    }
-    if (!large) {
-      MPI_Request request = MPI_REQUEST_NULL;
-      check(MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &request),
-            "MPI_Ialltoallv", "all_to_all_v");
-      wait_all(std::span<MPI_Request>(&request, 1), "all_to_all_v");
-    } else {
-      std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
-      check(MPI_Ialltoallv(send_base, sc, sd, type, recv_base, rc, rd, type, comm_, &requests[0]),
-            "MPI_Ialltoallv", "all_to_all_v");
-      // Pieces of one block share (source, tag, communicator), so MPI delivers them in order.
-      auto pieces = [&](std::int64_t count, auto&& post) {
-        for (std::int64_t done = 0; done < count; done += limit)
-          post(done, static_cast<int>(std::min(limit, count - done)));
-      };
-      for (std::size_t j = 0; j < n; ++j) {
-        const int peer = static_cast<int>(j);
-        if (recv_counts[j] > limit)
-          pieces(recv_counts[j], [&](std::int64_t at, int count) {
-            requests.push_back(MPI_REQUEST_NULL);
-            check(MPI_Irecv(recv + (recv_displs[j] + at) * std::int64_t(unit), count, type, peer,
-                            piece_tag, comm_, &requests.back()),
-                  "MPI_Irecv", "all_to_all_v");
-          });
-        if (send_counts[j] > limit)
-          pieces(send_counts[j], [&](std::int64_t at, int count) {
-            requests.push_back(MPI_REQUEST_NULL);
-            check(MPI_Isend(send + (send_displs[j] + at) * std::int64_t(unit), count, type, peer,
-                            piece_tag, comm_, &requests.back()),
-                  "MPI_Isend", "all_to_all_v");
-          });
-      }
-      wait_all(requests, "all_to_all_v");
-    }
-    if (!recv_fits)
-      detail::mpi_each_block(n, unit, rc, recv_displs, rd, [&](auto at, auto staged, auto bytes) {
-        std::memcpy(recv + at, recv_stage.data() + staged, bytes);
+    };
+    const auto from = [&](int i) { return (rank_ + size_ - i) % size_; };
+    const bool tagged = tag.tagged();
+    if (tagged)
+      post_headers(tag, kind, send_counts, unit, what);
+    else
+      for (int i = 1; i < size_; ++i) // receives first: messages find them posted
+        receive_from(from(i));
+    for (int i = 1; i < size_; ++i) { // each rank starts with a different peer
+      const int peer = (rank_ + i) % size_;
+      const auto j = static_cast<std::size_t>(peer);
+      post(send_counts[j], [&](std::int64_t at, int count, MPI_Request* request) {
+        check(MPI_Isend(send + (send_displs[j] + at) * bytes, count, type, peer, block_tag, comm_,
+                        request),
+              "MPI_Isend", what);
       });
+    }
+    if (tagged) { // a failed call receives nothing, not even its own block
+      check_headers(tag, kind, recv_counts, unit, what);
+      for (int i = 1; i < size_; ++i)
+        receive_from(from(i));
+    }
+    if (send_counts[self] > 0)
+      std::memmove(recv + recv_displs[self] * bytes, send + send_displs[self] * bytes,
+                   static_cast<std::size_t>(send_counts[self] * bytes));
+    if (!requests_.empty())
+      wait_all(requests_, what);
   }
 
   mpi_options options_;
@@ -590,8 +577,9 @@ class mpi_communicator {
   std::atomic<bool> failed_flag_{false};
   // A wait gave up on incomplete requests (shared with the layers built on this communicator).
   std::shared_ptr<std::atomic<bool>> abandoned_ = std::make_shared<std::atomic<bool>>(false);
-  std::vector<int> ints_; // MPI's int counts and displacements, reused by every call
+  std::vector<MPI_Request> requests_; // an all-to-all's receives and sends, reused by every call
   std::vector<std::int64_t> header_send_, header_recv_; // tagged collectives' headers
+  std::vector<std::int64_t> counts_layout_; // a tagged count exchange's counts and displacements
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;
 };

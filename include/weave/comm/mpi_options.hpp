@@ -24,8 +24,8 @@ struct mpi_options {
   //! Peer blocks of more units than this go point to point, in pieces of at most this many
   //! units (clamped to INT_MAX / size). Lower it only to test the large-message path.
   std::int64_t max_chunk_units = INT_MAX;
-  //! Displacements above this many units make a side stage its blocks contiguously (clamped to
-  //! INT_MAX). Lower it only to test that path.
+  //! Ignored: `all_to_all_v` sends every block from its own address, so no displacement is
+  //! passed to MPI (kept so that code setting it still compiles).
   std::int64_t max_displacement_units = INT_MAX;
   //! An operation moving at most this many bytes on this rank (sent plus received) runs on the
   //! calling thread when its stream is idle (`host_stream::run_inline_or_submit`): it skips the
