@@ -94,4 +94,16 @@ inline std::vector<std::byte> expected_recv(const a2a_case& c, int r) {
   return out;
 }
 
+// `count` units to and from each of `n` peers, peer j's block at j * `stride` units.
+struct uniform_layout {
+  std::vector<std::int64_t> counts, displs;
+};
+inline uniform_layout uniform(int n, std::int64_t count, std::int64_t stride) {
+  uniform_layout u{std::vector<std::int64_t>(static_cast<std::size_t>(n), count),
+                   std::vector<std::int64_t>(static_cast<std::size_t>(n))};
+  for (int j = 0; j < n; ++j)
+    u.displs[static_cast<std::size_t>(j)] = stride * j;
+  return u;
+}
+
 } // namespace comm_test

@@ -31,16 +31,8 @@ namespace {
 weave_test::kept_until_finalize abandoned;
 const weave_test::mpi_session mpi_for_the_whole_run;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using weave_test::world_rank;
+using weave_test::world_size;
 
 weave::call_tag tag_of(std::uint64_t call, weave::call_stage stage = weave::call_stage::dispatch) {
   return weave::call_tag::of(3, call, stage, 0);
@@ -131,9 +123,9 @@ TEST_CASE("a rank at another call fails every rank with call_mismatch, and nothi
   auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
   abandoned.keep(comm);
   weave::host_stream s("tags");
-  std::vector<std::int64_t> counts(ranks, 16), displs(ranks);
-  for (std::size_t j = 0; j < ranks; ++j)
-    displs[j] = 16 * static_cast<std::int64_t>(j);
+  const auto layout = comm_test::uniform(n, 16, 16);
+  const std::vector<std::int64_t>& counts = layout.counts;
+  const std::vector<std::int64_t>& displs = layout.displs;
   auto send = std::make_shared<std::vector<std::byte>>(16 * ranks, std::byte{7});
   auto recv = std::make_shared<std::vector<std::byte>>(16 * ranks, comm_test::sentinel);
   abandoned.keep(send);
@@ -157,9 +149,9 @@ TEST_CASE("a rank at a count exchange while its peers are at an all-to-all: call
   auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
   abandoned.keep(comm);
   weave::host_stream s("tags");
-  std::vector<std::int64_t> counts(ranks, 4), displs(ranks);
-  for (std::size_t j = 0; j < ranks; ++j)
-    displs[j] = 4 * static_cast<std::int64_t>(j);
+  const auto layout = comm_test::uniform(n, 4, 4);
+  const std::vector<std::int64_t>& counts = layout.counts;
+  const std::vector<std::int64_t>& displs = layout.displs;
   auto announce = std::make_shared<std::vector<std::int64_t>>(4 * ranks, 1);
   auto heard = std::make_shared<std::vector<std::int64_t>>(4 * ranks, -1);
   abandoned.keep(announce);
@@ -192,9 +184,10 @@ TEST_CASE("a size disagreement fails with size_mismatch naming both sizes, befor
     weave::host_stream s("tags");
     // The culprit sends rank 0 a block 8 units longer than rank 0 receives (or, exchanging
     // counts, 2 counts per peer where the others exchange 1).
-    std::vector<std::int64_t> send_counts(ranks, 8), recv_counts(ranks, 8), displs(ranks);
-    for (std::size_t j = 0; j < ranks; ++j)
-      displs[j] = 16 * static_cast<std::int64_t>(j);
+    auto layout = comm_test::uniform(n, 8, 16);
+    std::vector<std::int64_t>& send_counts = layout.counts;
+    const std::vector<std::int64_t>& displs = layout.displs;
+    const std::vector<std::int64_t> recv_counts = send_counts;
     if (r == culprit)
       send_counts[0] = 16;
     const std::size_t per_peer = r == culprit ? 2 : 1;

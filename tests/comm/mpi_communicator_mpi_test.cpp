@@ -32,16 +32,8 @@ namespace {
 weave_test::kept_until_finalize abandoned;
 const weave_test::mpi_session mpi_for_the_whole_run;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using weave_test::world_rank;
+using weave_test::world_size;
 
 std::vector<std::byte> weave_mpi(const comm_test::a2a_case& c, weave::mpi_communicator& comm,
                                  int repeats = 2) {
@@ -155,10 +147,10 @@ TEST_CASE("a rank whose own block's counts disagree fails with size_mismatch, it
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   weave::host_stream s;
   const int n = comm.size(), r = comm.rank();
-  const auto ranks = static_cast<std::size_t>(n);
-  std::vector<std::int64_t> send_counts(ranks, 4), recv_counts(ranks, 4), displs(ranks);
-  for (int j = 0; j < n; ++j)
-    displs[std::size_t(j)] = 8 * j;
+  auto layout = comm_test::uniform(n, 4, 8);
+  std::vector<std::int64_t>& send_counts = layout.counts;
+  const std::vector<std::int64_t>& displs = layout.displs;
+  const std::vector<std::int64_t> recv_counts = send_counts;
   if (r == n - 1)
     send_counts[std::size_t(r)] = 8; // to itself: 8 sent, 4 received
   auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n), std::byte{1});
@@ -320,10 +312,10 @@ TEST_CASE("MPI errors become errc::mpi naming the operation and MPI's text") {
     weave::host_stream s;
     const int n = comm.size(), r = comm.rank();
     // Rank 0 sends 8 bytes to rank 1, which expects 4: rank 1's receive is truncated.
-    const auto ranks = static_cast<std::size_t>(n);
-    std::vector<std::int64_t> send_counts(ranks, 4), recv_counts(ranks, 4), displs(ranks);
-    for (int j = 0; j < n; ++j)
-      displs[std::size_t(j)] = 8 * j;
+    auto layout = comm_test::uniform(n, 4, 8);
+    std::vector<std::int64_t>& send_counts = layout.counts;
+    const std::vector<std::int64_t>& displs = layout.displs;
+    const std::vector<std::int64_t> recv_counts = send_counts;
     if (r == 0)
       send_counts[1] = 8;
     auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));

@@ -20,6 +20,17 @@ struct mpi_session {
   mpi_session& operator=(const mpi_session&) = delete;
 };
 
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+inline int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
 // What MPI may still touch until MPI_Finalize: the buffers (and communicators) of a collective
 // abandoned after an abort. Define one before the `mpi_session`, so it is destroyed after it.
 struct kept_until_finalize {
