@@ -66,6 +66,21 @@ outcome failing(F&& call) {
   return o;
 }
 
+// A failing case's communicator and buffers, kept until MPI_Finalize (the case abandons its
+// operation), and its stream.
+struct failing_case {
+  std::shared_ptr<weave::mpi_communicator> comm =
+      std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
+  weave::host_stream s{"tags"};
+  failing_case() { abandoned.keep(comm); }
+  template <class T>
+  std::shared_ptr<std::vector<T>> buffer(std::size_t size, T value) {
+    auto b = std::make_shared<std::vector<T>>(size, value);
+    abandoned.keep(b);
+    return b;
+  }
+};
+
 // Every rank ends with `code`, found itself or learned from the rank that found it.
 void check_everyone_fails_with(const outcome& o, weave::errc code) {
   CAPTURE(o.message);
@@ -120,20 +135,16 @@ TEST_CASE("tagged all-to-alls and count exchanges equal MPI, between untagged on
 TEST_CASE("a rank at another call fails every rank with call_mismatch, and nothing is received") {
   const int n = world_size(), r = world_rank(), culprit = n - 1;
   const auto ranks = static_cast<std::size_t>(n);
-  auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
-  abandoned.keep(comm);
-  weave::host_stream s("tags");
+  failing_case c;
   const auto layout = comm_test::uniform(n, 16, 16);
   const std::vector<std::int64_t>& counts = layout.counts;
   const std::vector<std::int64_t>& displs = layout.displs;
-  auto send = std::make_shared<std::vector<std::byte>>(16 * ranks, std::byte{7});
-  auto recv = std::make_shared<std::vector<std::byte>>(16 * ranks, comm_test::sentinel);
-  abandoned.keep(send);
-  abandoned.keep(recv);
+  auto send = c.buffer(16 * ranks, std::byte{7});
+  auto recv = c.buffer(16 * ranks, comm_test::sentinel);
   const outcome o = failing([&] {
-    comm->all_to_all_v(s, send->data(), counts, displs, recv->data(), counts, displs, 1,
-                       tag_of(r == culprit ? 8 : 7));
-    s.synchronize();
+    c.comm->all_to_all_v(c.s, send->data(), counts, displs, recv->data(), counts, displs, 1,
+                         tag_of(r == culprit ? 8 : 7));
+    c.s.synchronize();
   });
   check_everyone_fails_with(o, weave::errc::call_mismatch);
   if (o.code == weave::errc::call_mismatch) // the error names both calls
@@ -146,23 +157,19 @@ TEST_CASE("a rank at another call fails every rank with call_mismatch, and nothi
 TEST_CASE("a rank at a count exchange while its peers are at an all-to-all: call_mismatch") {
   const int n = world_size(), r = world_rank(), culprit = n - 1;
   const auto ranks = static_cast<std::size_t>(n);
-  auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
-  abandoned.keep(comm);
-  weave::host_stream s("tags");
+  failing_case c;
   const auto layout = comm_test::uniform(n, 4, 4);
   const std::vector<std::int64_t>& counts = layout.counts;
   const std::vector<std::int64_t>& displs = layout.displs;
-  auto announce = std::make_shared<std::vector<std::int64_t>>(4 * ranks, 1);
-  auto heard = std::make_shared<std::vector<std::int64_t>>(4 * ranks, -1);
-  abandoned.keep(announce);
-  abandoned.keep(heard);
+  auto announce = c.buffer(4 * ranks, std::int64_t{1});
+  auto heard = c.buffer(4 * ranks, std::int64_t{-1});
   const outcome o = failing([&] {
     if (r == culprit) // the same call, another collective: its header names another kind
-      comm->exchange_counts(s, *announce, *heard, tag_of(5));
+      c.comm->exchange_counts(c.s, *announce, *heard, tag_of(5));
     else
-      comm->all_to_all_v(s, announce->data(), counts, displs, heard->data(), counts, displs,
-                         sizeof(std::int64_t), tag_of(5));
-    s.synchronize();
+      c.comm->all_to_all_v(c.s, announce->data(), counts, displs, heard->data(), counts, displs,
+                           sizeof(std::int64_t), tag_of(5));
+    c.s.synchronize();
   });
   check_everyone_fails_with(o, weave::errc::call_mismatch);
   if (o.code == weave::errc::call_mismatch)
@@ -179,9 +186,9 @@ TEST_CASE("a size disagreement fails with size_mismatch naming both sizes, befor
   const auto ranks = static_cast<std::size_t>(n);
   for (const bool counts_exchange : {false, true}) {
     CAPTURE(counts_exchange);
-    auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
-    abandoned.keep(comm);
-    weave::host_stream s("tags");
+    failing_case c;
+    auto& comm = c.comm;
+    auto& s = c.s;
     // The culprit sends rank 0 a block 8 units longer than rank 0 receives (or, exchanging
     // counts, 2 counts per peer where the others exchange 1).
     auto layout = comm_test::uniform(n, 8, 16);
@@ -191,10 +198,8 @@ TEST_CASE("a size disagreement fails with size_mismatch naming both sizes, befor
     if (r == culprit)
       send_counts[0] = 16;
     const std::size_t per_peer = r == culprit ? 2 : 1;
-    auto send = std::make_shared<std::vector<std::int64_t>>(16 * ranks, 3);
-    auto recv = std::make_shared<std::vector<std::int64_t>>(16 * ranks, -1);
-    abandoned.keep(send);
-    abandoned.keep(recv);
+    auto send = c.buffer(16 * ranks, std::int64_t{3});
+    auto recv = c.buffer(16 * ranks, std::int64_t{-1});
     const outcome o = failing([&] {
       if (counts_exchange)
         comm->exchange_counts(s, std::span<const std::int64_t>(send->data(), per_peer * ranks),
