@@ -519,7 +519,8 @@ class mpi_communicator {
     WEAVE_EXPECT(send_counts[self] == recv_counts[self], errc::size_mismatch,
                  "mpi_communicator rank ", rank_, ": ", what, " sends ", send_counts[self],
                  " units to itself but receives ", recv_counts[self]);
-    const MPI_Datatype type = unit_type(unit);
+    // Counts as MPI_INT64_T: the cached unit type stays the rows' (no type rebuilt per call).
+    const MPI_Datatype type = kind == header::counts ? MPI_INT64_T : unit_type(unit);
     const std::int64_t limit = options_.max_chunk_units;
     const auto bytes = static_cast<std::int64_t>(unit);
     requests_.clear();
