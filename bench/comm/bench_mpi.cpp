@@ -10,8 +10,9 @@
 // (inline_max_bytes = 0), and parts of weave's path on their own (MPI_Ialltoallv polled with
 // MPI_Testall on the calling thread; Irecv + Isend per peer, polled; an empty task's round trip
 // through a host_stream). Each is reported as the median over the iterations, with the ratio
-// weave / raw, and weave's all-to-all tagged as a layer's (a 32-byte header per peer first,
-// faults.md) beside the untagged one. Argument: bytes per peer (uniform traffic).
+// weave / raw, and weave's all-to-all tagged as a layer's (a 32-byte header per peer, with the
+// block inside up to `tagged_inline_bytes`, faults.md) beside the untagged one and beside tagged
+// calls whose headers travel alone. Argument: bytes per peer (uniform traffic).
 // `compute_beside/...`: see compute_beside below.
 #include <benchmark/benchmark.h>
 
@@ -116,10 +117,13 @@ void overhead(benchmark::State& state) {
   weave::mpi_options handed_off;
   handed_off.inline_max_bytes = 0; // every operation through the stream's worker
   weave::mpi_communicator comm_handed_off(MPI_COMM_WORLD, handed_off);
+  weave::mpi_options headers_alone;
+  headers_alone.tagged_inline_bytes = 0; // no block inside a header's message
+  weave::mpi_communicator comm_headers_alone(MPI_COMM_WORLD, headers_alone);
   MPI_Comm raw_comm = MPI_COMM_NULL; // a duplicate, as weave uses one
   MPI_Comm_dup(MPI_COMM_WORLD, &raw_comm);
   std::uint64_t call = 0;
-  const auto ops = std::array<std::function<void()>, 7>{
+  const auto ops = std::array<std::function<void()>, 8>{
       [&] { // raw blocking collective
         MPI_Alltoallv(send.data(), ic.data(), id.data(), MPI_BYTE, recv.data(), ic.data(),
                       id.data(), MPI_BYTE, raw_comm);
@@ -139,7 +143,7 @@ void overhead(benchmark::State& state) {
         stream.submit([] {});
         stream.synchronize();
       },
-      [&] { // weave, tagged as a layer's first collective of a stage: a header goes first
+      [&] { // weave, tagged as a layer's collectives: a header with (small) blocks inside
         const auto tag = weave::call_tag::of(1, ++call, weave::call_stage::dispatch, 0);
         comm.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts, displs, 1, tag);
         stream.synchronize();
@@ -160,10 +164,16 @@ void overhead(benchmark::State& state) {
         comm_handed_off.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts,
                                      displs);
         stream.synchronize();
+      },
+      [&] { // weave tagged, every header alone (tagged_inline_bytes = 0)
+        const auto tag = weave::call_tag::of(2, ++call, weave::call_stage::dispatch, 0);
+        comm_headers_alone.all_to_all_v(stream, send.data(), counts, displs, recv.data(), counts,
+                                        displs, 1, tag);
+        stream.synchronize();
       }};
   for (const auto& op : ops) // warm-up: connections, registration, first-touch pages
     slowest_rank_seconds(op);
-  std::array<std::vector<double>, 7> times;
+  std::array<std::vector<double>, 8> times;
   std::size_t iteration = 0;
   for (auto _ : state) {
     for (std::size_t k = 0; k < ops.size(); ++k) { // rotate the order: no op always goes first
@@ -187,6 +197,9 @@ void overhead(benchmark::State& state) {
   state.counters["handoff_us"] = median(times[3]) * 1e6;
   state.counters["tagged_us"] = median(times[4]) * 1e6; // with the call tag's header
   state.counters["tagged_ratio"] = median(times[4]) / weave_time;
+  state.counters["tagged_raw_ratio"] = median(times[4]) / raw;
+  state.counters["headers_alone_us"] = median(times[7]) * 1e6;
+  state.counters["headers_alone_raw_ratio"] = median(times[7]) / raw;
   state.counters["p2p_poll_us"] = median(times[5]) * 1e6;
   state.counters["handed_off_us"] = median(times[6]) * 1e6;
   state.counters["handed_off_ratio"] = median(times[6]) / raw;

@@ -15,7 +15,9 @@
 #include <weave/exec/host_stream.hpp>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
@@ -175,4 +177,55 @@ TEST_CASE("mpi_call_header: a header written for a call passes only that call, k
   h[0] = 0; // a collective without weave's header
   CHECK(failure(h, tag_of(5), header::all_to_all, 24).find("carries no weave call header") !=
         std::string::npos);
+}
+
+TEST_CASE("mpi_call_messages: a block up to the limit travels inside its header, a larger alone") {
+  using header = weave::detail::mpi_call_header;
+  weave::detail::mpi_call_messages m(27); // rounded down to 3 words
+  CHECK(m.inline_bytes() == 24);
+  CHECK(m.capacity() == static_cast<int>((header::words + 3) * sizeof(std::int64_t)));
+  m.prepare(3);
+  std::vector<std::byte> block(40);
+  for (std::size_t i = 0; i < block.size(); ++i)
+    block[i] = static_cast<std::byte>(i + 1);
+  const int head = static_cast<int>(header::words * sizeof(std::int64_t));
+  // What the receiver of each message finds: the sender's message copied into its receive slot.
+  const auto deliver = [&](std::size_t j, std::size_t bytes) {
+    const auto [message, length] = m.write(j, tag_of(4), header::all_to_all,
+                                           static_cast<std::int64_t>(bytes), block.data(), bytes);
+    std::memcpy(m.receive_buffer(j), message, static_cast<std::size_t>(length));
+    return length;
+  };
+  const auto failure = [&](std::size_t j, int length, std::size_t bytes) -> std::string {
+    try {
+      m.check(j, length, 0, 1, tag_of(4), header::all_to_all, static_cast<std::int64_t>(bytes),
+              bytes, "all_to_all_v");
+      return "passed";
+    } catch (const weave::error& e) {
+      return std::string(weave::to_string(e.code())) + ": " + e.message();
+    }
+  };
+  for (const std::size_t bytes :
+       {std::size_t{0}, std::size_t{5}, std::size_t{24}, std::size_t{25}, std::size_t{40}}) {
+    CAPTURE(bytes);
+    const int length = deliver(1, bytes);
+    const bool inside = bytes <= 24;
+    CHECK(length == head + static_cast<int>(inside ? bytes : 0));
+    CHECK(failure(1, length, bytes) == "passed");
+    CHECK(m.inside(1) == inside);
+    if (inside && bytes > 0) {
+      std::vector<std::byte> out(bytes, std::byte{0});
+      m.copy_block(1, out.data(), bytes);
+      CHECK(out == std::vector<std::byte>(block.begin(), block.begin() + std::ptrdiff_t(bytes)));
+    }
+  }
+  // A message whose body is neither empty nor the block this rank receives, or too short.
+  const int length = deliver(2, 16);
+  CHECK(failure(2, length - 8, 16).starts_with("call_mismatch"));
+  CHECK(failure(2, length - 8, 16)
+            .find("sent 8 bytes inside its call header where this rank "
+                  "receives 16") != std::string::npos);
+  CHECK(failure(2, head - 1, 16).find("sent a call header of 31 bytes") != std::string::npos);
+  // The header is checked first: another size is size_mismatch, whatever came inside.
+  CHECK(failure(2, length, 8).starts_with("size_mismatch"));
 }

@@ -69,10 +69,12 @@ outcome failing(F&& call) {
 // A failing case's communicator and buffers, kept until MPI_Finalize (the case abandons its
 // operation), and its stream.
 struct failing_case {
-  std::shared_ptr<weave::mpi_communicator> comm =
-      std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
+  std::shared_ptr<weave::mpi_communicator> comm;
   weave::host_stream s{"tags"};
-  failing_case() { abandoned.keep(comm); }
+  explicit failing_case(weave::mpi_options options = {})
+      : comm(std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD, options)) {
+    abandoned.keep(comm);
+  }
   template <class T>
   std::shared_ptr<std::vector<T>> buffer(std::size_t size, T value) {
     auto b = std::make_shared<std::vector<T>>(size, value);
@@ -93,43 +95,50 @@ void check_everyone_fails_with(const outcome& o, weave::errc code) {
 TEST_CASE("tagged all-to-alls and count exchanges equal MPI, between untagged ones") {
   const int n = world_size(), r = world_rank();
   const auto ranks = static_cast<std::size_t>(n);
-  for (std::int64_t chunk : {std::int64_t{INT_MAX}, std::int64_t{7}}) {
-    CAPTURE(chunk);
-    weave::mpi_options options;
-    options.max_chunk_units = chunk;
-    weave::mpi_communicator comm(MPI_COMM_WORLD, options);
-    weave::host_stream s("tags");
-    for (std::size_t unit : {std::size_t{1}, std::size_t{8}}) {
-      CAPTURE(unit);
-      const auto a = comm_test::make_case(n, unit, 11 + unit, 500);
-      const auto b = comm_test::make_case(n, unit, 23 + unit, 0); // some empty blocks
-      const auto& A = a.ranks[std::size_t(r)];
-      const auto& B = b.ranks[std::size_t(r)];
-      std::vector<std::byte> tagged_a(A.recv_bytes, comm_test::sentinel),
-          untagged_b(B.recv_bytes, comm_test::sentinel),
-          tagged_b(B.recv_bytes, comm_test::sentinel);
-      std::vector<std::int64_t> announce(3 * ranks), heard(3 * ranks, -1);
-      for (std::size_t j = 0; j < announce.size(); ++j)
-        announce[j] = 1000 * r + static_cast<std::int64_t>(j);
-      // One stream, no wait between: tagged and untagged messages of consecutive calls.
-      comm.all_to_all_v(s, A.send.data(), A.send_counts, A.send_displs, tagged_a.data(),
-                        A.recv_counts, A.recv_displs, unit, tag_of(1));
-      comm.all_to_all_v(s, B.send.data(), B.send_counts, B.send_displs, untagged_b.data(),
-                        B.recv_counts, B.recv_displs, unit);
-      comm.exchange_counts(s, announce, heard, tag_of(2));
-      comm.all_to_all_v(s, B.send.data(), B.send_counts, B.send_displs, tagged_b.data(),
-                        B.recv_counts, B.recv_displs, unit, tag_of(3, weave::call_stage::combine));
-      s.synchronize();
-      CHECK(tagged_a == comm_test::mpi_alltoallv_reference(a, MPI_COMM_WORLD));
-      CHECK(tagged_a == comm_test::expected_recv(a, r));
-      CHECK(untagged_b == comm_test::expected_recv(b, r));
-      CHECK(tagged_b == untagged_b);
-      std::vector<std::int64_t> reference(heard.size());
-      MPI_Alltoall(announce.data(), 3, MPI_INT64_T, reference.data(), 3, MPI_INT64_T,
-                   MPI_COMM_WORLD);
-      CHECK(heard == reference);
+  // Blocks inside their header's message (a limit that holds every block here), none, and some
+  // (at most 64 bytes, or the default: others go alone once the headers checked).
+  for (const std::size_t inline_limit : {std::size_t{1} << 16, std::size_t{0}, std::size_t{64},
+                                         weave::mpi_options{}.tagged_inline_bytes})
+    for (std::int64_t chunk : {std::int64_t{INT_MAX}, std::int64_t{7}}) {
+      CAPTURE(inline_limit);
+      CAPTURE(chunk);
+      weave::mpi_options options;
+      options.max_chunk_units = chunk;
+      options.tagged_inline_bytes = inline_limit;
+      weave::mpi_communicator comm(MPI_COMM_WORLD, options);
+      weave::host_stream s("tags");
+      for (std::size_t unit : {std::size_t{1}, std::size_t{8}}) {
+        CAPTURE(unit);
+        const auto a = comm_test::make_case(n, unit, 11 + unit, 500);
+        const auto b = comm_test::make_case(n, unit, 23 + unit, 0); // some empty blocks
+        const auto& A = a.ranks[std::size_t(r)];
+        const auto& B = b.ranks[std::size_t(r)];
+        std::vector<std::byte> tagged_a(A.recv_bytes, comm_test::sentinel),
+            untagged_b(B.recv_bytes, comm_test::sentinel),
+            tagged_b(B.recv_bytes, comm_test::sentinel);
+        std::vector<std::int64_t> announce(3 * ranks), heard(3 * ranks, -1);
+        for (std::size_t j = 0; j < announce.size(); ++j)
+          announce[j] = 1000 * r + static_cast<std::int64_t>(j);
+        // One stream, no wait between: tagged and untagged messages of consecutive calls.
+        comm.all_to_all_v(s, A.send.data(), A.send_counts, A.send_displs, tagged_a.data(),
+                          A.recv_counts, A.recv_displs, unit, tag_of(1));
+        comm.all_to_all_v(s, B.send.data(), B.send_counts, B.send_displs, untagged_b.data(),
+                          B.recv_counts, B.recv_displs, unit);
+        comm.exchange_counts(s, announce, heard, tag_of(2));
+        comm.all_to_all_v(s, B.send.data(), B.send_counts, B.send_displs, tagged_b.data(),
+                          B.recv_counts, B.recv_displs, unit,
+                          tag_of(3, weave::call_stage::combine));
+        s.synchronize();
+        CHECK(tagged_a == comm_test::mpi_alltoallv_reference(a, MPI_COMM_WORLD));
+        CHECK(tagged_a == comm_test::expected_recv(a, r));
+        CHECK(untagged_b == comm_test::expected_recv(b, r));
+        CHECK(tagged_b == untagged_b);
+        std::vector<std::int64_t> reference(heard.size());
+        MPI_Alltoall(announce.data(), 3, MPI_INT64_T, reference.data(), 3, MPI_INT64_T,
+                     MPI_COMM_WORLD);
+        CHECK(heard == reference);
+      }
     }
-  }
 }
 
 TEST_CASE("a rank at another call fails every rank with call_mismatch, and nothing is received") {
@@ -184,53 +193,93 @@ TEST_CASE("a rank at a count exchange while its peers are at an all-to-all: call
 TEST_CASE("a size disagreement fails with size_mismatch naming both sizes, before any truncation") {
   const int n = world_size(), r = world_rank(), culprit = n - 1;
   const auto ranks = static_cast<std::size_t>(n);
-  for (const bool counts_exchange : {false, true}) {
-    CAPTURE(counts_exchange);
-    failing_case c;
-    auto& comm = c.comm;
-    auto& s = c.s;
-    // The culprit sends rank 0 a block 8 units longer than rank 0 receives (or, exchanging
-    // counts, 2 counts per peer where the others exchange 1).
-    auto layout = comm_test::uniform(n, 8, 16);
-    std::vector<std::int64_t>& send_counts = layout.counts;
-    const std::vector<std::int64_t>& displs = layout.displs;
-    const std::vector<std::int64_t> recv_counts = send_counts;
-    if (r == culprit)
-      send_counts[0] = 16;
-    const std::size_t per_peer = r == culprit ? 2 : 1;
-    auto send = c.buffer(16 * ranks, std::int64_t{3});
-    auto recv = c.buffer(16 * ranks, std::int64_t{-1});
-    const outcome o = failing([&] {
-      if (counts_exchange)
-        comm->exchange_counts(s, std::span<const std::int64_t>(send->data(), per_peer * ranks),
-                              std::span<std::int64_t>(recv->data(), per_peer * ranks), tag_of(4));
-      else
-        comm->all_to_all_v(s, send->data(), send_counts, displs, recv->data(), recv_counts, displs,
-                           sizeof(std::int64_t), tag_of(4));
-      s.synchronize();
-    });
-    if (o.message == "returned") {
-      // Only a rank whose own receives agreed (not rank 0, which finds the disagreement; in an
-      // all-to-all, where the others send rank 0 what it expects): its result is right, and its
-      // next operation fails with rank 0's error.
-      CHECK(r != 0);
-      CHECK(!counts_exchange);
-      for (std::size_t j = 0; j < ranks; ++j)
-        CHECK((*recv)[16 * j] == 3);
-      const outcome next = failing([&] {
-        comm->barrier(s);
+  // The disagreeing block inside its header, alone, or alone where rank 0 expects it inside.
+  for (const std::size_t inline_limit : {std::size_t{1} << 16, std::size_t{0}, std::size_t{96}})
+    for (const bool counts_exchange : {false, true}) {
+      CAPTURE(inline_limit);
+      CAPTURE(counts_exchange);
+      weave::mpi_options options;
+      options.tagged_inline_bytes = inline_limit;
+      failing_case c(options);
+      auto& comm = c.comm;
+      auto& s = c.s;
+      // The culprit sends rank 0 a block 8 units longer than rank 0 receives (or, exchanging
+      // counts, 2 counts per peer where the others exchange 1).
+      auto layout = comm_test::uniform(n, 8, 16);
+      std::vector<std::int64_t>& send_counts = layout.counts;
+      const std::vector<std::int64_t>& displs = layout.displs;
+      const std::vector<std::int64_t> recv_counts = send_counts;
+      if (r == culprit)
+        send_counts[0] = 16;
+      const std::size_t per_peer = r == culprit ? 2 : 1;
+      auto send = c.buffer(16 * ranks, std::int64_t{3});
+      auto recv = c.buffer(16 * ranks, std::int64_t{-1});
+      const outcome o = failing([&] {
+        if (counts_exchange)
+          comm->exchange_counts(s, std::span<const std::int64_t>(send->data(), per_peer * ranks),
+                                std::span<std::int64_t>(recv->data(), per_peer * ranks), tag_of(4));
+        else
+          comm->all_to_all_v(s, send->data(), send_counts, displs, recv->data(), recv_counts,
+                             displs, sizeof(std::int64_t), tag_of(4));
         s.synchronize();
       });
-      check_everyone_fails_with(next, weave::errc::size_mismatch);
-    } else {
-      check_everyone_fails_with(o, weave::errc::size_mismatch);
+      if (o.message == "returned") {
+        // Only a rank whose own receives agreed (not rank 0, which finds the disagreement; in an
+        // all-to-all, where the others send rank 0 what it expects): its result is right, and its
+        // next operation fails with rank 0's error.
+        CHECK(r != 0);
+        CHECK(!counts_exchange);
+        for (std::size_t j = 0; j < ranks; ++j)
+          CHECK((*recv)[16 * j] == 3);
+        const outcome next = failing([&] {
+          comm->barrier(s);
+          s.synchronize();
+        });
+        check_everyone_fails_with(next, weave::errc::size_mismatch);
+      } else {
+        check_everyone_fails_with(o, weave::errc::size_mismatch);
+      }
+      if (r == 0 && o.code == weave::errc::size_mismatch)
+        CHECK(o.message.find(counts_exchange ? "sends 2 counts per peer where this rank receives 1"
+                                             : "sends 128 bytes where this rank receives 64") !=
+              std::string::npos);
+      if (!counts_exchange && r == 0) // rank 0 posted no receive: nothing of the culprit's landed
+        CHECK(*recv == std::vector<std::int64_t>(recv->size(), -1));
+      MPI_Barrier(MPI_COMM_WORLD);
     }
-    if (r == 0 && o.code == weave::errc::size_mismatch)
-      CHECK(o.message.find(counts_exchange ? "sends 2 counts per peer where this rank receives 1"
-                                           : "sends 128 bytes where this rank receives 64") !=
-            std::string::npos);
-    if (!counts_exchange && r == 0) // rank 0 posted no receive: nothing of the culprit's landed
-      CHECK(*recv == std::vector<std::int64_t>(recv->size(), -1));
-    MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_CASE("ranks with different inline limits: right where the blocks fit, else a typed error") {
+  const int n = world_size(), r = world_rank(), culprit = n - 1;
+  const auto ranks = static_cast<std::size_t>(n);
+  // The culprit sends every block alone and takes none inside a header, the others send theirs
+  // inside: MPI truncates what they send the culprit (errc::mpi there, a peer's failure or that
+  // error at the next operation elsewhere), and nothing of it is received.
+  weave::mpi_options options;
+  options.tagged_inline_bytes = r == culprit ? 0 : std::size_t{1} << 16;
+  failing_case c(options);
+  const auto layout = comm_test::uniform(n, 32, 32);
+  auto send = c.buffer(32 * ranks, std::byte{5});
+  auto recv = c.buffer(32 * ranks, comm_test::sentinel);
+  const outcome o = failing([&] {
+    c.comm->all_to_all_v(c.s, send->data(), layout.counts, layout.displs, recv->data(),
+                         layout.counts, layout.displs, 1, tag_of(9));
+    c.s.synchronize();
+  });
+  if (o.message == "returned") { // a rank whose receives all fit: right, then the next one fails
+    CHECK(r != culprit);
+    CHECK(*recv == std::vector<std::byte>(recv->size(), std::byte{5}));
+    const outcome next = failing([&] {
+      c.comm->barrier(c.s);
+      c.s.synchronize();
+    });
+    check_everyone_fails_with(next, weave::errc::mpi);
+  } else {
+    check_everyone_fails_with(o, weave::errc::mpi);
   }
+  if (r == culprit) {
+    CHECK(o.code == weave::errc::mpi);
+    CHECK(*recv == std::vector<std::byte>(recv->size(), comm_test::sentinel));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }

@@ -94,6 +94,8 @@ class mpi_communicator {
     notices_.open(comm);
     options_.max_chunk_units =
         std::max<std::int64_t>(1, std::min<std::int64_t>(options.max_chunk_units, INT_MAX / size_));
+    const std::size_t staging_cap = (std::size_t{4} << 20) / static_cast<std::size_t>(size_);
+    messages_ = detail::mpi_call_messages(std::min(options.tagged_inline_bytes, staging_cap));
   }
 
   mpi_communicator(const mpi_communicator&) = delete;
@@ -112,8 +114,7 @@ class mpi_communicator {
     // operation it left): freeing it would let a later duplicate meet those messages.
     if (abandoned_->load(std::memory_order_acquire) ||
         failed_flag_.load(std::memory_order_acquire)) {
-      detail::retain_value_until_exit(std::move(header_send_));
-      detail::retain_value_until_exit(std::move(header_recv_));
+      messages_.retain_until_exit();
       return; // the datatype too may still be in use
     }
     if (unit_type_ != MPI_DATATYPE_NULL)
@@ -381,7 +382,8 @@ class mpi_communicator {
 
   // Progresses `requests` until all complete, a peer's failure notice arrives, or the timeout
   // expires (which aborts the communicator). Single requests use MPI_Test, whose return value
-  // is the request's own error (MPI_Testall would report MPI_ERR_IN_STATUS).
+  // is the request's own error (MPI_Testall would report MPI_ERR_IN_STATUS). The statuses are
+  // left in `statuses_`.
   void wait_all(std::span<MPI_Request> requests, const char* what) {
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     statuses_.resize(requests.size());
@@ -396,7 +398,7 @@ class mpi_communicator {
     for (unsigned spins = 0;; ++spins) {
       int done = 0;
       if (requests.size() == 1) {
-        check(MPI_Test(requests.data(), &done, MPI_STATUS_IGNORE), "MPI_Test", what);
+        check(MPI_Test(requests.data(), &done, statuses_.data()), "MPI_Test", what);
       } else {
         const int status = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
                                        statuses_.data());
@@ -447,55 +449,70 @@ class mpi_communicator {
     return unit_type_;
   }
 
-  // Posts the receive of every peer's header (the first size - 1 of `requests_`), then sends
-  // this rank's to every peer.
-  void post_headers(call_tag tag, std::int64_t kind, std::span<const std::int64_t> send_counts,
-                    std::size_t unit, const char* what) {
-    const auto n = static_cast<std::size_t>(size_);
-    header_send_.resize(n * header::words);
-    header_recv_.resize(n * header::words);
+  // Posts the receive of every peer's header message (the first size - 1 of `requests_`), then
+  // sends this rank's to every peer, with the blocks small enough to travel inside.
+  void post_headers(call_tag tag, std::int64_t kind, const std::byte* send,
+                    std::span<const std::int64_t> send_counts,
+                    std::span<const std::int64_t> send_displs, std::size_t unit, const char* what) {
+    messages_.prepare(static_cast<std::size_t>(size_));
     for (int i = 1; i < size_; ++i) {
       const int peer = (rank_ + size_ - i) % size_;
       requests_.push_back(MPI_REQUEST_NULL);
-      check(MPI_Irecv(header_recv_.data() + static_cast<std::size_t>(peer) * header::words,
-                      static_cast<int>(header::words), MPI_INT64_T, peer, header_tag, comm_,
-                      &requests_.back()),
+      check(MPI_Irecv(messages_.receive_buffer(static_cast<std::size_t>(peer)),
+                      messages_.capacity(), MPI_BYTE, peer, header_tag, comm_, &requests_.back()),
             "MPI_Irecv", what);
     }
     for (int i = 1; i < size_; ++i) {
       const int peer = (rank_ + i) % size_;
       const auto j = static_cast<std::size_t>(peer);
-      std::int64_t* h = header_send_.data() + j * header::words;
-      header::write(h, tag, kind, header::size_of(kind, send_counts[j], unit));
+      const auto [message, length] =
+          messages_.write(j, tag, kind, header::size_of(kind, send_counts[j], unit),
+                          send + send_displs[j] * static_cast<std::int64_t>(unit),
+                          static_cast<std::size_t>(send_counts[j]) * unit);
       requests_.push_back(MPI_REQUEST_NULL);
-      check(MPI_Isend(h, static_cast<int>(header::words), MPI_INT64_T, peer, header_tag, comm_,
-                      &requests_.back()),
+      check(MPI_Isend(message, length, MPI_BYTE, peer, header_tag, comm_, &requests_.back()),
             "MPI_Isend", what);
     }
   }
 
-  // Waits for the peers' headers (`post_headers`) and checks every one against this rank's tag,
-  // kind and receive sizes before any data receive is posted. A mismatch aborts the
-  // communicator (the peers find theirs too), leaves this rank's sends with MPI (abandoned) and
-  // throws, so MPI never truncates a block.
-  void check_headers(call_tag tag, std::int64_t kind, std::span<const std::int64_t> recv_counts,
-                     std::size_t unit, const char* what) {
+  // Waits for the peers' header messages (`post_headers`) and checks every one against this
+  // rank's tag, kind and receive sizes before any data is received or copied. A mismatch aborts
+  // the communicator (the peers find theirs too), leaves this rank's sends with MPI (abandoned)
+  // and throws, so MPI never truncates a block. Then copies the blocks that came inside their
+  // header and posts the receives of the others (`receive_from`).
+  template <class Receive>
+  void check_headers(call_tag tag, std::int64_t kind, std::byte* recv,
+                     std::span<const std::int64_t> recv_counts,
+                     std::span<const std::int64_t> recv_displs, std::size_t unit, const char* what,
+                     Receive&& receive_from) {
     if (size_ == 1)
       return;
-    wait_all(std::span<MPI_Request>(requests_.data(), static_cast<std::size_t>(size_ - 1)), what);
+    const auto peers = static_cast<std::size_t>(size_ - 1);
+    wait_all(std::span<MPI_Request>(requests_.data(), peers), what);
     try {
-      for (int peer = 0; peer < size_; ++peer) {
+      for (std::size_t r = 0; r < peers; ++r) { // requests_[r] received from rank - 1 - r
+        const int peer = (rank_ + size_ - 1 - static_cast<int>(r)) % size_;
         const auto j = static_cast<std::size_t>(peer);
-        if (peer != rank_)
-          header::check(std::span<const std::int64_t, header::words>(
-                            header_recv_.data() + j * header::words, header::words),
-                        rank_, peer, tag, kind, header::size_of(kind, recv_counts[j], unit), what);
+        int length = 0;
+        MPI_Get_count(&statuses_[r], MPI_BYTE, &length);
+        messages_.check(j, length, rank_, peer, tag, kind,
+                        header::size_of(kind, recv_counts[j], unit),
+                        static_cast<std::size_t>(recv_counts[j]) * unit, what);
       }
     } catch (...) {
       abandoned_->store(true, std::memory_order_release);
       abort(record_of(std::current_exception(), rank_));
       send_notices();
       throw;
+    }
+    for (int i = 1; i < size_; ++i) {
+      const int peer = (rank_ + size_ - i) % size_;
+      const auto j = static_cast<std::size_t>(peer);
+      if (messages_.inside(j))
+        messages_.copy_block(j, recv + recv_displs[j] * static_cast<std::int64_t>(unit),
+                             static_cast<std::size_t>(recv_counts[j]) * unit);
+      else
+        receive_from(peer);
     }
   }
 
@@ -505,8 +522,9 @@ class mpi_communicator {
   // per call (1.1-1.3x faster than MPI_Ialltoallv at 1-4 KiB per peer; docs/perf.md), and no
   // `int` displacement to overflow. Pieces of one pair share (source, tag, communicator), and a
   // stream issues its operations in order, so MPI matches every message to its receive.
-  // Tagged: each peer's header leaves with its data, and the receive of a peer's data is posted
-  // once its header checked (`check_headers`): one round trip, not a header exchange first.
+  // Tagged: each peer's header message leaves with the data, carrying the block itself when it is
+  // small (`mpi_options::tagged_inline_bytes`); a larger block's receive is posted once every
+  // header checked (`check_headers`): one round trip, not a header exchange first.
   void run_all_to_all_v(const std::byte* send, std::span<const std::int64_t> send_counts,
                         std::span<const std::int64_t> send_displs, std::byte* recv,
                         std::span<const std::int64_t> recv_counts,
@@ -541,24 +559,23 @@ class mpi_communicator {
     const auto from = [&](int i) { return (rank_ + size_ - i) % size_; };
     const bool tagged = tag.tagged();
     if (tagged)
-      post_headers(tag, kind, send_counts, unit, what);
+      post_headers(tag, kind, send, send_counts, send_displs, unit, what);
     else
       for (int i = 1; i < size_; ++i) // receives first: messages find them posted
         receive_from(from(i));
     for (int i = 1; i < size_; ++i) { // each rank starts with a different peer
       const int peer = (rank_ + i) % size_;
       const auto j = static_cast<std::size_t>(peer);
+      if (tagged && static_cast<std::size_t>(send_counts[j]) * unit <= messages_.inline_bytes())
+        continue; // inside the header's message
       post(send_counts[j], [&](std::int64_t at, int count, MPI_Request* request) {
         check(MPI_Isend(send + (send_displs[j] + at) * bytes, count, type, peer, block_tag, comm_,
                         request),
               "MPI_Isend", what);
       });
     }
-    if (tagged) { // a failed call receives nothing, not even its own block
-      check_headers(tag, kind, recv_counts, unit, what);
-      for (int i = 1; i < size_; ++i)
-        receive_from(from(i));
-    }
+    if (tagged) // a failed call receives nothing, not even its own block
+      check_headers(tag, kind, recv, recv_counts, recv_displs, unit, what, receive_from);
     if (send_counts[self] > 0)
       std::memmove(recv + recv_displs[self] * bytes, send + send_displs[self] * bytes,
                    static_cast<std::size_t>(send_counts[self] * bytes));
@@ -578,8 +595,8 @@ class mpi_communicator {
   std::atomic<bool> failed_flag_{false};
   // A wait gave up on incomplete requests (shared with the layers built on this communicator).
   std::shared_ptr<std::atomic<bool>> abandoned_ = std::make_shared<std::atomic<bool>>(false);
-  std::vector<MPI_Request> requests_; // an all-to-all's receives and sends, reused by every call
-  std::vector<std::int64_t> header_send_, header_recv_; // tagged collectives' headers
+  std::vector<MPI_Request> requests_;  // an all-to-all's receives and sends, reused by every call
+  detail::mpi_call_messages messages_; // tagged collectives' headers, with small blocks inside
   std::vector<std::int64_t> counts_layout_; // a tagged count exchange's counts and displacements
   MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
   std::size_t cached_unit_ = 0;

@@ -35,6 +35,15 @@ struct mpi_options {
   //! same order as its peers do, as MPI's blocking calls require. 0: every operation runs on the
   //! stream's worker, and calls never wait.
   std::size_t inline_max_bytes = std::size_t{1} << 22;
+  //! A tagged collective (every one a weave layer issues) sends a peer block of at most this
+  //! many bytes inside the message of its call header, so the receiver checks the call and takes
+  //! the block in one round trip; a larger block's receive is posted only once its header checked.
+  //! Costs a staging copy of such blocks on each side (which is why larger blocks go alone: at 16
+  //! and 64 KiB the copies cost more than the round trip saved; docs/perf.md) and up to
+  //! (size - 1) x (32 + this) bytes of staging per side, capped at 4 MiB (the limit shrinks
+  //! beyond 1024 ranks). Set it alike on every rank: a block above the receiver's limit fails the
+  //! call with `errc::mpi` (MPI's truncation). 0: headers travel alone.
+  std::size_t tagged_inline_bytes = 4096;
 };
 
 namespace detail {
