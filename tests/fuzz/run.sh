@@ -16,7 +16,8 @@ shift $(($# > 0 ? 1 : 0))
 build=${WEAVE_FUZZ_BUILD:-build/fuzz}
 harnesses=("$@")
 if [[ ${#harnesses[@]} -eq 0 ]]; then
-  harnesses=(trace cluster failure_words count_block fingerprint decode_headers options)
+  harnesses=(trace cluster failure_words count_block fingerprint decode_headers call_messages
+    options)
 fi
 
 cxx=${WEAVE_FUZZ_CXX:-clang++}
