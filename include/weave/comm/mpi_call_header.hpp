@@ -78,6 +78,8 @@ class mpi_call_messages {
       : inline_words_(bytes / sizeof(std::int64_t)) {}
 
   std::size_t inline_bytes() const noexcept { return inline_words_ * sizeof(std::int64_t); }
+  //! Whether a block of `bytes` travels inside its header's message (else alone, after it).
+  bool travels_inside(std::size_t bytes) const noexcept { return bytes <= inline_bytes(); }
   //! The bytes a receive must take: the longest message a peer may send.
   int capacity() const noexcept { return static_cast<int>(slot() * sizeof(std::int64_t)); }
 
@@ -99,7 +101,7 @@ class mpi_call_messages {
     std::int64_t* h = send_.data() + j * slot();
     header::write(h, tag, kind, size);
     std::size_t length = header::words * sizeof(std::int64_t);
-    if (bytes <= inline_bytes()) {
+    if (travels_inside(bytes)) {
       if (bytes > 0)
         std::memcpy(h + header::words, block, bytes);
       length += bytes;

@@ -566,7 +566,7 @@ class mpi_communicator {
     for (int i = 1; i < size_; ++i) { // each rank starts with a different peer
       const int peer = (rank_ + i) % size_;
       const auto j = static_cast<std::size_t>(peer);
-      if (tagged && static_cast<std::size_t>(send_counts[j]) * unit <= messages_.inline_bytes())
+      if (tagged && messages_.travels_inside(static_cast<std::size_t>(send_counts[j]) * unit))
         continue; // inside the header's message
       post(send_counts[j], [&](std::int64_t at, int count, MPI_Request* request) {
         check(MPI_Isend(send + (send_displs[j] + at) * bytes, count, type, peer, block_tag, comm_,
