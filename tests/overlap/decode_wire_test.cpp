@@ -354,49 +354,69 @@ TEST_CASE("decode header checks accept every header the senders write") {
   }
 }
 
-TEST_CASE("decode_exchange sends each token once per device and returns exactly its pairs") {
-  // Rank r's dispatch message to every rank has the fixed size; its combine message to rank d
-  // holds one row per (token, expert) pair rank d dispatched to rank r's experts.
-  weave::local_world world(2, {20s, {}});
-  std::vector<std::vector<std::size_t>> dispatch_sizes(2), combine_sizes(2);
-  std::vector<std::size_t> fixed(2);
-  world.run([&](weave::local_communicator& local) {
-    const auto r = static_cast<std::size_t>(local.rank());
-    corrupting_communicator comm(local, {}, [&, r](int n, int, std::span<std::byte> bytes) {
-      (n == 0 ? dispatch_sizes : combine_sizes)[r].push_back(bytes.size());
+TEST_CASE("decode_exchange sends each token once per device and returns exactly its rows") {
+  // Rank r's dispatch message to every other rank has the fixed size; its combine message to
+  // rank d holds one row per (token, expert) pair rank d dispatched to rank r's experts, or per
+  // token with partial sums (the default). Its messages to itself are a header: the rows stay
+  // in the tokens and the expert pool.
+  for (const bool partial_sums : {false, true}) {
+    CAPTURE(partial_sums);
+    weave::decode_options o = decode_test::options();
+    o.partial_sums = partial_sums;
+    weave::local_world world(2, {20s, {}});
+    std::vector<std::vector<std::size_t>> dispatch_sizes(2), combine_sizes(2);
+    std::vector<std::size_t> fixed(2);
+    world.run([&](weave::local_communicator& local) {
+      const auto r = static_cast<std::size_t>(local.rank());
+      corrupting_communicator comm(local, {}, [&, r](int n, int, std::span<std::byte> bytes) {
+        (n == 0 ? dispatch_sizes : combine_sizes)[r].push_back(bytes.size());
+      });
+      weave::host_stream s("decode");
+      weave::decode_exchange<corrupting_communicator, float> ex(comm, where(), o);
+      fixed[r] = ex.dispatch_bytes_per_peer();
+      using exchange = weave::decode_exchange<corrupting_communicator, float>;
+      CHECK(ex.buffer_bytes() == exchange::buffer_bytes(2, 4, o));
+      weave::decode_options fp8 = o; // the sizes without building agree
+      fp8.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {8}, true};
+      fp8.max_tokens_per_rank = 5;
+      CHECK(exchange(comm, where(), fp8).buffer_bytes() == exchange::buffer_bytes(2, 4, fp8));
+      (void)decode_test::decode_call(ex, input_of(local.rank()), experts_fn(), s);
     });
-    weave::host_stream s("decode");
-    weave::decode_exchange<corrupting_communicator, float> ex(comm, where(),
-                                                              decode_test::options());
-    fixed[r] = ex.dispatch_bytes_per_peer();
-    using exchange = weave::decode_exchange<corrupting_communicator, float>;
-    CHECK(ex.buffer_bytes() == exchange::buffer_bytes(2, 4, decode_test::options()));
-    weave::decode_options fp8 = decode_test::options(); // the sizes without building agree
-    fp8.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {8}, true};
-    fp8.max_tokens_per_rank = 5;
-    CHECK(exchange(comm, where(), fp8).buffer_bytes() == exchange::buffer_bytes(2, 4, fp8));
-    (void)decode_test::decode_call(ex, input_of(local.rank()), experts_fn(), s);
-  });
-  const weave::placement w = where();
-  for (std::size_t r = 0; r < 2; ++r) {
-    CAPTURE(r);
-    REQUIRE(dispatch_sizes[r].size() == 2);
-    REQUIRE(combine_sizes[r].size() == 2);
-    for (std::size_t d = 0; d < 2; ++d) {
-      CHECK(dispatch_sizes[r][d] == fixed[r]);
-      // Pairs rank d routed to rank r's experts (unreplicated: expert e lives on one rank).
-      const auto in = input_of(static_cast<int>(d));
-      std::size_t pairs = 0;
-      for (const std::int32_t e : in.ids)
-        pairs += static_cast<std::size_t>(w.slot_for(e, 0, static_cast<int>(d)) /
-                                          w.slots_per_device()) == r;
-      CHECK(combine_sizes[r][d] ==
-            sizeof(weave::decode_header) + pairs * decode_test::hidden * sizeof(float));
+    const weave::placement w = where();
+    for (std::size_t r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      REQUIRE(dispatch_sizes[r].size() == 2);
+      REQUIRE(combine_sizes[r].size() == 2);
+      for (std::size_t d = 0; d < 2; ++d) {
+        if (d == r) {
+          CHECK(dispatch_sizes[r][d] == sizeof(weave::decode_header));
+          CHECK(combine_sizes[r][d] == sizeof(weave::decode_header));
+          continue;
+        }
+        CHECK(dispatch_sizes[r][d] == fixed[r]);
+        // Pairs and tokens rank d routed to rank r's experts (unreplicated placement).
+        const auto in = input_of(static_cast<int>(d));
+        const auto K = static_cast<std::size_t>(decode_test::k);
+        std::size_t pairs = 0, tokens = 0;
+        for (std::size_t t = 0; t * K < in.ids.size(); ++t) {
+          std::size_t here = 0;
+          for (std::size_t j = 0; j < K; ++j)
+            here += static_cast<std::size_t>(w.slot_for(in.ids[t * K + j], 0, static_cast<int>(d)) /
+                                             w.slots_per_device()) == r;
+          pairs += here;
+          tokens += here > 0;
+        }
+        CHECK(combine_sizes[r][d] ==
+              sizeof(weave::decode_header) +
+                  (partial_sums ? tokens : pairs) * decode_test::hidden * sizeof(float));
+      }
     }
+    // The fixed dispatch message: a header, max_tokens rows, min(k, 4) choices per token, and
+    // with partial sums as many f32 weights.
+    CHECK(fixed[0] ==
+          (sizeof(weave::decode_header) +
+           decode_test::max_tokens * decode_test::hidden * sizeof(float) +
+           (partial_sums ? 2 : 1) * decode_test::max_tokens * 3 * sizeof(std::int32_t) + 15) /
+              16 * 16);
   }
-  // The fixed dispatch message: a header, max_tokens rows, and min(k, 4) choices per token.
-  CHECK(fixed[0] == (sizeof(weave::decode_header) +
-                     decode_test::max_tokens * decode_test::hidden * sizeof(float) +
-                     decode_test::max_tokens * 3 * sizeof(std::int32_t) + 15) /
-                        16 * 16);
 }

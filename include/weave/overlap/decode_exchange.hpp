@@ -97,11 +97,18 @@ class decode_exchange {
     const std::size_t row_bytes = checked_mul(options_.hidden, sizeof(T), "row bytes");
     const std::size_t M = options_.max_tokens_per_rank;
     records_layout_ = detail::decode_record_layout::of(options_, row_bytes, spd);
-    dispatch_ = phase_of(records_layout_.dispatch_bytes, D);
-    combine_ = phase_of(records_layout_.combine_bytes, D);
+    // This rank's own messages carry their header only: the records' rows stay in the caller's
+    // tokens and the returned rows in the pool (see `deliver_records`, `unpack_combine`).
+    dispatch_ = phase_layout::of(records_layout_.dispatch_bytes, D, own());
+    combine_ = phase_layout::of(records_layout_.combine_bytes, D, own());
     const auto sizes = records_layout_.buffers_for(D, k);
     send_.assign(sizes.send_bytes, std::byte{0}); // also the pool's inputs (`expert_in`)
-    recv_.assign(sizes.recv_bytes, std::byte{0});
+    // The pool's outputs after the messages, a whole number of rows in, so that one row view
+    // addresses the returned rows and this rank's own (`returned_rows_view`).
+    pool_out_row_ = (sizes.recv_bytes + row_bytes - 1) / row_bytes;
+    recv_.assign(checked_mul(pool_out_row_ + sizes.pool_rows, row_bytes, "receive bytes"),
+                 std::byte{0});
+    own_token_.assign(M, 0);
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
     sum_rows_.assign(pairs, -1);
@@ -122,8 +129,6 @@ class decode_exchange {
     expert_rows_.assign(spd, 0);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     expert_first_.assign(spd, 0);
-    const std::size_t expert_elems = checked_mul(pool_rows_, options_.hidden, "elements");
-    expert_out_.assign(expert_elems, T{});
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
       token_wire_.assign(checked_mul(options_.max_tokens_per_rank, wire_.stride, "wire bytes"),
@@ -178,8 +183,7 @@ class decode_exchange {
   //! the layer allocates at construction for `max_tokens_per_rank`, beside the routing plan's
   //! per-pair arrays.
   std::size_t buffer_bytes() const noexcept {
-    return send_.size() + recv_.size() + token_wire_.size() + expert_wire_.size() +
-           expert_out_.size() * sizeof(T);
+    return send_.size() + recv_.size() + token_wire_.size() + expert_wire_.size();
   }
   //! `buffer_bytes()` of a layer of `ranks` ranks and `local_experts` slots per rank built with
   //! `options`, without building it.
@@ -188,8 +192,10 @@ class decode_exchange {
     const std::size_t row = checked_mul(options.hidden, sizeof(T), "row bytes");
     const auto L = detail::decode_record_layout::of(options, row, local_experts);
     const auto b = L.buffers_for(ranks, static_cast<std::size_t>(options.k));
-    std::size_t bytes = checked_add(b.send_bytes, b.recv_bytes, "buffer bytes");
-    bytes = checked_add(bytes, checked_mul(b.pool_rows, row, "pool bytes"), "buffer bytes");
+    const std::size_t recv_rows = checked_add(b.recv_bytes, row - 1, "buffer bytes") / row;
+    std::size_t bytes = checked_add(
+        b.send_bytes, checked_mul(checked_add(recv_rows, b.pool_rows, "rows"), row, "pool bytes"),
+        "buffer bytes");
     if (options.fp8_dispatch)
       bytes = checked_add(bytes,
                           checked_mul(checked_add(b.pool_rows, options.max_tokens_per_rank, "rows"),
@@ -263,39 +269,18 @@ class decode_exchange {
     float weight = 0.0f;
   };
 
-  // A phase's all-to-all: one message per peer, back to back (bytes). The dispatch's have a
-  // fixed size (`stride`); the combine's are set per call (`combine_bytes`, `set_displs`), to
-  // sizes both sides know from the dispatch (`stride`: the largest).
-  struct phase_layout {
-    std::size_t stride = 0;
-    std::vector<std::int64_t> send_counts, recv_counts, send_displs, recv_displs;
-  };
-  static phase_layout phase_of(std::size_t stride, std::size_t D) {
-    phase_layout p;
-    p.stride = stride;
-    p.send_counts.assign(D, static_cast<std::int64_t>(stride));
-    p.recv_counts = p.send_counts;
-    p.send_displs.assign(D, 0);
-    set_displs(p.send_counts, p.send_displs);
-    p.recv_displs = p.send_displs;
-    return p;
-  }
-  static void set_displs(std::span<const std::int64_t> counts, std::span<std::int64_t> displs) {
-    std::int64_t at = 0;
-    for (std::size_t d = 0; d < counts.size(); ++d) {
-      displs[d] = at;
-      at += counts[d];
-    }
-  }
+  using phase_layout = detail::decode_phase;
   // The combine's receive displacements: each message where its rows start a whole number of
   // rows into the buffer, so that one row view addresses every returned row (`returned_row`).
+  // This rank's own message gets room for its rows too: with partial sums they are merged there.
   void place_returns() {
     const auto row = static_cast<std::int64_t>(options_.hidden * sizeof(T));
     const auto header = static_cast<std::int64_t>(sizeof(decode_header));
     std::int64_t end = 0;
     for (std::size_t d = 0; d < world(); ++d) {
       combine_.recv_displs[d] = (end + header + row - 1) / row * row - header;
-      end = combine_.recv_displs[d] + combine_.recv_counts[d];
+      end = combine_.recv_displs[d] +
+            combine_bytes(static_cast<std::size_t>(returned_rows(d)), options_.hidden * sizeof(T));
     }
   }
   // The index, in rows of T from the start of the receive buffer, of row r of peer d's combine.
@@ -319,6 +304,7 @@ class decode_exchange {
   }
 
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
+  std::size_t own() const noexcept { return static_cast<std::size_t>(rank_); }
   std::size_t world() const noexcept { return dispatch_.send_counts.size(); }
   // The message to peer d in `send_`, and the one from peer d in `recv_`.
   std::byte* sent(std::size_t d, const phase_layout& p) noexcept {
@@ -422,7 +408,10 @@ class decode_exchange {
             if (last_token_[d] != static_cast<std::int64_t>(t)) { // the token's record on d
               last_token_[d] = static_cast<std::int64_t>(t);
               const auto r = static_cast<std::size_t>(records_[d]++);
-              std::memcpy(records_layout_.row(message, r), rows + t * row, row);
+              if (d == own())
+                own_token_[r] = static_cast<std::int64_t>(t); // the row stays in `rows`
+              else
+                std::memcpy(records_layout_.row(message, r), rows + t * row, row);
               records_layout_.clear_choices(message, r);
               next_choice_[d] = 0;
             }
@@ -441,11 +430,13 @@ class decode_exchange {
             h.rows = records_[d];
             h.source = rank_;
             put_header(d, h, dispatch_);
-            combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)),
-                                                    options_.hidden * sizeof(T));
+            if (d != own())
+              combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)),
+                                                      options_.hidden * sizeof(T));
           }
           place_returns();
           tokens_ = tokens;
+          dispatch_rows_ = rows;
         },
         dispatch_);
   }
@@ -481,8 +472,8 @@ class decode_exchange {
     const std::size_t row = wire_row(), per_source = records_layout_.pairs();
     std::fill(expert_rows_.begin(), expert_rows_.end(), 0);
     std::fill(received_.begin(), received_.end(), 0);
-    for (std::size_t d = 0; d < world(); ++d) {
-      std::byte* message = received(d, dispatch_);
+    for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `send_`
+      std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
       std::size_t pairs = 0;
       for (std::size_t r = 0; r < n; ++r) {
@@ -499,10 +490,11 @@ class decode_exchange {
       }
       arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
       arrived_records_[d] = static_cast<std::int64_t>(n);
-      combine_.send_counts[d] =
-          combine_bytes(options_.partial_sums ? n : pairs, options_.hidden * sizeof(T));
+      if (d != own())
+        combine_.send_counts[d] =
+            combine_bytes(options_.partial_sums ? n : pairs, options_.hidden * sizeof(T));
     }
-    set_displs(combine_.send_counts, combine_.send_displs);
+    combine_.place_sends();
     std::size_t first = 0;
     for (std::size_t l = 0; l < spd(); ++l) {
       expert_first_[l] = static_cast<std::int64_t>(first);
@@ -513,8 +505,11 @@ class decode_exchange {
       std::byte* message = received(d, dispatch_);
       for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
         const arrival a = arrivals_[d * per_source + i];
-        std::memcpy(in + pool_row(a) * row,
-                    records_layout_.row(message, static_cast<std::size_t>(a.record)), row);
+        const auto r = static_cast<std::size_t>(a.record);
+        const std::byte* from = d == own()
+                                    ? dispatch_rows_ + static_cast<std::size_t>(own_token_[r]) * row
+                                    : records_layout_.row(message, r);
+        std::memcpy(in + pool_row(a) * row, from, row);
       }
     }
   }
@@ -548,12 +543,12 @@ class decode_exchange {
           for (std::size_t d = 0; d < world(); ++d) { // each pair's output, in arrival order
             std::byte* out = sent(d, combine_) + sizeof(decode_header);
             const auto n = static_cast<std::size_t>(arrived_pairs_[d]);
-            if (options_.partial_sums) {
-              merge_records(d, out);
-            } else {
+            if (options_.partial_sums) { // this rank's own sums where the source reads them
+              merge_records(d, d == own() ? received(d, combine_) + sizeof(decode_header) : out);
+            } else if (d != own()) { // this rank reads its own pairs in the pool
               for (std::size_t i = 0; i < n; ++i) {
                 const arrival a = arrivals_[d * pairs_per_source + i];
-                std::memcpy(out + i * row, expert_out_.data() + pool_row(a) * H, row);
+                std::memcpy(out + i * row, pool_out() + pool_row(a) * H, row);
               }
             }
             decode_header h;
@@ -581,7 +576,7 @@ class decode_exchange {
       merge_index_[at] = static_cast<std::int64_t>(pool_row(a));
       merge_weight_[at] = a.weight;
     }
-    merge_rows(const_token_view(reinterpret_cast<const std::byte*>(expert_out_.data()), pool_rows_,
+    merge_rows(const_token_view(reinterpret_cast<const std::byte*>(pool_out()), pool_rows_,
                                 options_.hidden, dtype_of_v<T>),
                token_view(out, n, options_.hidden, dtype_of_v<T>),
                std::span<const std::int64_t>(merge_index_.data(), n * C), static_cast<int>(C),
@@ -602,10 +597,19 @@ class decode_exchange {
     if (options_.partial_sums)
       return sum_partials(y);
     const std::size_t k = static_cast<std::size_t>(options_.k), pairs = tokens_ * k;
+    const arrival* own_pairs = arrivals_.data() + own() * records_layout_.pairs();
     for (std::size_t p = 0; p < pairs; ++p) {
       const std::int32_t slot = pair_slot_[p];
+      if (slot < 0) {
+        sum_rows_[p] = -1;
+        continue;
+      }
+      const auto d = static_cast<std::size_t>(slot) / spd();
       sum_rows_[p] =
-          slot < 0 ? -1 : returned_row(static_cast<std::size_t>(slot) / spd(), pair_pos_[p]);
+          d == own() // the pool's output row, in the same view (`pool_out_row_`)
+              ? static_cast<std::int64_t>(
+                    pool_out_row_ + pool_row(own_pairs[static_cast<std::size_t>(pair_pos_[p])]))
+              : returned_row(d, pair_pos_[p]);
     }
     merge_rows(returned_rows_view(), output_view(y),
                std::span<const std::int64_t>(sum_rows_.data(), pairs), options_.k,
@@ -677,12 +681,19 @@ class decode_exchange {
   }
   std::span<T> expert_output(int l) const {
     const auto n = static_cast<std::size_t>(received_rows(l));
-    auto* out = const_cast<T*>(expert_out_.data()); // the handle's view of this exchange's rows
+    auto* out = const_cast<T*>(pool_out()); // the handle's view of this exchange's rows
     return {out + first_row(l) * options_.hidden, n * options_.hidden};
   }
   // The pool's inputs live in the send buffer, idle from the dispatch's end to the combine's
   // pack (which the experts precede in stream order); a view read later is refused as stale.
   T* expert_in() noexcept { return reinterpret_cast<T*>(send_.data()); }
+  // The pool's outputs: `pool_rows_` rows after the messages in `recv_` (row `pool_out_row_`).
+  T* pool_out() noexcept {
+    return reinterpret_cast<T*>(recv_.data()) + pool_out_row_ * options_.hidden;
+  }
+  const T* pool_out() const noexcept {
+    return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
+  }
   const T* expert_in() const noexcept { return reinterpret_cast<const T*>(send_.data()); }
   std::size_t first_row(int l) const noexcept {
     return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(l)]);
@@ -703,8 +714,11 @@ class decode_exchange {
   int rank_ = 0;
   dispatch_plan plan_;
   std::size_t pool_rows_ = 0, tokens_ = 0;
-  phase_layout dispatch_, combine_;             // the two all-to-alls' messages
-  std::vector<std::byte> send_, recv_;          // [rank][message] of the larger phase
+  phase_layout dispatch_, combine_;    // the two all-to-alls' messages
+  std::vector<std::byte> send_, recv_; // [rank][message] of the larger phase (recv_: then the pool)
+  std::size_t pool_out_row_ = 0;       // the pool's outputs' first row in recv_
+  std::vector<std::int64_t> own_token_;         // this rank's records to itself: their tokens
+  const std::byte* dispatch_rows_ = nullptr;    // the call's token rows (FP8: `token_wire_`)
   detail::decode_record_layout records_layout_; // the messages' wire format
   quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales
   std::vector<std::byte> token_wire_;           // FP8 dispatch: the call's tokens quantised
@@ -725,8 +739,7 @@ class decode_exchange {
   std::vector<std::int64_t> received_;          // rows per (local slot, source)
   std::vector<std::int64_t> expert_rows_;       // rows per local slot
   std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
-  std::vector<T> expert_out_;      // the pool's outputs: [row][hidden], each slot's together
-  std::span<const float> weights_; // the call's gate weights
+  std::span<const float> weights_;              // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <vector>
 
 WEAVE_NAMESPACE_BEGIN
 
@@ -83,6 +84,35 @@ WEAVE_HOST_DEVICE void rows_by_device(const std::int32_t* slot, const std::int64
   for (; n < per_token; ++n)
     rows[n] = -1;
 }
+
+// A decode phase's all-to-all: one message per peer, back to back (bytes). The dispatch's have a
+// fixed size (`stride`); the combine's are set per call, to sizes both sides know from the
+// dispatch (`stride`: the largest). A rank's message to itself (`own`) is a header, but keeps a
+// whole message's room in the send buffer (the dispatch's side tables are read from there).
+struct decode_phase {
+  std::size_t stride = 0;
+  std::vector<std::int64_t> send_counts, recv_counts, send_displs, recv_displs;
+
+  static decode_phase of(std::size_t stride, std::size_t ranks, std::size_t own) {
+    decode_phase p;
+    p.stride = stride;
+    p.send_counts.assign(ranks, static_cast<std::int64_t>(stride));
+    p.send_displs.assign(ranks, 0);
+    p.place_sends();
+    p.send_counts[own] = sizeof(decode_header);
+    p.recv_counts = p.send_counts;
+    p.recv_displs = p.send_displs;
+    return p;
+  }
+  //! The send messages back to back in rank order.
+  void place_sends() {
+    std::int64_t at = 0;
+    for (std::size_t d = 0; d < send_counts.size(); ++d) {
+      send_displs[d] = at;
+      at += send_counts[d];
+    }
+  }
+};
 
 struct decode_record_layout {
   std::size_t wire_row = 0;       //!< bytes of a dispatched token row
