@@ -1,13 +1,14 @@
 // Decode-sized MoE layers: the low-latency decode_exchange (one record per (token, device), counts
 // in the message headers, two all-to-alls per layer) against the dynamic moe_exchange (count
 // exchange, then routes and rows, then the combine: four collectives per layer), registered side
-// by side so one run measures them all. A third mode is the device decode exchange
-// (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run on host streams:
-// every step written for a GPU (no host wait inside the layer; the host waits once, in
-// `check_errors`), its combine messages sent whole. A fourth is decode_exchange with its dispatch
-// in FP8 (e4m3, one scale per 128 elements, dequantised on arrival), a fifth decode_exchange
-// with `partial_sums` (one combine row per (token, device)), a sixth the device decode exchange
-// with `partial_sums`.
+// by side so one run measures them all. Modes: decode_exchange with DeepEP's per-pair combine
+// (`partial_sums = false`: one combine row per (token, expert)); the device decode exchange
+// (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run on host streams,
+// per-pair too: every step written for a GPU (no host wait inside the layer; the host waits once,
+// in `check_errors`), its combine messages sent whole; decode_exchange with its dispatch in FP8
+// (e4m3, one scale per 128 elements, dequantised on arrival) and the default combine; then
+// decode_exchange and the device decode exchange with the default combine (`partial_sums`: one
+// row per (token, device), the dynamic exchange's sums).
 //
 // 4 in-process ranks, k = 8, bf16 rows, uniform random top-k, on an emulated link of 5 or 20 us
 // per message and 25 GB/s per rank pair; E = 32 and 256, hidden 256 and 2048, 1 to 512 tokens
@@ -161,7 +162,7 @@ class layer_ranks {
       });
     } else if (m == mode::decode || m == mode::decode_fp8 || m == mode::decode_partial) {
       weave::decode_options o{k, hidden, tokens};
-      o.partial_sums = m == mode::decode_partial;
+      o.partial_sums = m != mode::decode;
       if (m == mode::decode_fp8) // e4m3, 128-element blocks, dequantised for the experts
         o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true};
       weave::decode_exchange<counting_comm, row_t> ex(comm, where, o);
@@ -232,11 +233,11 @@ void moe_decode_layer(benchmark::State& state) {
   state.counters["collectives_per_layer"] = layer.collectives_per_layer();
   state.counters["messages_per_layer"] = layer.collectives_per_layer() * (ranks - 1);
   state.counters["peer_bytes_per_layer"] = layer.bytes_per_layer();
-  state.SetLabel(m == mode::decode                  ? "decode"
-                 : m == mode::device_decode         ? "device decode (host streams)"
+  state.SetLabel(m == mode::decode                  ? "decode, per-pair combine"
+                 : m == mode::device_decode         ? "device decode (host streams), per-pair"
                  : m == mode::decode_fp8            ? "decode, FP8 dispatch"
-                 : m == mode::decode_partial        ? "decode, partial sums"
-                 : m == mode::device_decode_partial ? "device decode, partial sums"
+                 : m == mode::decode_partial        ? "decode (default combine)"
+                 : m == mode::device_decode_partial ? "device decode (default combine)"
                                                     : "dynamic");
 }
 

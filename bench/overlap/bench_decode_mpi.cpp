@@ -1,13 +1,15 @@
 // Decode-sized MoE layers over MPI, under mpirun (one process per rank), in one run: per layer,
-// the decode exchange (weave's default: small operations on an idle stream run on the calling
-// thread), the same with every step handed to the stream's worker (`inline_max_bytes = 0`),
-// the dynamic moe_exchange, and the floor: the raw-MPI decode reference, two blocking
-// MPI_Alltoall of the decode's bytes (no packing, no weave). The experts copy their input.
+// the decode exchange with the per-pair combine (`partial_sums = false`; small operations on an
+// idle stream run on the calling thread), the same with every step handed to the stream's worker
+// (`inline_max_bytes = 0`), the dynamic moe_exchange, and the floor: the raw-MPI decode
+// reference, two blocking all-to-alls of the decode's bytes (no packing, no weave). The experts
+// copy their input.
 // Every iteration is one layer on every rank after a barrier, timed as the slowest rank's
 // (MPI_Allreduce max). Only rank 0 reports. Arguments: tokens per rank, hidden (bf16), experts
-// (k = 8), mode (0 decode, 1 decode handed off, 2 dynamic, 3 raw MPI: one MPI_Alltoall of the
-// decode's dispatch messages, one MPI_Alltoallv of its combine's rows; 4 decode with
-// `partial_sums`, 5 its raw-MPI floor).
+// (k = 8), mode (0 decode per-pair, 1 its steps handed off, 2 dynamic, 3 raw MPI: one
+// MPI_Alltoallv of the decode's dispatch messages, one of its combine's rows, each rank's own
+// message a header as in weave; 4 decode with the default combine (`partial_sums`), 5 its
+// raw-MPI floor).
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
@@ -62,7 +64,7 @@ void decode_layer_mpi(benchmark::State& state) {
   const std::size_t row = hidden * sizeof(row_t);
   // The decode's bytes: a fixed dispatch message per peer, and a combine of one row per
   // (token, expert) pair the peer's experts took, or per token routed there with partial sums
-  // (counted here for the floor).
+  // (counted here for the floor); a rank's messages to itself are a header.
   const std::size_t dispatch_per_peer =
       weave::decode_exchange<weave::mpi_communicator, row_t>(comm, where, o)
           .dispatch_bytes_per_peer();
@@ -72,7 +74,7 @@ void decode_layer_mpi(benchmark::State& state) {
   for (std::size_t p = 0; p < d.ids.size(); ++p) {
     const int slot = where.slot_for(d.ids[p], p / k, rank_of());
     const auto dev = static_cast<std::size_t>(slot / where.slots_per_device());
-    if (partial && last_token[dev] == p / k)
+    if (static_cast<int>(dev) == rank_of() || (partial && last_token[dev] == p / k))
       continue; // the token's row to this device is counted
     last_token[dev] = p / k;
     combine_recv[dev] += static_cast<int>(row);
@@ -116,9 +118,13 @@ void decode_layer_mpi(benchmark::State& state) {
       stream.synchronize();
     });
   } else { // the floor: the decode's bytes in two blocking all-to-alls, no packing
-    const int per_peer = static_cast<int>(dispatch_per_peer);
+    std::vector<int> dispatch_counts(static_cast<std::size_t>(n),
+                                     static_cast<int>(dispatch_per_peer));
+    dispatch_counts[static_cast<std::size_t>(rank_of())] = sizeof(weave::decode_header);
+    std::vector<int> dispatch_displs(dispatch_counts.size());
     std::vector<int> send_displs(static_cast<std::size_t>(n)), recv_displs(send_displs);
     for (std::size_t j = 1; j < std::size_t(n); ++j) {
+      dispatch_displs[j] = dispatch_displs[j - 1] + dispatch_counts[j - 1];
       send_displs[j] = send_displs[j - 1] + combine_send[j - 1];
       recv_displs[j] = recv_displs[j - 1] + combine_recv[j - 1];
     }
@@ -129,7 +135,8 @@ void decode_layer_mpi(benchmark::State& state) {
     MPI_Comm raw = MPI_COMM_NULL;
     MPI_Comm_dup(MPI_COMM_WORLD, &raw);
     run([&] {
-      MPI_Alltoall(send.data(), per_peer, MPI_BYTE, recv.data(), per_peer, MPI_BYTE, raw);
+      MPI_Alltoallv(send.data(), dispatch_counts.data(), dispatch_displs.data(), MPI_BYTE,
+                    recv.data(), dispatch_counts.data(), dispatch_displs.data(), MPI_BYTE, raw);
       MPI_Alltoallv(recv.data(), combine_send.data(), send_displs.data(), MPI_BYTE, send.data(),
                     combine_recv.data(), recv_displs.data(), MPI_BYTE, raw);
     });
@@ -141,8 +148,8 @@ void decode_layer_mpi(benchmark::State& state) {
   state.counters["decode_combine_bytes"] = static_cast<double>(combine_bytes); // sent, all peers
   state.counters["ranks"] = n;
   static const char* const labels[] = {
-      "decode",        "decode, handed off",   "dynamic",
-      "raw MPI floor", "decode, partial sums", "raw MPI floor, partial sums"};
+      "decode, per-pair combine", "decode per-pair, handed off", "dynamic",
+      "raw MPI floor, per-pair",  "decode (default combine)",    "raw MPI floor, default combine"};
   state.SetLabel(labels[mode]);
 }
 

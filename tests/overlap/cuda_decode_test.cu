@@ -168,6 +168,9 @@ void check_against_host(const weave::decode_options& o) {
 
 TEST_CASE("cuda_decode_exchange over cuda_local_world equals the host decode_exchange") {
   check_against_host(options());
+  weave::decode_options per_pair = options(); // DeepEP's combine: one row per (token, expert)
+  per_pair.partial_sums = false;
+  check_against_host(per_pair);
 }
 
 TEST_CASE("cuda_decode_exchange's FP8 dispatch equals the host decode_exchange's") {
@@ -256,7 +259,10 @@ TEST_CASE("a cuda_decode_exchange layer over NCCL runs inside a CUDA graph") {
       stream.ref().synchronize();
       CHECK(to_host(y.cspan()) == eager);
     }
-    CHECK(decode_test::bitwise_equal(eager, decode_test::reference(in, k, f)));
+    CHECK(decode_test::bitwise_equal(
+        eager, decode_test::expected(in, options(), f,
+                                     weave::placement::contiguous(experts, comm.size()),
+                                     comm.rank())));
     WEAVE_CUDA_CHECK(cudaGraphExecDestroy(exec));
     WEAVE_CUDA_CHECK(cudaGraphDestroy(graph));
   }

@@ -80,8 +80,8 @@ void check_against_reference(Comm& comm, const weave::placement& where, bool par
 template <class Comm>
 void check_queued_calls(Comm& comm) {
   const moe_test::linear_experts f(experts, hidden, 9);
-  weave::decode_exchange<Comm, float> ex(comm, weave::placement::contiguous(experts, comm.size()),
-                                         options());
+  const auto where = weave::placement::contiguous(experts, comm.size());
+  weave::decode_exchange<Comm, float> ex(comm, where, options());
   typename Comm::stream_type s("decode");
   std::vector<moe_test::rank_input<float>> inputs;
   std::vector<std::vector<float>> ys;
@@ -104,8 +104,9 @@ void check_queued_calls(Comm& comm) {
   }
   s.synchronize();
   for (int call = 0; call < 3; ++call)
-    CHECK(bitwise_equal(ys[static_cast<std::size_t>(call)],
-                        reference(inputs[static_cast<std::size_t>(call)], k, f)));
+    CHECK(bitwise_equal(
+        ys[static_cast<std::size_t>(call)],
+        expected(inputs[static_cast<std::size_t>(call)], options(), f, where, comm.rank())));
 }
 
 // How `bad` corrupts one rank's call.
@@ -137,8 +138,8 @@ void check_fail_stop(Comm& comm, int culprit, fault bad, weave::errc own, const 
   using T = float;
   const int rank = comm.rank();
   const moe_test::linear_experts f(experts, hidden, 5);
-  weave::decode_exchange<Comm, T> ex(comm, weave::placement::contiguous(experts, comm.size()),
-                                     options());
+  const auto where = weave::placement::contiguous(experts, comm.size());
+  weave::decode_exchange<Comm, T> ex(comm, where, options());
   typename Comm::stream_type s("decode");
   const bool me = rank == culprit;
   const auto in = input_of(rank, me ? bad : fault::none);
@@ -166,7 +167,7 @@ void check_fail_stop(Comm& comm, int culprit, fault bad, weave::errc own, const 
   // The exchange and the communicator still work.
   std::mt19937 again(static_cast<std::uint32_t>(rank + 70));
   const auto good = moe_test::random_input<T>(3, hidden, experts, k, again);
-  CHECK(bitwise_equal(decode_call(ex, good, f, s), reference(good, k, f)));
+  CHECK(bitwise_equal(decode_call(ex, good, f, s), expected(good, options(), f, where, rank)));
 }
 
 template <class Comm>

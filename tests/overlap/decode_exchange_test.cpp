@@ -6,7 +6,9 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
+#include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/moe_exchange.hpp>
 
 #include <random>
 
@@ -45,6 +47,61 @@ TEST_CASE_TEMPLATE("decode_exchange with partial sums equals its per-device refe
   const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
   weave::local_world world(2);
   world.run([&](local& c) { decode_test::check_against_reference<T>(c, where, true); });
+}
+
+// The decode layer's default combine sums as the dynamic moe_exchange does: the same tokens,
+// routing and experts give the dynamic exchange's output bitwise (a model served by moe_exchange
+// for prefill and decode_exchange for decoding computes one function), including -1 ids, ranks
+// of no tokens, replicated experts and three ranks; the per-pair combine gives other bits.
+template <class T>
+void check_decode_equals_dynamic(int ranks, const weave::placement& where, int k) {
+  constexpr std::size_t hidden = 32;
+  const int experts = where.num_experts();
+  const moe_test::linear_experts f(experts, hidden, 17);
+  std::vector<moe_test::rank_input<T>> in;
+  std::mt19937 rng(static_cast<std::uint32_t>(ranks * 31 + k));
+  for (int r = 0; r < ranks; ++r)
+    in.push_back(moe_test::random_input<T>(r == 1 ? 0 : 12 + 3 * r, hidden, experts, k, rng));
+  weave::local_world world(ranks);
+  world.run([&](local& c) {
+    const auto& mine = in[static_cast<std::size_t>(c.rank())];
+    const std::size_t tokens = mine.x.rows();
+    weave::moe_options mo;
+    mo.k = k;
+    mo.hidden = hidden;
+    mo.element = weave::dtype_of_v<T>;
+    mo.max_tokens = 32;
+    weave::moe_exchange<local> dynamic(c, where, mo);
+    weave::host_stream compute("compute"), comm_stream("comm");
+    weave::host_matrix<T> y_dynamic(tokens, hidden);
+    dynamic.forward(
+        mine.x.view(), mine.ids, mine.weights, y_dynamic.view(),
+        [&](const weave::expert_batch& b) { f.template operator()<T>(b); }, compute, comm_stream);
+    compute.synchronize();
+    comm_stream.synchronize();
+    const std::vector<T> want(y_dynamic.elements().begin(), y_dynamic.elements().end());
+    weave::decode_options o{k, hidden, 32};
+    weave::decode_exchange<local, T> decode(c, where, o);
+    CHECK(decode_test::bitwise_equal(decode_test::decode_call(decode, mine, f, comm_stream), want));
+    o.partial_sums = false;
+    weave::decode_exchange<local, T> per_pair(c, where, o);
+    const auto y = decode_test::decode_call(per_pair, mine, f, comm_stream);
+    if (tokens > 0)
+      CHECK(!decode_test::bitwise_equal(y, want)); // (one more rounding per device there)
+  });
+}
+
+TEST_CASE_TEMPLATE("decode_exchange by default returns the dynamic moe_exchange's output bitwise",
+                   T, float, weave::bfloat16, weave::half) {
+  for (int ranks : {2, 3, 4}) {
+    CAPTURE(ranks);
+    check_decode_equals_dynamic<T>(ranks, weave::placement::contiguous(4 * ranks, ranks), 4);
+  }
+  // 2 ranks of 6 slots: experts 0, 1, 4 and 5 have a replica on each rank; k = 8 puts several
+  // choices of a token on each device.
+  check_decode_equals_dynamic<T>(
+      2, weave::placement(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1}), 3);
+  check_decode_equals_dynamic<T>(2, weave::placement::contiguous(16, 2), 8);
 }
 
 TEST_CASE("decode_exchange with partial sums returns one row per token record") {
@@ -98,7 +155,7 @@ TEST_CASE("decode_exchange: ranks built differently fail construction on every r
                               {"hidden", {2, 8, 2}, 4},
                               {"k", {1, 4, 2}, 4},
                               {"experts", {2, 4, 2}, 8},
-                              {"partial_sums", {2, 4, 2, {}, true}, 4}};
+                              {"partial_sums", {2, 4, 2, {}, false}, 4}};
   for (const variant& v : variants) {
     CAPTURE(v.field);
     weave::local_world world(2);
@@ -195,6 +252,8 @@ TEST_CASE("decode_exchange example: one layer, experts queued between dispatch a
     layer.combine(h, std::span<float>(y), stream); // one all-to-all; y = sum_j w_j f_j(x)
     stream.synchronize(); // a failure on any rank throws here, on every rank
     //! [decode]
-    CHECK(decode_test::bitwise_equal(y, decode_test::reference(in, k, f)));
+    CHECK(decode_test::bitwise_equal(
+        y, decode_test::expected(in, o, f, weave::placement::contiguous(experts, comm.size()),
+                                 comm.rank())));
   });
 }

@@ -74,6 +74,15 @@ std::vector<T> partial_sums_reference(const moe_test::rank_input<T>& in, int k,
   return y;
 }
 
+// The reference of a decode call built with `o`: per device (`partial_sums`, the default) or
+// per (token, expert) pair.
+template <class T>
+std::vector<T> expected(const moe_test::rank_input<T>& in, const weave::decode_options& o,
+                        const moe_test::linear_experts& f, const weave::placement& where,
+                        int rank) {
+  return o.partial_sums ? partial_sums_reference(in, o.k, f, where, rank) : reference(in, o.k, f);
+}
+
 // Rows expert `e` gets from a rank with these ids (unreplicated placements).
 inline std::int64_t pairs_for(const std::vector<std::int32_t>& ids, int e) {
   return std::count(ids.begin(), ids.end(), e);

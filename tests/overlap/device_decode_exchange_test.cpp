@@ -169,7 +169,9 @@ TEST_CASE("device decode exchange example: experts queued, one check at the end"
     layer.combine(h, std::span<float>(y), stream);
     layer.check_errors(stream); // the one wait: this rank's failure, else a peer's
     //! [device_decode]
-    CHECK(decode_test::bitwise_equal(y, decode_test::reference(in, k, f)));
+    CHECK(decode_test::bitwise_equal(
+        y, decode_test::expected(in, {k, hidden, 16}, f,
+                                 weave::placement::contiguous(experts, comm.size()), comm.rank())));
   });
 }
 
@@ -243,12 +245,15 @@ TEST_CASE("a decode layer destroyed between a dispatch and its combine aborts th
 TEST_CASE_TEMPLATE("FP8 decode: both exchanges equal the reference on brute-force quantised rows",
                    T, float, weave::bfloat16) {
   for (int ranks : {1, 2, 4})
-    for (bool dequantized : {true, false}) {
-      CAPTURE(ranks);
-      CAPTURE(dequantized);
-      weave::local_world world(ranks);
-      world.run([&](local& c) { decode_test::check_fp8_decode<T>(c, dequantized); });
-    }
+    for (bool dequantized : {true, false})
+      for (bool partial_sums : {true, false}) {
+        CAPTURE(ranks);
+        CAPTURE(dequantized);
+        CAPTURE(partial_sums);
+        weave::local_world world(ranks);
+        world.run(
+            [&](local& c) { decode_test::check_fp8_decode<T>(c, dequantized, {}, partial_sums); });
+      }
 }
 
 // Hidden sizes that are not a multiple of 4: the wire rows keep their scales aligned (under
@@ -291,7 +296,7 @@ TEST_CASE_TEMPLATE("device decode calls pass the CUDA capture rules", Space, wea
     std::mt19937 rng(static_cast<std::uint32_t>(c.rank()) + 3);
     const auto in = moe_test::random_input<float>(decode_test::max_tokens, decode_test::hidden,
                                                   decode_test::experts, decode_test::k, rng);
-    const auto want = decode_test::reference(in, decode_test::k, f);
+    const auto want = decode_test::expected(in, decode_test::options(), f, where, c.rank());
     for (const bool captured : {false, true, false}) {
       CAPTURE(captured);
       std::vector<float> y(in.x.rows() * decode_test::hidden, -7.0f);

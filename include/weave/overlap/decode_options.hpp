@@ -37,14 +37,16 @@ struct decode_options {
   //! see `fp8_dispatch_options`): the experts get the codes and scales, and the rows
   //! dequantised when `dequantized_inputs` is set. The combine keeps the row type.
   std::optional<fp8_dispatch_options> fp8_dispatch{};
-  //! Return one row per (token, device) instead of one per (token, expert): the device sums
-  //! the token's local expert outputs (gate-weighted, f32 in choice order, rounded to the row
-  //! type) and the source sums the returned rows in ascending device order (f32, one rounding),
-  //! the order of the dynamic `moe_exchange`'s sums. Up to min(k, local experts) times fewer
-  //! combine bytes, one more rounding per device than the default's per-token sum in choice
-  //! order (DeepEP's). On the device the combine messages then have room for
-  //! `max_tokens_per_rank` rows instead of `max_tokens_per_rank` x min(k, local experts).
-  bool partial_sums = false;
+  //! The combine returns one row per (token, device) (the default): the device sums the
+  //! token's local expert outputs (gate-weighted, f32 in choice order, rounded to the row type)
+  //! and the source sums the returned rows in ascending device order (f32, one rounding), the
+  //! sums of the dynamic `moe_exchange`: for the same tokens, routing and experts the output is
+  //! the dynamic exchange's bitwise. Set to false for DeepEP's low-latency combine: one row per
+  //! (token, expert) pair, summed on the source per token in choice order (one rounding, the
+  //! naive reference's bits), at up to min(k, local experts) times the combine bytes. On the
+  //! device the combine messages have room for `max_tokens_per_rank` rows (false:
+  //! `max_tokens_per_rank` x min(k, local experts)).
+  bool partial_sums = true;
 };
 
 //! Status word of a `decode_header`.
