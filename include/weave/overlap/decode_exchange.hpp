@@ -105,9 +105,8 @@ class decode_exchange {
     send_.assign(sizes.send_bytes, std::byte{0}); // also the pool's inputs (`expert_in`)
     // The pool's outputs after the messages, a whole number of rows in, so that one row view
     // addresses the returned rows and this rank's own (`returned_rows_view`).
-    pool_out_row_ = (sizes.recv_bytes + row_bytes - 1) / row_bytes;
-    recv_.assign(checked_mul(pool_out_row_ + sizes.pool_rows, row_bytes, "receive bytes"),
-                 std::byte{0});
+    recv_.assign(sizes.recv_bytes, std::byte{0});
+    pool_out_row_ = sizes.pool_out_row;
     own_token_.assign(M, 0);
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
@@ -192,10 +191,7 @@ class decode_exchange {
     const std::size_t row = checked_mul(options.hidden, sizeof(T), "row bytes");
     const auto L = detail::decode_record_layout::of(options, row, local_experts);
     const auto b = L.buffers_for(ranks, static_cast<std::size_t>(options.k));
-    const std::size_t recv_rows = checked_add(b.recv_bytes, row - 1, "buffer bytes") / row;
-    std::size_t bytes = checked_add(
-        b.send_bytes, checked_mul(checked_add(recv_rows, b.pool_rows, "rows"), row, "pool bytes"),
-        "buffer bytes");
+    std::size_t bytes = checked_add(b.send_bytes, b.recv_bytes, "buffer bytes");
     if (options.fp8_dispatch)
       bytes = checked_add(bytes,
                           checked_mul(checked_add(b.pool_rows, options.max_tokens_per_rank, "rows"),
@@ -270,23 +266,9 @@ class decode_exchange {
   };
 
   using phase_layout = detail::decode_phase;
-  // The combine's receive displacements: each message where its rows start a whole number of
-  // rows into the buffer, so that one row view addresses every returned row (`returned_row`).
-  // This rank's own message gets room for its rows too: with partial sums they are merged there.
-  void place_returns() {
-    const auto row = static_cast<std::int64_t>(options_.hidden * sizeof(T));
-    const auto header = static_cast<std::int64_t>(sizeof(decode_header));
-    std::int64_t end = 0;
-    for (std::size_t d = 0; d < world(); ++d) {
-      combine_.recv_displs[d] = (end + header + row - 1) / row * row - header;
-      end = combine_.recv_displs[d] +
-            combine_bytes(static_cast<std::size_t>(returned_rows(d)), options_.hidden * sizeof(T));
-    }
-  }
   // The index, in rows of T from the start of the receive buffer, of row r of peer d's combine.
   std::int64_t returned_row(std::size_t d, std::int64_t r) const noexcept {
-    const auto row = static_cast<std::int64_t>(options_.hidden * sizeof(T));
-    return (combine_.recv_displs[d] + static_cast<std::int64_t>(sizeof(decode_header))) / row + r;
+    return combine_.row_of(d, r, options_.hidden * sizeof(T));
   }
   const_token_view returned_rows_view() const {
     const std::size_t row = options_.hidden * sizeof(T);
@@ -294,7 +276,7 @@ class decode_exchange {
   }
   // A combine message of `pairs` rows, to or from peer d.
   static std::int64_t combine_bytes(std::size_t pairs, std::size_t row) {
-    return static_cast<std::int64_t>(sizeof(decode_header) + pairs * row);
+    return detail::decode_phase::message_bytes(pairs, row);
   }
 
   // The one all-to-all of a phase.
@@ -434,7 +416,10 @@ class decode_exchange {
               combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)),
                                                       options_.hidden * sizeof(T));
           }
-          place_returns();
+          // The combine's receive displacements; this rank's own message gets room for its rows
+          // too: with partial sums they are merged there.
+          combine_.place_receives(options_.partial_sums ? records_ : pairs_to_,
+                                  options_.hidden * sizeof(T));
           tokens_ = tokens;
           dispatch_rows_ = rows;
         },

@@ -112,6 +112,27 @@ struct decode_phase {
       at += send_counts[d];
     }
   }
+  //! A message of a header and `rows` rows of `row` bytes.
+  static std::int64_t message_bytes(std::size_t rows, std::size_t row) {
+    return static_cast<std::int64_t>(sizeof(decode_header) + rows * row);
+  }
+  //! The receive displacements of messages of `rows[d]` rows of `row` bytes: each where its rows
+  //! start a whole number of rows into the buffer, so that one row view addresses them all.
+  void place_receives(std::span<const std::int64_t> rows, std::size_t row) {
+    const auto r = static_cast<std::int64_t>(row);
+    const auto header = static_cast<std::int64_t>(sizeof(decode_header));
+    std::int64_t end = 0;
+    for (std::size_t d = 0; d < rows.size(); ++d) {
+      recv_displs[d] = (end + header + r - 1) / r * r - header;
+      end = recv_displs[d] + message_bytes(static_cast<std::size_t>(rows[d]), row);
+    }
+  }
+  //! Row `r` of peer d's received message, counted in rows of `row` bytes from the buffer's start.
+  std::int64_t row_of(std::size_t d, std::int64_t r, std::size_t row) const noexcept {
+    return (recv_displs[d] + static_cast<std::int64_t>(sizeof(decode_header))) /
+               static_cast<std::int64_t>(row) +
+           r;
+  }
 };
 
 struct decode_record_layout {
@@ -154,11 +175,12 @@ struct decode_record_layout {
   //! The buffers of an exchange over `ranks` ranks taking `k` experts per token: the expert
   //! pool (a source's tokens reach at most `choices` local experts each), the send buffer (the
   //! dispatch's messages; the combine's, back to back, a row per pool row at most; the pool's
-  //! inputs between the two) and the receive buffer (the dispatch's; the combine's: at most
-  //! the k pairs of each of its max_tokens_per_rank tokens, each message placed so that its rows
-  //! start a whole number of rows into the buffer, which costs up to a row per message).
+  //! inputs between the two) and the receive buffer (the dispatch's messages or the combine's:
+  //! at most the k pairs of each of its max_tokens_per_rank tokens, each message placed so that
+  //! its rows start a whole number of rows into the buffer, which costs up to a row per message;
+  //! then, from row `pool_out_row`, the pool's outputs).
   struct buffers {
-    std::size_t pool_rows = 0, send_bytes = 0, recv_bytes = 0;
+    std::size_t pool_rows = 0, send_bytes = 0, recv_bytes = 0, pool_out_row = 0;
   };
   buffers buffers_for(std::size_t ranks, std::size_t k) const {
     buffers b;
@@ -169,8 +191,11 @@ struct decode_record_layout {
         dispatch, checked_add(headers, checked_mul(b.pool_rows, combine_row, "combine bytes"),
                               "combine bytes"));
     const std::size_t rows = checked_add(checked_mul(records, k, "pairs"), ranks, "rows");
-    b.recv_bytes = std::max(
+    const std::size_t messages = std::max(
         dispatch, checked_add(headers, checked_mul(rows, combine_row, "rows"), "combine bytes"));
+    b.pool_out_row = checked_add(messages, combine_row - 1, "receive bytes") / combine_row;
+    b.recv_bytes =
+        checked_mul(checked_add(b.pool_out_row, b.pool_rows, "rows"), combine_row, "receive bytes");
     return b;
   }
 
