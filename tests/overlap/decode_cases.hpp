@@ -50,8 +50,7 @@ void check_against_reference(Comm& comm, const weave::placement& where, bool par
     std::vector<std::int64_t> rows;
     const auto y = decode_call(ex, inputs[static_cast<std::size_t>(rank)], f, s, &rows);
     const auto& in = inputs[static_cast<std::size_t>(rank)];
-    CHECK(bitwise_equal(y, partial_sums ? partial_sums_reference(in, k, f, where, rank)
-                                        : reference(in, k, f)));
+    CHECK(bitwise_equal(y, expected(in, o, f, where, rank)));
     std::int64_t total = 0, expected_total = 0;
     for (int l = 0; l < where.slots_per_device(); ++l) {
       const int e = where.expert_of_slot(rank * where.slots_per_device() + l);

@@ -1,5 +1,6 @@
 // decode_exchange on an in-process world of 2 and 4 ranks (one thread each): results equal
-// the naive per-token reference bitwise for f32 and bf16 rows, with ranks of zero tokens and
+// the naive reference of their combine (per device by default, the dynamic exchange's output;
+// per pair) bitwise for f32 and bf16 rows, with ranks of zero tokens and
 // of exactly max_tokens_per_rank, -1 ids, replicated experts; every bad input on one rank
 // fails it with its typed error and every peer with peer_failure, and the next call works.
 #include "decode_cases.hpp"
@@ -87,7 +88,7 @@ void check_decode_equals_dynamic(int ranks, const weave::placement& where, int k
     weave::decode_exchange<local, T> per_pair(c, where, o);
     const auto y = decode_test::decode_call(per_pair, mine, f, comm_stream);
     if (tokens > 0)
-      CHECK(!decode_test::bitwise_equal(y, want)); // (one more rounding per device there)
+      CHECK(!decode_test::bitwise_equal(y, want)); // (one rounding fewer per device there)
   });
 }
 

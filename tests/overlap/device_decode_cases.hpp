@@ -88,8 +88,7 @@ void check_device_against_host(Comm& comm, const weave::placement& where,
     const auto& in = inputs[static_cast<std::size_t>(rank)];
     std::vector<std::int64_t> rows, host_rows;
     const auto y = device_decode_call(dev.ex, in, f, s, &rows);
-    CHECK(bitwise_equal(y, partial_sums ? partial_sums_reference(in, k, f, where, rank)
-                                        : reference(in, k, f)));
+    CHECK(bitwise_equal(y, expected(in, o, f, where, rank)));
     CHECK(bitwise_equal(y, decode_call(host, in, f, hs, &host_rows)));
     CHECK(rows == host_rows);
     std::int64_t total = 0;

@@ -672,6 +672,7 @@ class decode_exchange {
   // The pool's inputs live in the send buffer, idle from the dispatch's end to the combine's
   // pack (which the experts precede in stream order); a view read later is refused as stale.
   T* expert_in() noexcept { return reinterpret_cast<T*>(send_.data()); }
+  const T* expert_in() const noexcept { return reinterpret_cast<const T*>(send_.data()); }
   // The pool's outputs: `pool_rows_` rows after the messages in `recv_` (row `pool_out_row_`).
   T* pool_out() noexcept {
     return reinterpret_cast<T*>(recv_.data()) + pool_out_row_ * options_.hidden;
@@ -679,7 +680,6 @@ class decode_exchange {
   const T* pool_out() const noexcept {
     return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
   }
-  const T* expert_in() const noexcept { return reinterpret_cast<const T*>(send_.data()); }
   std::size_t first_row(int l) const noexcept {
     return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(l)]);
   }
