@@ -60,6 +60,14 @@ WEAVE_ALWAYS_INLINE void store_f32(half* p, float v) noexcept {
 // Elements per slice of a row the converting loops work on (on the stack, in L1).
 inline constexpr std::size_t row_slice = 1024;
 
+// Room for a slice of T on the stack, left uninitialised (an array of T would zero every
+// element: bfloat16 and half default to zero, a store as large as a 2 KiB row's output).
+template <class T>
+struct slice_room {
+  alignas(T) unsigned char bytes[row_slice * sizeof(T)];
+  T* data() noexcept { return reinterpret_cast<T*>(bytes); }
+};
+
 // How a merge loop step reads and writes its columns as fp32 lanes: one column per step, or
 // for bf16 two, as one 32-bit word split into two floats (a shift and a mask) and joined back
 // from two roundings (a shift and a mask again), so every vector operation stays on 32-bit lanes
@@ -150,6 +158,7 @@ WEAVE_ALWAYS_INLINE void scale_span(const T* in, T* out, std::size_t n, float s)
     for (; c + block <= n; c += block) {
       simd::f32x8 x[lanes::width];
       lanes::load8(in, c / lanes::width, x);
+      WEAVE_UNROLL
       for (std::size_t l = 0; l < lanes::width; ++l)
         x[l] = sv * x[l];
       lanes::store8(out, c / lanes::width, x);
@@ -168,7 +177,8 @@ WEAVE_ALWAYS_INLINE void scale_row(const T* in, T* out, std::size_t cols, float 
     scale_span(in, out, cols, s);
     return;
   }
-  T slice[row_slice];
+  slice_room<T> room;
+  T* const slice = room.data();
   for (std::size_t c0 = 0; c0 < cols; c0 += row_slice) {
     const std::size_t n = cols - c0 < row_slice ? cols - c0 : row_slice;
     scale_span(in + c0, slice, n, s);
@@ -189,6 +199,7 @@ WEAVE_ALWAYS_INLINE void merge_pass(const T* const* rows, const float* w, float*
   constexpr std::size_t L = lanes::width;
   const T* in[N];
   float wj[N];
+  WEAVE_UNROLL
   for (int j = 0; j < N; ++j) {
     in[j] = rows[j];
     wj[j] = w[j];
@@ -197,19 +208,23 @@ WEAVE_ALWAYS_INLINE void merge_pass(const T* const* rows, const float* w, float*
 #if WEAVE_SIMD
   if constexpr (lanes::vectors) { // eight steps at a time, the same operations in each lane
     simd::f32x8 wv[N];
+    WEAVE_UNROLL
     for (int j = 0; j < N; ++j)
       simd::splat(wv[j], wj[j]);
     for (; u + simd::lanes <= steps; u += simd::lanes) {
       simd::f32x8 a[L];
+      WEAVE_UNROLL
       for (std::size_t l = 0; l < L; ++l) {
         if constexpr (First)
           simd::splat(a[l], 0.0f);
         else
           simd::load(a[l], acc + l * steps + u);
       }
+      WEAVE_UNROLL
       for (int j = 0; j < N; ++j) {
         simd::f32x8 x[L];
         lanes::load8(in[j], u, x);
+        WEAVE_UNROLL
         for (std::size_t l = 0; l < L; ++l) {
           const simd::f32x8 product = wv[j] * x[l];
           a[l] = a[l] + product;
@@ -218,6 +233,7 @@ WEAVE_ALWAYS_INLINE void merge_pass(const T* const* rows, const float* w, float*
       if constexpr (Last) {
         lanes::store8(out, u, a);
       } else {
+        WEAVE_UNROLL
         for (std::size_t l = 0; l < L; ++l)
           simd::store(acc + l * steps + u, a[l]);
       }
@@ -226,11 +242,14 @@ WEAVE_ALWAYS_INLINE void merge_pass(const T* const* rows, const float* w, float*
 #endif
   for (; u < steps; ++u) {
     float a[L];
+    WEAVE_UNROLL
     for (std::size_t l = 0; l < L; ++l)
       a[l] = First ? 0.0f : acc[l * steps + u];
+    WEAVE_UNROLL
     for (int j = 0; j < N; ++j) {
       float x[L];
       lanes::load(in[j], u, x);
+      WEAVE_UNROLL
       for (std::size_t l = 0; l < L; ++l) {
         const float product = wj[j] * x[l];
         a[l] = a[l] + product;
@@ -239,9 +258,40 @@ WEAVE_ALWAYS_INLINE void merge_pass(const T* const* rows, const float* w, float*
     if constexpr (Last) {
       lanes::store(out, u, a);
     } else {
+      WEAVE_UNROLL
       for (std::size_t l = 0; l < L; ++l)
         acc[l * steps + u] = a[l];
     }
+  }
+}
+
+// out = the accumulators rounded to T (zeros when `acc` is null: a row without any index), in
+// vectors: this rounding follows every merge of more than two inputs.
+template <class T>
+WEAVE_ALWAYS_INLINE void round_accumulators(const float* acc, T* out, std::size_t steps) {
+  using lanes = merge_lanes<T>;
+  constexpr std::size_t L = lanes::width;
+  std::size_t u = 0;
+#if WEAVE_SIMD
+  if constexpr (lanes::vectors)
+    for (; u + simd::lanes <= steps; u += simd::lanes) {
+      simd::f32x8 a[L];
+      WEAVE_UNROLL
+      for (std::size_t l = 0; l < L; ++l) {
+        if (acc != nullptr)
+          simd::load(a[l], acc + l * steps + u);
+        else
+          simd::splat(a[l], 0.0f);
+      }
+      lanes::store8(out, u, a);
+    }
+#endif
+  for (; u < steps; ++u) {
+    float a[L];
+    WEAVE_UNROLL
+    for (std::size_t l = 0; l < L; ++l)
+      a[l] = acc != nullptr ? acc[l * steps + u] : 0.0f;
+    lanes::store(out, u, a);
   }
 }
 
@@ -284,8 +334,8 @@ WEAVE_ALWAYS_INLINE void merge_row(const const_token_view& src, T* out, const st
     const std::size_t n = cols - c0 < row_slice ? cols - c0 : row_slice;
     const std::size_t steps = n / L; // and n % L columns left for one at a time
     float acc[row_slice];
-    T slice[row_slice];
-    T* to = streaming ? slice : out + c0;
+    slice_room<T> slice;
+    T* to = streaming ? slice.data() : out + c0;
     bool first = true, done = false;
     for (std::size_t j = 0; j < k && !done;) {
       const T* rows[max_group];
@@ -314,12 +364,7 @@ WEAVE_ALWAYS_INLINE void merge_row(const const_token_view& src, T* out, const st
       done = last;
     }
     if (!done)
-      for (std::size_t u = 0; u < steps; ++u) { // zeros without any index
-        float a[L];
-        for (std::size_t l = 0; l < L; ++l)
-          a[l] = first ? 0.0f : acc[l * steps + u];
-        lanes::store(to, u, a);
-      }
+      round_accumulators<T>(first ? nullptr : acc, to, steps);
     for (std::size_t c = steps * L; c < n; ++c) { // the odd column of a paired row
       float a = 0.0f;
       for (std::size_t j = 0; j < k; ++j)
@@ -330,7 +375,7 @@ WEAVE_ALWAYS_INLINE void merge_row(const const_token_view& src, T* out, const st
       store_f32(to + c, a);
     }
     if (streaming)
-      copy_row(reinterpret_cast<std::byte*>(out + c0), reinterpret_cast<const std::byte*>(slice),
+      copy_row(reinterpret_cast<std::byte*>(out + c0), reinterpret_cast<const std::byte*>(to),
                n * sizeof(T), true);
   }
 }
