@@ -8,7 +8,8 @@
 // in `check_errors`), its combine messages sent whole; decode_exchange with its dispatch in FP8
 // (e4m3, one scale per 128 elements, dequantised on arrival) and the default combine; then
 // decode_exchange and the device decode exchange with the default combine (`partial_sums`: one
-// row per (token, device), the dynamic exchange's sums).
+// row per (token, device), the dynamic exchange's sums); decode_exchange with the default combine
+// and gathered inputs (the experts copy each row from where it arrived, no pool copy).
 //
 // 4 in-process ranks, k = 8, bf16 rows, uniform random top-k, on an emulated link of 5 or 20 us
 // per message and 25 GB/s per rank pair; E = 32 and 256, hidden 256 and 2048, 1 to 512 tokens
@@ -98,7 +99,8 @@ enum class mode {
   device_decode = 2,
   decode_fp8 = 3,
   decode_partial = 4,
-  device_decode_partial = 5
+  device_decode_partial = 5,
+  decode_gathered = 6 // the default combine, the experts reading the rows where they arrived
 };
 
 // Persistent ranks, each with its exchange and streams; `step()` runs one layer on all.
@@ -160,17 +162,27 @@ class layer_ranks {
         ex.combine(h, d.y.elements(), stream);
         ex.check_errors(stream); // the one wait
       });
-    } else if (m == mode::decode || m == mode::decode_fp8 || m == mode::decode_partial) {
+    } else if (m == mode::decode || m == mode::decode_fp8 || m == mode::decode_partial ||
+               m == mode::decode_gathered) {
       weave::decode_options o{k, hidden, tokens};
       o.partial_sums = m != mode::decode;
+      o.gathered_inputs = m == mode::decode_gathered;
       if (m == mode::decode_fp8) // e4m3, 128-element blocks, dequantised for the experts
         o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true};
       weave::decode_exchange<counting_comm, row_t> ex(comm, where, o);
       loop(r, comm, [&] {
         auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
-        stream.submit([xs = h.experts()] { // the experts, queued: no host wait mid-layer
+        stream.submit([xs = h.experts(), &o] { // the experts, queued: no host wait mid-layer
+          const std::size_t row = o.hidden * sizeof(row_t);
           for (int l = 0; l < xs.local_experts(); ++l)
-            std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
+            if (o.gathered_inputs) { // each row from where it arrived
+              const auto rows = xs.input_rows(l);
+              auto* out = reinterpret_cast<std::byte*>(xs.output(l).data());
+              for (std::size_t i = 0; i < rows.size(); ++i)
+                std::memcpy(out + i * row, rows[i], row);
+            } else {
+              std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
+            }
         });
         ex.combine(h, d.y.elements(), stream);
         stream.synchronize();
@@ -238,6 +250,7 @@ void moe_decode_layer(benchmark::State& state) {
                  : m == mode::decode_fp8            ? "decode, FP8 dispatch"
                  : m == mode::decode_partial        ? "decode (default combine)"
                  : m == mode::device_decode_partial ? "device decode (default combine)"
+                 : m == mode::decode_gathered       ? "decode, gathered inputs"
                                                     : "dynamic");
 }
 
@@ -248,7 +261,7 @@ int main(int argc, char** argv) {
     for (const int experts : {32, 256})
       for (const int hidden : {256, 2048})
         for (const int tokens : {1, 8, 64, 256, 512})
-          for (const int m : {0, 1, 2, 3, 4, 5}) // each shape's modes next to each other
+          for (const int m : {0, 1, 2, 3, 4, 5, 6}) // each shape's modes next to each other
             benchmark::RegisterBenchmark("moe_decode_layer", moe_decode_layer)
                 ->Args({link_us, experts, hidden, tokens, m})
                 ->ArgNames({"link_us", "experts", "hidden", "tokens", "mode"})

@@ -9,7 +9,8 @@
 // (k = 8), mode (0 decode per-pair, 1 its steps handed off, 2 dynamic, 3 raw MPI: one
 // MPI_Alltoallv of the decode's dispatch messages, one of its combine's rows, each rank's own
 // message a header as in weave; 4 decode with the default combine (`partial_sums`), 5 its
-// raw-MPI floor).
+// raw-MPI floor, 6 the default combine with gathered inputs: the experts copy each row from
+// where it arrived, `decode_experts::input_rows`).
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
@@ -61,6 +62,7 @@ void decode_layer_mpi(benchmark::State& state) {
   const bool partial = mode >= 4;
   weave::decode_options o{k, hidden, tokens};
   o.partial_sums = partial;
+  o.gathered_inputs = mode == 6;
   const std::size_t row = hidden * sizeof(row_t);
   // The decode's bytes: a fixed dispatch message per peer, and a combine of one row per
   // (token, expert) pair the peer's experts took, or per token routed there with partial sums
@@ -92,13 +94,20 @@ void decode_layer_mpi(benchmark::State& state) {
       state.SetIterationTime(times.back());
     }
   };
-  if (mode == 0 || mode == 1 || mode == 4) {
+  if (mode == 0 || mode == 1 || mode == 4 || mode == 6) {
     weave::decode_exchange<weave::mpi_communicator, row_t> ex(comm, where, o);
     run([&] {
       auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
-      weave::run_inline_or_submit(stream, [xs = h.experts()] { // the experts
+      weave::run_inline_or_submit(stream, [xs = h.experts(), &o, row] { // the experts
         for (int l = 0; l < xs.local_experts(); ++l)
-          std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
+          if (o.gathered_inputs) { // each row from where it arrived
+            const auto rows = xs.input_rows(l);
+            auto* out = reinterpret_cast<std::byte*>(xs.output(l).data());
+            for (std::size_t r = 0; r < rows.size(); ++r)
+              std::memcpy(out + r * row, rows[r], row);
+          } else {
+            std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
+          }
       });
       ex.combine(h, d.y.elements(), stream);
       stream.synchronize();
@@ -149,7 +158,8 @@ void decode_layer_mpi(benchmark::State& state) {
   state.counters["ranks"] = n;
   static const char* const labels[] = {
       "decode, per-pair combine", "decode per-pair, handed off", "dynamic",
-      "raw MPI floor, per-pair",  "decode (default combine)",    "raw MPI floor, default combine"};
+      "raw MPI floor, per-pair",  "decode (default combine)",    "raw MPI floor, default combine",
+      "decode, gathered inputs"};
   state.SetLabel(labels[mode]);
 }
 
@@ -160,7 +170,7 @@ int main(int argc, char** argv) {
     for (const int experts : {32, 256})
       for (const int hidden : {256, 2048})
         for (const int tokens : {1, 8, 64, 256, 512})
-          for (const int mode : {0, 1, 2, 3, 4, 5}) // each shape's modes side by side
+          for (const int mode : {0, 1, 2, 3, 4, 5, 6}) // each shape's modes side by side
             benchmark::RegisterBenchmark("decode_layer_mpi", decode_layer_mpi)
                 ->Args({tokens, hidden, experts, mode})
                 ->ArgNames({"tokens", "hidden", "experts", "mode"})

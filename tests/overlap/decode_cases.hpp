@@ -34,11 +34,13 @@ inline std::size_t tokens_of(int rank, int call) {
 // `partial_sums`, its per-device form), with per-slot counts equal to the pairs each source
 // routed to the slot's expert (unreplicated placement).
 template <class T, class Comm>
-void check_against_reference(Comm& comm, const weave::placement& where, bool partial_sums = false) {
+void check_against_reference(Comm& comm, const weave::placement& where, bool partial_sums = false,
+                             bool gathered_inputs = false) {
   const int rank = comm.rank(), D = comm.size();
   const moe_test::linear_experts f(experts, hidden, 11);
   weave::decode_options o = options();
   o.partial_sums = partial_sums;
+  o.gathered_inputs = gathered_inputs;
   weave::decode_exchange<Comm, T> ex(comm, where, o);
   typename Comm::stream_type s("decode");
   for (int call = 0; call < 4; ++call) {

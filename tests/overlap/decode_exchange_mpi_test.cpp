@@ -1,6 +1,7 @@
 // decode_exchange over real MPI processes (mpirun -np 2 / 4): the same cases as the
 // local_world test, one process per rank: bitwise equal to the naive reference for f32 and
-// bf16 rows with zero-token and full ranks, and fail-stop for every bad input.
+// bf16 rows with zero-token and full ranks (the experts reading copies or, with gathered inputs,
+// the rows where they arrived), and fail-stop for every bad input.
 #include "decode_cases.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
@@ -24,6 +25,13 @@ TEST_CASE("decode_exchange over MPI with partial sums equals its per-device refe
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_against_reference<weave::bfloat16>(
       comm, weave::placement::contiguous(decode_test::experts, comm.size()), true);
+}
+
+TEST_CASE("decode_exchange over MPI with gathered inputs equals the reference of either combine") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  for (const bool partial_sums : {true, false})
+    decode_test::check_against_reference<weave::bfloat16>(
+        comm, weave::placement::contiguous(decode_test::experts, comm.size()), partial_sums, true);
 }
 
 TEST_CASE("decode_exchange over MPI: one rank's bad call fails every rank, none hangs") {

@@ -50,6 +50,73 @@ TEST_CASE_TEMPLATE("decode_exchange with partial sums equals its per-device refe
   world.run([&](local& c) { decode_test::check_against_reference<T>(c, where, true); });
 }
 
+TEST_CASE_TEMPLATE("decode_exchange with gathered inputs equals the reference of either combine "
+                   "on 1, 2 and 4 ranks, replicas too",
+                   T, float, weave::bfloat16) {
+  // The experts read each row where it arrived: a peer's message or this rank's own tokens.
+  for (const bool partial_sums : {true, false}) {
+    CAPTURE(partial_sums);
+    for (int ranks : {1, 2, 4}) {
+      CAPTURE(ranks);
+      weave::local_world world(ranks);
+      world.run([&](local& c) {
+        decode_test::check_against_reference<T>(
+            c, weave::placement::contiguous(decode_test::experts, ranks), partial_sums, true);
+      });
+    }
+    const weave::placement where(8, 2,
+                                 std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
+    weave::local_world world(2);
+    world.run(
+        [&](local& c) { decode_test::check_against_reference<T>(c, where, partial_sums, true); });
+  }
+}
+
+TEST_CASE("decode_exchange gives input_rows with gathered inputs only, input without them only") {
+  weave::local_world world(2);
+  world.run([&](local& c) {
+    for (const bool gathered : {false, true}) {
+      CAPTURE(gathered);
+      weave::decode_options o{2, 4, 2};
+      o.gathered_inputs = gathered;
+      weave::decode_exchange<local, float> ex(c, weave::placement::contiguous(4, 2), o);
+      weave::host_stream s("decode");
+      // Token t of rank r is r * 10 + t in every column, routed to experts 0 and 3 (one on each
+      // rank).
+      std::vector<float> x(8), w(4, 0.5f), y(8);
+      for (std::size_t e = 0; e < x.size(); ++e)
+        x[e] = static_cast<float>(c.rank() * 10) + static_cast<float>(e / 4);
+      const std::vector<std::int32_t> ids{0, 3, 0, 3};
+      auto h = ex.dispatch(x, ids, w, s);
+      s.synchronize();
+      const auto xs = h.experts();
+      const auto refused = gathered ? moe_test::error_code_of([&] { (void)xs.input(0); })
+                                    : moe_test::error_code_of([&] { (void)xs.input_rows(0); });
+      CHECK(refused == weave::errc::invalid_state);
+      // Expert 0 (rank 0's slot 0) and expert 3 (rank 1's slot 1) get both ranks' tokens,
+      // source 0's first, each in token order.
+      const int mine = c.rank();
+      CHECK(xs.rows(mine) == 4);
+      for (std::int64_t r = 0; r < std::min<std::int64_t>(xs.rows(mine), 4); ++r) {
+        const float want = static_cast<float>((r / 2) * 10 + r % 2);
+        const float* row = gathered ? xs.input_rows(mine)[static_cast<std::size_t>(r)]
+                                    : xs.input(mine).data() + r * 4;
+        CHECK(std::vector<float>(row, row + 4) == std::vector<float>(4, want));
+        if (gathered && r / 2 == c.rank()) // this rank's own tokens stay in x
+          CHECK(row == x.data() + (r % 2) * 4);
+      }
+      for (int l = 0; l < 2; ++l)
+        for (std::int64_t r = 0; r < xs.rows(l); ++r)
+          std::copy_n(gathered ? xs.input_rows(l)[static_cast<std::size_t>(r)]
+                               : xs.input(l).data() + r * 4,
+                      4, xs.output(l).data() + r * 4);
+      ex.combine(h, std::span<float>(y), s);
+      s.synchronize();
+      CHECK(y == x); // 0.5 * x + 0.5 * x
+    }
+  });
+}
+
 // The decode layer's default combine sums as the dynamic moe_exchange does: the same tokens,
 // routing and experts give the dynamic exchange's output bitwise (a model served by moe_exchange
 // for prefill and decode_exchange for decoding computes one function), including -1 ids, ranks
@@ -84,6 +151,11 @@ void check_decode_equals_dynamic(int ranks, const weave::placement& where, int k
     weave::decode_options o{k, hidden, 32};
     weave::decode_exchange<local, T> decode(c, where, o);
     CHECK(decode_test::bitwise_equal(decode_test::decode_call(decode, mine, f, comm_stream), want));
+    o.gathered_inputs = true; // the experts read the rows where they arrived: the same sums
+    weave::decode_exchange<local, T> gathered(c, where, o);
+    CHECK(
+        decode_test::bitwise_equal(decode_test::decode_call(gathered, mine, f, comm_stream), want));
+    o.gathered_inputs = false;
     o.partial_sums = false;
     weave::decode_exchange<local, T> per_pair(c, where, o);
     const auto y = decode_test::decode_call(per_pair, mine, f, comm_stream);

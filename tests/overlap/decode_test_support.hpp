@@ -100,11 +100,15 @@ std::vector<T> decode_call(Exchange& ex, const moe_test::rank_input<T>& in,
   s.synchronize();
   const auto xs = h.experts();
   const int D = ex.where().num_devices();
+  bool gathered = false;
+  if constexpr (requires { ex.options().gathered_inputs; })
+    gathered = ex.options().gathered_inputs;
   for (int l = 0; l < xs.local_experts(); ++l) {
-    const auto input = xs.input(l);
     const auto output = xs.output(l);
-    for (std::int64_t r = 0; r < xs.rows(l); ++r)
-      f.apply(xs.expert(l), input.data() + r * static_cast<std::int64_t>(H),
+    for (std::int64_t r = 0; r < xs.rows(l); ++r) // (the rows where they arrived, or copies)
+      f.apply(xs.expert(l),
+              gathered ? xs.input_rows(l)[static_cast<std::size_t>(r)]
+                       : xs.input(l).data() + r * static_cast<std::int64_t>(H),
               output.data() + r * static_cast<std::int64_t>(H));
     if (rows != nullptr)
       for (int src = 0; src < D; ++src)

@@ -105,6 +105,30 @@ TEST_CASE("device decode exchange: ranks built differently fail construction on 
       CHECK(messages[r].find("fp8_dispatch") != std::string::npos);
     }
   }
+  // Gathered inputs are the host exchange's: the device one refuses them on every rank, and so
+  // does the host one beside an FP8 dispatch.
+  for (const bool device : {true, false}) {
+    CAPTURE(device);
+    world.run([&](local& c) {
+      const auto r = static_cast<std::size_t>(c.rank());
+      weave::decode_options o =
+          device ? weave::decode_options{2, 4, 2} : decode_test::fp8_options(true);
+      o.gathered_inputs = true;
+      const auto where = weave::placement::contiguous(4, 2);
+      const auto got = decode_test::outcome_of([&] {
+        if (device)
+          decode_test::device_decode<local, float> ex(c, where, o);
+        else
+          weave::decode_exchange<local, float> ex(c, where, o);
+      });
+      codes[r] = got.code;
+      messages[r] = got.message;
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      CHECK(codes[r] == weave::errc::invalid_argument);
+      CHECK(messages[r].find("gathered_inputs") != std::string::npos);
+    }
+  }
 }
 
 TEST_CASE("device decode exchange refuses calls before initialize, a second handle, another "

@@ -86,7 +86,8 @@ class decode_exchange {
   decode_exchange(Comm& comm, placement where, decode_options options)
       : comm_(&comm)
       , abandoned_(abandoned_flag_of(comm))
-      , serial_(detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange"))
+      , serial_(
+            detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange", true))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
@@ -128,6 +129,8 @@ class decode_exchange {
     expert_rows_.assign(spd, 0);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     expert_first_.assign(spd, 0);
+    if (options_.gathered_inputs)
+      gathered_.assign(pool_rows_, nullptr);
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
       token_wire_.assign(checked_mul(options_.max_tokens_per_rank, wire_.stride, "wire bytes"),
@@ -494,7 +497,10 @@ class decode_exchange {
         const std::byte* from = d == own()
                                     ? dispatch_rows_ + static_cast<std::size_t>(own_token_[r]) * row
                                     : records_layout_.row(message, r);
-        std::memcpy(in + pool_row(a) * row, from, row);
+        if (options_.gathered_inputs) // the expert reads the row where it is
+          gathered_[pool_row(a)] = reinterpret_cast<const T*>(from);
+        else
+          std::memcpy(in + pool_row(a) * row, from, row);
       }
     }
   }
@@ -652,8 +658,17 @@ class decode_exchange {
                  errc::invalid_state,
                  "decode_exchange: an FP8 dispatch without dequantized_inputs delivers codes and "
                  "scales only (input_codes, input_scales)");
+    WEAVE_EXPECT(!options_.gathered_inputs, errc::invalid_state,
+                 "decode_exchange: with gathered_inputs the experts read input_rows (the rows "
+                 "are not copied into one block)");
     const auto n = static_cast<std::size_t>(received_rows(l));
     return {expert_in() + first_row(l) * options_.hidden, n * options_.hidden};
+  }
+  std::span<const T* const> expert_input_rows(int l) const {
+    WEAVE_EXPECT(options_.gathered_inputs, errc::invalid_state,
+                 "decode_exchange: input_rows needs decode_options::gathered_inputs (read input)");
+    const auto n = static_cast<std::size_t>(received_rows(l));
+    return {gathered_.data() + first_row(l), n};
   }
   std::pair<const_token_view, const_token_view> expert_wire(int l) const {
     WEAVE_EXPECT(options_.fp8_dispatch.has_value(), errc::invalid_state,
@@ -708,6 +723,7 @@ class decode_exchange {
   quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales
   std::vector<std::byte> token_wire_;           // FP8 dispatch: the call's tokens quantised
   std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
+  std::vector<const T*> gathered_;              // gathered inputs: each pool row where it is
   std::vector<std::int32_t> pair_slot_;         // (token, choice) -> physical slot, or -1
   std::vector<std::int64_t> pair_pos_;          // (token, choice) -> row in its device's combine
   std::vector<std::int64_t> sum_rows_;          // the final sums' returned rows

@@ -50,6 +50,14 @@ class decode_experts {
     alive().expect_arrived(call_);
     return ex_->expert_input(l);
   }
+  //! With `decode_options::gathered_inputs` (host exchange): local slot `l`'s input rows where
+  //! they arrived, one pointer per row (`hidden` elements each), in the order of `input(l)`;
+  //! `errc::invalid_state` without that option. The rows are read-only and stay valid as long
+  //! as this view.
+  std::span<const element_type* const> input_rows(int l) const {
+    alive().expect_arrived(call_);
+    return ex_->expert_input_rows(l);
+  }
   //! With an FP8 dispatch (`decode_options::fp8_dispatch`): local slot `l`'s inputs as they
   //! arrived, FP8 codes (`rows(l)` x hidden) and their f32 scales (`rows(l)` x hidden / block),
   //! as two strided views of one packed buffer. `errc::invalid_state` without an FP8 dispatch.

@@ -83,8 +83,8 @@ class basic_device_decode_exchange {
   //! a `peer_error` on the peers.
   basic_device_decode_exchange(Comm& comm, placement where, decode_options options)
       : comm_(&comm)
-      , serial_(
-            detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "device_decode_exchange"))
+      , serial_(detail::agree_on_decode(comm, where, options, dtype_of_v<T>,
+                                        "device_decode_exchange", false))
       , where_(std::move(where))
       , options_(options)
       , rank_(comm.rank())
