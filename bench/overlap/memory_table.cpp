@@ -144,7 +144,7 @@ int run(int argc, char** argv) {
       with_backward(static_cast<std::size_t>(s.ranks)), fixed(static_cast<std::size_t>(s.ranks)),
       fixed_capped(static_cast<std::size_t>(s.ranks));
   std::vector<std::size_t> decode128(static_cast<std::size_t>(s.ranks)), decode256(decode128),
-      host128(decode128), host256(decode128);
+      host128(decode128), host256(decode128), gathered128(decode128), gathered256(decode128);
   weave::local_world world(s.ranks);
   world.run([&](weave::local_communicator& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
@@ -195,10 +195,13 @@ int run(int argc, char** argv) {
                                           weave::bfloat16>
           layer(comm, where, dec);
       (m == 128 ? decode128 : decode256)[r] = layer.workspace_size();
-      (m == 128 ? host128 : host256)[r] = // sized, not built: 64 ranks in one process
-          weave::decode_exchange<weave::local_communicator, weave::bfloat16>::buffer_bytes(
-              static_cast<std::size_t>(s.ranks), static_cast<std::size_t>(where.slots_per_device()),
-              dec);
+      using host_decode = weave::decode_exchange<weave::local_communicator, weave::bfloat16>;
+      const auto ranks = static_cast<std::size_t>(s.ranks);
+      const auto slots = static_cast<std::size_t>(where.slots_per_device());
+      // sized, not built: 64 ranks in one process
+      (m == 128 ? host128 : host256)[r] = host_decode::buffer_bytes(ranks, slots, dec);
+      dec.gathered_inputs = true;
+      (m == 128 ? gathered128 : gathered256)[r] = host_decode::buffer_bytes(ranks, slots, dec);
     }
   });
   const auto worst = [](const std::vector<row_out>& v) {
@@ -233,6 +236,9 @@ int run(int argc, char** argv) {
   std::printf("| decode (host), 128 / 256 tokens per rank | | %s / %s | | | |\n",
               size(*std::max_element(host128.begin(), host128.end())).c_str(),
               size(*std::max_element(host256.begin(), host256.end())).c_str());
+  std::printf("| decode (host, gathered inputs), 128 / 256 tokens per rank | | %s / %s | | | |\n",
+              size(*std::max_element(gathered128.begin(), gathered128.end())).c_str(),
+              size(*std::max_element(gathered256.begin(), gathered256.end())).c_str());
   return 0;
 }
 

@@ -380,6 +380,11 @@ TEST_CASE("decode_exchange sends each token once per device and returns exactly 
       fp8.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {8}, true};
       fp8.max_tokens_per_rank = 5;
       CHECK(exchange(comm, where(), fp8).buffer_bytes() == exchange::buffer_bytes(2, 4, fp8));
+      weave::decode_options gathered = o; // no pool inputs: smaller with partial sums only
+      gathered.gathered_inputs = true;
+      const std::size_t without_pool = exchange(comm, where(), gathered).buffer_bytes();
+      CHECK(without_pool == exchange::buffer_bytes(2, 4, gathered));
+      CHECK((partial_sums ? without_pool < ex.buffer_bytes() : without_pool == ex.buffer_bytes()));
       (void)decode_test::decode_call(ex, input_of(local.rank()), experts_fn(), s);
     });
     const weave::placement w = where();

@@ -102,7 +102,7 @@ class decode_exchange {
     // tokens and the returned rows in the pool (see `deliver_records`, `unpack_combine`).
     dispatch_ = phase_layout::of(records_layout_.dispatch_bytes, D, own());
     combine_ = phase_layout::of(records_layout_.combine_bytes, D, own());
-    const auto sizes = records_layout_.buffers_for(D, k);
+    const auto sizes = records_layout_.buffers_for(D, k, !options_.gathered_inputs);
     send_.assign(sizes.send_bytes, std::byte{0}); // also the pool's inputs (`expert_in`)
     // The pool's outputs after the messages, a whole number of rows in, so that one row view
     // addresses the returned rows and this rank's own (`returned_rows_view`).
@@ -183,7 +183,8 @@ class decode_exchange {
 
   //! Bytes of the message buffers and the expert rows' pool (inputs, outputs, FP8 rows): what
   //! the layer allocates at construction for `max_tokens_per_rank`, beside the routing plan's
-  //! per-pair arrays.
+  //! per-pair arrays. With `gathered_inputs` the pool has no inputs: with partial sums the send
+  //! buffer holds the messages alone.
   std::size_t buffer_bytes() const noexcept {
     return send_.size() + recv_.size() + token_wire_.size() + expert_wire_.size();
   }
@@ -193,7 +194,8 @@ class decode_exchange {
                                   const decode_options& options) {
     const std::size_t row = checked_mul(options.hidden, sizeof(T), "row bytes");
     const auto L = detail::decode_record_layout::of(options, row, local_experts);
-    const auto b = L.buffers_for(ranks, static_cast<std::size_t>(options.k));
+    const auto b =
+        L.buffers_for(ranks, static_cast<std::size_t>(options.k), !options.gathered_inputs);
     std::size_t bytes = checked_add(b.send_bytes, b.recv_bytes, "buffer bytes");
     if (options.fp8_dispatch)
       bytes = checked_add(bytes,

@@ -174,21 +174,24 @@ struct decode_record_layout {
 
   //! The buffers of an exchange over `ranks` ranks taking `k` experts per token: the expert
   //! pool (a source's tokens reach at most `choices` local experts each), the send buffer (the
-  //! dispatch's messages; the combine's, back to back, a row per pool row at most; the pool's
-  //! inputs between the two) and the receive buffer (the dispatch's messages or the combine's:
+  //! dispatch's messages; the combine's, back to back, a row per pool row at most, or per record
+  //! with partial sums; with `pool_inputs`, the pool's inputs between the two) and the receive
+  //! buffer (the dispatch's messages or the combine's:
   //! at most the k pairs of each of its max_tokens_per_rank tokens, each message placed so that
   //! its rows start a whole number of rows into the buffer, which costs up to a row per message;
   //! then, from row `pool_out_row`, the pool's outputs).
   struct buffers {
     std::size_t pool_rows = 0, send_bytes = 0, recv_bytes = 0, pool_out_row = 0;
   };
-  buffers buffers_for(std::size_t ranks, std::size_t k) const {
+  buffers buffers_for(std::size_t ranks, std::size_t k, bool pool_inputs) const {
     buffers b;
     b.pool_rows = checked_mul(ranks, pairs(), "expert rows");
     const std::size_t headers = checked_mul(ranks, sizeof(decode_header), "headers");
     const std::size_t dispatch = checked_mul(ranks, dispatch_bytes, "dispatch bytes");
+    const std::size_t sent_rows =
+        pool_inputs || weights_at == 0 ? b.pool_rows : checked_mul(ranks, records, "records");
     b.send_bytes = std::max(
-        dispatch, checked_add(headers, checked_mul(b.pool_rows, combine_row, "combine bytes"),
+        dispatch, checked_add(headers, checked_mul(sent_rows, combine_row, "combine bytes"),
                               "combine bytes"));
     const std::size_t rows = checked_add(checked_mul(records, k, "pairs"), ranks, "rows");
     const std::size_t messages = std::max(
