@@ -13,8 +13,9 @@ target_compile_options(weave_dev_flags INTERFACE
   $<$<COMPILE_LANG_AND_ID:CXX,GNU>:-Wno-restrict>
   # The tests compare host code bitwise with device code that rounds every multiply and add
   # separately; GCC contracts a * b + c into an FMA by default where the target has one (aarch64
-  # hosts such as Grace, or -mfma), so host code is built without contraction.
-  $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>:-ffp-contract=off>
+  # hosts such as Grace, or -mfma), so host code is built without contraction (but for targets
+  # that check the compiler's default, WEAVE_DEFAULT_FP_CONTRACT).
+  $<$<AND:$<COMPILE_LANG_AND_ID:CXX,GNU,Clang>,$<NOT:$<BOOL:$<TARGET_PROPERTY:WEAVE_DEFAULT_FP_CONTRACT>>>>:-ffp-contract=off>
   $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-ffp-contract=off>)
 
 # CUDA sources of tests and benchmarks need the CUDA language; consumers of weave::cuda do not.

@@ -10,9 +10,11 @@
 //! - merges accumulate up to four input rows per pass in registers, fp32, in index order, and
 //!   round bf16 without branches, two columns per 32-bit word, so GCC and Clang vectorise the
 //!   loops (`weave/routing/host_merge_row.hpp`);
-//! - on x86-64 with GCC or Clang the converting loops are compiled a second time for AVX2
-//!   (without FMA, so every product and sum rounds as in the baseline build) and that copy runs
-//!   where the CPU has AVX2.
+//! - on x86-64 with GCC or Clang the converting loops are compiled twice more, for AVX2 and for
+//!   AVX-512 (F, VL, BW, DQ: the same eight-lane vectors, with mask compares and three-input
+//!   logic), and the best copy the CPU runs is taken; products and sums are not fused (GCC:
+//!   under any flags; Clang: unless built with -ffp-contract=fast), so every one rounds as in
+//!   the baseline build.
 //! Results equal the element-by-element definition bitwise (same operations, same order); only
 //! the payload and sign of a NaN result may differ (IEEE 754 leaves them open, and compilers may
 //! swap the operands of an addition).
@@ -33,9 +35,21 @@
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #define WEAVE_HOST_AVX2_CLONE 1
 #define WEAVE_TARGET_AVX2 __attribute__((target("avx2")))
+#define WEAVE_TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512vl,avx512bw,avx512dq")))
 #else
 #define WEAVE_HOST_AVX2_CLONE 0
 #define WEAVE_TARGET_AVX2
+#endif
+
+// The converting loops' multiplies and adds stay unfused: GCC fuses them under its GNU default
+// (-ffp-contract=fast) wherever the target has FMA, which the AVX-512 copy always has and the
+// others have under -mfma or -march=native, so each loop switches contraction off for itself.
+// Clang fuses across statements only when asked (-ffp-contract=fast, which also ignores its
+// pragmas); its default keeps the kernels' separate products and sums apart.
+#if defined(__GNUC__) && !defined(__clang__)
+#define WEAVE_UNFUSED __attribute__((optimize("fp-contract=off")))
+#else
+#define WEAVE_UNFUSED
 #endif
 
 WEAVE_NAMESPACE_BEGIN
@@ -56,16 +70,22 @@ void visit_float(dtype t, const char* what, F&& f) {
   }
 }
 
-//! Instruction sets the converting loops are compiled for.
+//! Instruction sets the converting loops are compiled for, each a superset of the one before.
 enum class host_isa : std::uint8_t {
   baseline, //!< what the translation unit is compiled for
   avx2,     //!< x86-64 AVX2 (GCC and Clang builds only)
+  avx512,   //!< x86-64 AVX-512 F/VL/BW/DQ on 256-bit vectors (GCC and Clang builds only)
 };
 
 //! The best of `host_isa` this CPU runs.
 inline host_isa detected_host_isa() noexcept {
 #if WEAVE_HOST_AVX2_CLONE
-  static const host_isa isa = __builtin_cpu_supports("avx2") ? host_isa::avx2 : host_isa::baseline;
+  static const host_isa isa = __builtin_cpu_supports("avx512vl") &&
+                                      __builtin_cpu_supports("avx512bw") &&
+                                      __builtin_cpu_supports("avx512dq")
+                                  ? host_isa::avx512
+                              : __builtin_cpu_supports("avx2") ? host_isa::avx2
+                                                               : host_isa::baseline;
   return isa;
 #else
   return host_isa::baseline;
@@ -122,28 +142,40 @@ WEAVE_ALWAYS_INLINE void scale_loop(const const_token_view& src, const token_vie
 
 // The converting loops, once per instruction set.
 template <class T>
-void merge_loop_baseline(const const_token_view& src, const token_view& dst,
-                         const std::int64_t* index, std::size_t k, const float* weight,
-                         std::size_t rows, bool skip_empty) {
-  merge_loop<T>(src, dst, index, k, weight, rows, skip_empty);
-}
-template <class T, bool Scatter>
-void scale_loop_baseline(const const_token_view& src, const token_view& dst,
-                         const std::int64_t* index, std::size_t k, const float* scale,
-                         std::size_t rows) {
-  scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
-}
-#if WEAVE_HOST_AVX2_CLONE
-template <class T>
-WEAVE_TARGET_AVX2 void merge_loop_avx2(const const_token_view& src, const token_view& dst,
+WEAVE_UNFUSED void merge_loop_baseline(const const_token_view& src, const token_view& dst,
                                        const std::int64_t* index, std::size_t k,
                                        const float* weight, std::size_t rows, bool skip_empty) {
   merge_loop<T>(src, dst, index, k, weight, rows, skip_empty);
 }
 template <class T, bool Scatter>
-WEAVE_TARGET_AVX2 void scale_loop_avx2(const const_token_view& src, const token_view& dst,
+WEAVE_UNFUSED void scale_loop_baseline(const const_token_view& src, const token_view& dst,
                                        const std::int64_t* index, std::size_t k, const float* scale,
                                        std::size_t rows) {
+  scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
+}
+#if WEAVE_HOST_AVX2_CLONE
+template <class T>
+WEAVE_TARGET_AVX2 WEAVE_UNFUSED void
+merge_loop_avx2(const const_token_view& src, const token_view& dst, const std::int64_t* index,
+                std::size_t k, const float* weight, std::size_t rows, bool skip_empty) {
+  merge_loop<T>(src, dst, index, k, weight, rows, skip_empty);
+}
+template <class T>
+WEAVE_TARGET_AVX512 WEAVE_UNFUSED void
+merge_loop_avx512(const const_token_view& src, const token_view& dst, const std::int64_t* index,
+                  std::size_t k, const float* weight, std::size_t rows, bool skip_empty) {
+  merge_loop<T>(src, dst, index, k, weight, rows, skip_empty);
+}
+template <class T, bool Scatter>
+WEAVE_TARGET_AVX512 WEAVE_UNFUSED void
+scale_loop_avx512(const const_token_view& src, const token_view& dst, const std::int64_t* index,
+                  std::size_t k, const float* scale, std::size_t rows) {
+  scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
+}
+template <class T, bool Scatter>
+WEAVE_TARGET_AVX2 WEAVE_UNFUSED void
+scale_loop_avx2(const const_token_view& src, const token_view& dst, const std::int64_t* index,
+                std::size_t k, const float* scale, std::size_t rows) {
   scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
 }
 #endif
@@ -153,9 +185,12 @@ void scale_rows_host(const const_token_view& src, const token_view& dst, const s
                      std::size_t k, const float* scale, std::size_t rows, host_isa isa) {
   visit_float(src.element_type(), "gate-scaled gather", [&]<class T>(T*) {
 #if WEAVE_HOST_AVX2_CLONE
-    if constexpr (!std::is_same_v<T, half>) // f16 converts element by element
+    if constexpr (!std::is_same_v<T, half>) { // f16 converts element by element
+      if (isa == host_isa::avx512)
+        return scale_loop_avx512<T, Scatter>(src, dst, index, k, scale, rows);
       if (isa == host_isa::avx2)
         return scale_loop_avx2<T, Scatter>(src, dst, index, k, scale, rows);
+    }
 #endif
     (void)isa;
     scale_loop_baseline<T, Scatter>(src, dst, index, k, scale, rows);
@@ -208,9 +243,12 @@ inline void merge_rows_host(const const_token_view& src, const token_view& dst,
                             std::size_t rows, bool skip_empty, host_isa isa = detected_host_isa()) {
   visit_float(src.element_type(), "merge", [&]<class T>(T*) {
 #if WEAVE_HOST_AVX2_CLONE
-    if constexpr (!std::is_same_v<T, half>) // f16 converts element by element
+    if constexpr (!std::is_same_v<T, half>) { // f16 converts element by element
+      if (isa == host_isa::avx512)
+        return merge_loop_avx512<T>(src, dst, index, k, weight, rows, skip_empty);
       if (isa == host_isa::avx2)
         return merge_loop_avx2<T>(src, dst, index, k, weight, rows, skip_empty);
+    }
 #endif
     (void)isa;
     merge_loop_baseline<T>(src, dst, index, k, weight, rows, skip_empty);
