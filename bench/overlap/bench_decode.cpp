@@ -173,16 +173,7 @@ class layer_ranks {
       loop(r, comm, [&] {
         auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
         stream.submit([xs = h.experts(), &o] { // the experts, queued: no host wait mid-layer
-          const std::size_t row = o.hidden * sizeof(row_t);
-          for (int l = 0; l < xs.local_experts(); ++l)
-            if (o.gathered_inputs) { // each row from where it arrived
-              const auto rows = xs.input_rows(l);
-              auto* out = reinterpret_cast<std::byte*>(xs.output(l).data());
-              for (std::size_t i = 0; i < rows.size(); ++i)
-                std::memcpy(out + i * row, rows[i], row);
-            } else {
-              std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
-            }
+          moe_bench::copy_decode_experts(xs, o.gathered_inputs, o.hidden * sizeof(row_t));
         });
         ex.combine(h, d.y.elements(), stream);
         stream.synchronize();

@@ -99,15 +99,7 @@ void decode_layer_mpi(benchmark::State& state) {
     run([&] {
       auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
       weave::run_inline_or_submit(stream, [xs = h.experts(), &o, row] { // the experts
-        for (int l = 0; l < xs.local_experts(); ++l)
-          if (o.gathered_inputs) { // each row from where it arrived
-            const auto rows = xs.input_rows(l);
-            auto* out = reinterpret_cast<std::byte*>(xs.output(l).data());
-            for (std::size_t r = 0; r < rows.size(); ++r)
-              std::memcpy(out + r * row, rows[r], row);
-          } else {
-            std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
-          }
+        moe_bench::copy_decode_experts(xs, o.gathered_inputs, row);
       });
       ex.combine(h, d.y.elements(), stream);
       stream.synchronize();

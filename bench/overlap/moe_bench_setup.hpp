@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -99,6 +100,21 @@ inline void emulated_experts(weave::const_token_view in, weave::token_view out,
 // time is its exchange's.
 inline void copy_experts(const weave::expert_batch& b) {
   std::memcpy(b.output.data(), b.input.data(), b.input.rows() * b.input.row_bytes());
+}
+
+// A decode layer's experts, copying their inputs to their outputs: one block per expert, or
+// with gathered inputs (`decode_options::gathered_inputs`) each row from where it arrived.
+template <class Experts>
+void copy_decode_experts(const Experts& xs, bool gathered, std::size_t row_bytes) {
+  for (int l = 0; l < xs.local_experts(); ++l)
+    if (gathered) {
+      const auto rows = xs.input_rows(l);
+      auto* out = reinterpret_cast<std::byte*>(xs.output(l).data());
+      for (std::size_t i = 0; i < rows.size(); ++i)
+        std::memcpy(out + i * row_bytes, rows[i], row_bytes);
+    } else {
+      std::memcpy(xs.output(l).data(), xs.input(l).data(), xs.input(l).size_bytes());
+    }
 }
 
 } // namespace moe_bench

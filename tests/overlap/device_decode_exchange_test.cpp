@@ -82,52 +82,49 @@ TEST_CASE("device decode exchange: ranks built differently fail construction on 
     CHECK(codes[r] == weave::errc::config_mismatch);
     CHECK(messages[r].find("max_tokens_per_rank") != std::string::npos);
   }
-  // An FP8 dispatch on one rank only: both exchanges refuse it on every rank, naming it.
-  for (const bool device : {true, false}) {
+  // Either exchange built on both ranks with `options_of(rank)`: every rank's error code and
+  // whether its message names `field`.
+  const auto refusal = [&world](bool device, auto options_of, weave::errc code, const char* field) {
     CAPTURE(device);
+    CAPTURE(field);
+    std::vector<decode_test::outcome> got(2);
     world.run([&](local& c) {
-      const auto r = static_cast<std::size_t>(c.rank());
-      weave::decode_options o = decode_test::fp8_options(true);
-      if (c.rank() == 1)
-        o.fp8_dispatch.reset();
+      const weave::decode_options o = options_of(c.rank());
       const auto where = weave::placement::contiguous(4, 2);
-      const auto got = decode_test::outcome_of([&] {
+      got[static_cast<std::size_t>(c.rank())] = decode_test::outcome_of([&] {
         if (device)
           decode_test::device_decode<local, float> ex(c, where, o);
         else
           weave::decode_exchange<local, float> ex(c, where, o);
       });
-      codes[r] = got.code;
-      messages[r] = got.message;
     });
-    for (std::size_t r = 0; r < 2; ++r) {
-      CHECK(codes[r] == weave::errc::config_mismatch);
-      CHECK(messages[r].find("fp8_dispatch") != std::string::npos);
+    for (const auto& g : got) {
+      CHECK(g.code == code);
+      CHECK(g.message.find(field) != std::string::npos);
     }
-  }
-  // Gathered inputs are the host exchange's: the device one refuses them on every rank, and so
-  // does the host one beside an FP8 dispatch.
+  };
   for (const bool device : {true, false}) {
-    CAPTURE(device);
-    world.run([&](local& c) {
-      const auto r = static_cast<std::size_t>(c.rank());
-      weave::decode_options o =
-          device ? weave::decode_options{2, 4, 2} : decode_test::fp8_options(true);
-      o.gathered_inputs = true;
-      const auto where = weave::placement::contiguous(4, 2);
-      const auto got = decode_test::outcome_of([&] {
-        if (device)
-          decode_test::device_decode<local, float> ex(c, where, o);
-        else
-          weave::decode_exchange<local, float> ex(c, where, o);
-      });
-      codes[r] = got.code;
-      messages[r] = got.message;
-    });
-    for (std::size_t r = 0; r < 2; ++r) {
-      CHECK(codes[r] == weave::errc::invalid_argument);
-      CHECK(messages[r].find("gathered_inputs") != std::string::npos);
-    }
+    // An FP8 dispatch on one rank only: both exchanges refuse it on every rank, naming it.
+    refusal(
+        device,
+        [](int rank) {
+          weave::decode_options o = decode_test::fp8_options(true);
+          if (rank == 1)
+            o.fp8_dispatch.reset();
+          return o;
+        },
+        weave::errc::config_mismatch, "fp8_dispatch");
+    // Gathered inputs are the host exchange's: the device one refuses them on every rank, and
+    // so does the host one beside an FP8 dispatch.
+    refusal(
+        device,
+        [device](int) {
+          weave::decode_options o =
+              device ? weave::decode_options{2, 4, 2} : decode_test::fp8_options(true);
+          o.gathered_inputs = true;
+          return o;
+        },
+        weave::errc::invalid_argument, "gathered_inputs");
   }
 }
 
