@@ -129,8 +129,7 @@ class decode_exchange {
     expert_rows_.assign(spd, 0);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     expert_first_.assign(spd, 0);
-    if (options_.gathered_inputs)
-      gathered_.assign(pool_rows_, nullptr);
+    gathered_.assign(options_.gathered_inputs ? pool_rows_ : 0, nullptr);
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
       token_wire_.assign(checked_mul(options_.max_tokens_per_rank, wire_.stride, "wire bytes"),
@@ -192,17 +191,8 @@ class decode_exchange {
   //! `options`, without building it.
   static std::size_t buffer_bytes(std::size_t ranks, std::size_t local_experts,
                                   const decode_options& options) {
-    const std::size_t row = checked_mul(options.hidden, sizeof(T), "row bytes");
-    const auto L = detail::decode_record_layout::of(options, row, local_experts);
-    const auto b =
-        L.buffers_for(ranks, static_cast<std::size_t>(options.k), !options.gathered_inputs);
-    std::size_t bytes = checked_add(b.send_bytes, b.recv_bytes, "buffer bytes");
-    if (options.fp8_dispatch)
-      bytes = checked_add(bytes,
-                          checked_mul(checked_add(b.pool_rows, options.max_tokens_per_rank, "rows"),
-                                      L.wire_row, "wire bytes"),
-                          "buffer bytes");
-    return bytes;
+    return detail::decode_record_layout::buffer_bytes(
+        ranks, local_experts, options, checked_mul(options.hidden, sizeof(T), "row bytes"));
   }
 
   //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights`
@@ -279,9 +269,9 @@ class decode_exchange {
     const std::size_t row = options_.hidden * sizeof(T);
     return const_token_view(recv_.data(), recv_.size() / row, options_.hidden, dtype_of_v<T>);
   }
-  // A combine message of `pairs` rows, to or from peer d.
-  static std::int64_t combine_bytes(std::size_t pairs, std::size_t row) {
-    return detail::decode_phase::message_bytes(pairs, row);
+  // A combine message of `rows` rows, to or from a peer.
+  std::int64_t combine_bytes(std::size_t rows) const {
+    return phase_layout::message_bytes(rows, options_.hidden * sizeof(T));
   }
 
   // The one all-to-all of a phase.
@@ -418,8 +408,7 @@ class decode_exchange {
             h.source = rank_;
             put_header(d, h, dispatch_);
             if (d != own())
-              combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)),
-                                                      options_.hidden * sizeof(T));
+              combine_.recv_counts[d] = combine_bytes(static_cast<std::size_t>(returned_rows(d)));
           }
           // The combine's receive displacements; this rank's own message gets room for its rows
           // too: with partial sums they are merged there.
@@ -481,8 +470,7 @@ class decode_exchange {
       arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
       arrived_records_[d] = static_cast<std::int64_t>(n);
       if (d != own())
-        combine_.send_counts[d] =
-            combine_bytes(options_.partial_sums ? n : pairs, options_.hidden * sizeof(T));
+        combine_.send_counts[d] = combine_bytes(options_.partial_sums ? n : pairs);
     }
     combine_.place_sends();
     std::size_t first = 0;
@@ -515,11 +503,8 @@ class decode_exchange {
     return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(a.slot)] + a.row);
   }
   [[noreturn]] void bad_record(std::size_t d, std::size_t r, std::size_t c, std::int32_t l) {
-    const auto failure = std::make_exception_ptr(error(
-        errc::protocol, detail::concat("decode_exchange: rank ", d,
-                                       " sent a token record no weave "
-                                       "rank writes (record ",
-                                       r, ", choice ", c, ": local slot ", l, " of ", spd(), ")")));
+    const auto failure =
+        std::make_exception_ptr(detail::bad_decode_record("decode_exchange", d, r, c, l, spd()));
     abort_peers(*comm_, failure);
     std::rethrow_exception(failure);
   }
@@ -691,9 +676,6 @@ class decode_exchange {
   T* expert_in() noexcept { return reinterpret_cast<T*>(send_.data()); }
   const T* expert_in() const noexcept { return reinterpret_cast<const T*>(send_.data()); }
   // The pool's outputs: `pool_rows_` rows after the messages in `recv_` (row `pool_out_row_`).
-  T* pool_out() noexcept {
-    return reinterpret_cast<T*>(recv_.data()) + pool_out_row_ * options_.hidden;
-  }
   const T* pool_out() const noexcept {
     return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
   }

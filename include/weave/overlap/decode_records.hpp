@@ -202,6 +202,22 @@ struct decode_record_layout {
     return b;
   }
 
+  //! Bytes a host `decode_exchange` of `ranks` ranks and `local_experts` slots per rank, rows
+  //! of `row_bytes`, allocates at construction (its `buffer_bytes()`).
+  static std::size_t buffer_bytes(std::size_t ranks, std::size_t local_experts,
+                                  const decode_options& options, std::size_t row_bytes) {
+    const auto L = of(options, row_bytes, local_experts);
+    const auto b =
+        L.buffers_for(ranks, static_cast<std::size_t>(options.k), !options.gathered_inputs);
+    std::size_t bytes = checked_add(b.send_bytes, b.recv_bytes, "buffer bytes");
+    if (options.fp8_dispatch) // the pool's wire rows and the call's tokens quantised
+      bytes = checked_add(bytes,
+                          checked_mul(checked_add(b.pool_rows, options.max_tokens_per_rank, "rows"),
+                                      L.wire_row, "wire bytes"),
+                          "buffer bytes");
+    return bytes;
+  }
+
   std::byte* row(std::byte* message, std::size_t r) const noexcept {
     return message + sizeof(decode_header) + r * wire_row;
   }
@@ -249,6 +265,16 @@ struct decode_record_layout {
     return message + side_at + (r * choices + c) * sizeof(std::int32_t);
   }
 };
+
+//! The error of a received token record no weave rank writes: record `r` of rank `d`'s message
+//! names, as its choice `c`, local slot `l` of a rank with `slots` (`who`: the exchange).
+inline error bad_decode_record(const char* who, std::size_t d, std::size_t r, std::size_t c,
+                               std::int32_t l, std::size_t slots) {
+  return error(errc::protocol, concat(who, ": rank ", d,
+                                      " sent a token record no weave rank writes "
+                                      "(record ",
+                                      r, ", choice ", c, ": local slot ", l, " of ", slots, ")"));
+}
 
 } // namespace detail
 

@@ -297,9 +297,10 @@ class basic_device_decode_exchange {
                                                 kept.bad, kept.bad_limit),
                   ")");
     if (kept.record_claimed != 0)
-      WEAVE_THROW(errc::protocol, "device_decode_exchange: rank ", kept.record_sender,
-                  " sent a token record no weave rank writes (record ", kept.record, ", choice ",
-                  kept.record_choice, ": local slot ", kept.record_value, " of ", spd(), ")");
+      throw detail::bad_decode_record(
+          "device_decode_exchange", static_cast<std::size_t>(kept.record_sender),
+          static_cast<std::size_t>(kept.record), static_cast<std::size_t>(kept.record_choice),
+          kept.record_value, spd());
     WEAVE_EXPECT((flags & device_decode_bad_message) == 0, errc::size_mismatch,
                  "device_decode_exchange: a peer returned other rows than were sent to it "
                  "(its dispatch failed)");
