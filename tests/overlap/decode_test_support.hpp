@@ -100,9 +100,7 @@ std::vector<T> decode_call(Exchange& ex, const moe_test::rank_input<T>& in,
   s.synchronize();
   const auto xs = h.experts();
   const int D = ex.where().num_devices();
-  bool gathered = false;
-  if constexpr (requires { ex.options().gathered_inputs; })
-    gathered = ex.options().gathered_inputs;
+  const bool gathered = ex.options().gathered_inputs;
   for (int l = 0; l < xs.local_experts(); ++l) {
     const auto output = xs.output(l);
     for (std::int64_t r = 0; r < xs.rows(l); ++r) // (the rows where they arrived, or copies)

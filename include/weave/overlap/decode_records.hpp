@@ -143,6 +143,7 @@ struct decode_record_layout {
   std::size_t side_at = 0;        //!< where a dispatch message's side table starts
   std::size_t weights_at = 0;     //!< where its weights start (partial sums), else 0
   std::size_t dispatch_bytes = 0; //!< a dispatch message (a multiple of 16)
+  std::size_t combine_rows = 0;   //!< the most rows of a combine message: records, or pairs
   std::size_t combine_bytes = 0;  //!< the largest combine message (a multiple of 16)
 
   //! The layout of a decode exchange with `options`, rows of `row_bytes` (T) and
@@ -162,10 +163,10 @@ struct decode_record_layout {
       L.weights_at = checked_add(L.side_at, entries, "dispatch message");
     L.dispatch_bytes = round_up16(
         checked_add(L.side_at, options.partial_sums ? 2 * entries : entries, "dispatch message"));
-    L.combine_bytes = round_up16(checked_add(
-        sizeof(decode_header),
-        checked_mul(options.partial_sums ? L.records : pairs, row_bytes, "combine rows"),
-        "combine message"));
+    L.combine_rows = options.partial_sums ? L.records : pairs;
+    L.combine_bytes = round_up16(checked_add(sizeof(decode_header),
+                                             checked_mul(L.combine_rows, row_bytes, "combine rows"),
+                                             "combine message"));
     return L;
   }
 
@@ -189,7 +190,7 @@ struct decode_record_layout {
     const std::size_t headers = checked_mul(ranks, sizeof(decode_header), "headers");
     const std::size_t dispatch = checked_mul(ranks, dispatch_bytes, "dispatch bytes");
     const std::size_t sent_rows =
-        pool_inputs || weights_at == 0 ? b.pool_rows : checked_mul(ranks, records, "records");
+        pool_inputs ? b.pool_rows : checked_mul(ranks, combine_rows, "combine rows");
     b.send_bytes = std::max(
         dispatch, checked_add(headers, checked_mul(sent_rows, combine_row, "combine bytes"),
                               "combine bytes"));
