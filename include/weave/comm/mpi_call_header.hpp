@@ -1,9 +1,9 @@
 //! \file
 //! The header a tagged `mpi_communicator` collective sends each peer beside its data: a marker,
 //! the call tag, the kind of collective and the size the sender sends that peer. The receiver
-//! checks it before it posts the receive of that peer's data, so ranks at different calls (or
-//! disagreeing on a size) fail with a typed error and MPI never truncates. A small block travels
-//! inside its header's message (`mpi_call_messages`).
+//! checks every header before it takes any peer's data, so ranks at different calls (or
+//! disagreeing on a size) fail with a typed error naming the cause. A small block travels inside
+//! its header's message (`mpi_call_messages`).
 #pragma once
 
 #include "weave/comm/call_tag.hpp"

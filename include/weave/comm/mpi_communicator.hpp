@@ -117,8 +117,7 @@ class mpi_communicator {
       messages_.retain_until_exit();
       return; // the datatype too may still be in use
     }
-    if (unit_type_ != MPI_DATATYPE_NULL)
-      MPI_Type_free(&unit_type_);
+    unit_types_.free();
     MPI_Comm_free(&comm_);
   }
 
@@ -178,9 +177,10 @@ class mpi_communicator {
 
   //! Variable all-to-all in units of `unit` bytes (see `weave::all_to_all_v`). A tagged one
   //! (`call_tag`) sends every peer a small header with its data, its tag and the bytes it sends,
-  //! and receives a peer's data only after its header checked: ranks at different calls fail
+  //! and takes a peer's data only after every header checked: ranks at different calls fail
   //! with `errc::call_mismatch`, a size that disagrees with this rank's receive with
-  //! `errc::size_mismatch`, before any data is received (so MPI never truncates).
+  //! `errc::size_mismatch` (a failed call's `recv` holds unspecified bytes: a block above
+  //! `mpi_options::tagged_inline_bytes` is received beside the headers).
   void all_to_all_v(host_stream& s, const void* send, std::span<const std::int64_t> send_counts,
                     std::span<const std::int64_t> send_displs, void* recv,
                     std::span<const std::int64_t> recv_counts,
@@ -436,24 +436,13 @@ class mpi_communicator {
   }
 
   MPI_Datatype unit_type(std::size_t unit) {
-    if (unit == 1)
-      return MPI_BYTE;
-    if (unit != cached_unit_) {
-      if (unit_type_ != MPI_DATATYPE_NULL)
-        check(MPI_Type_free(&unit_type_), "MPI_Type_free", "all_to_all_v");
-      check(MPI_Type_contiguous(checked_cast<int>(unit, "unit bytes"), MPI_BYTE, &unit_type_),
-            "MPI_Type_contiguous", "all_to_all_v");
-      check(MPI_Type_commit(&unit_type_), "MPI_Type_commit", "all_to_all_v");
-      cached_unit_ = unit;
-    }
-    return unit_type_;
+    MPI_Datatype type = MPI_BYTE;
+    check(unit_types_.get(unit, type), "MPI_Type_contiguous", "all_to_all_v");
+    return type;
   }
 
-  // Posts the receive of every peer's header message (the first size - 1 of `requests_`), then
-  // sends this rank's to every peer, with the blocks small enough to travel inside.
-  void post_headers(call_tag tag, std::int64_t kind, const std::byte* send,
-                    std::span<const std::int64_t> send_counts,
-                    std::span<const std::int64_t> send_displs, std::size_t unit, const char* what) {
+  // Posts the receive of every peer's header message (the first size - 1 of `requests_`).
+  void receive_headers(const char* what) {
     messages_.prepare(static_cast<std::size_t>(size_));
     for (int i = 1; i < size_; ++i) {
       const int peer = (rank_ + size_ - i) % size_;
@@ -462,6 +451,12 @@ class mpi_communicator {
                       messages_.capacity(), MPI_BYTE, peer, header_tag, comm_, &requests_.back()),
             "MPI_Irecv", what);
     }
+  }
+
+  // Sends this rank's header message to every peer, with the blocks small enough to travel inside.
+  void send_headers(call_tag tag, std::int64_t kind, const std::byte* send,
+                    std::span<const std::int64_t> send_counts,
+                    std::span<const std::int64_t> send_displs, std::size_t unit, const char* what) {
     for (int i = 1; i < size_; ++i) {
       const int peer = (rank_ + i) % size_;
       const auto j = static_cast<std::size_t>(peer);
@@ -475,11 +470,13 @@ class mpi_communicator {
     }
   }
 
-  // Waits for the peers' header messages (`post_headers`) and checks every one against this
-  // rank's tag, kind and receive sizes before any data is received or copied. A mismatch aborts
-  // the communicator (the peers find theirs too), leaves this rank's sends with MPI (abandoned)
-  // and throws, so MPI never truncates a block. Then copies the blocks that came inside their
-  // header and posts the receives of the others (`receive_from`).
+  // Waits for the peers' header messages (`receive_headers`) and checks every one against this
+  // rank's tag, kind and receive sizes before any block is copied out or waited for. A mismatch
+  // aborts the communicator (the peers find theirs too), leaves this rank's sends and its
+  // posted receives with MPI (abandoned) and throws: the header names the cause, whatever MPI
+  // made of the blocks. Then copies the blocks that came inside their header, and posts the
+  // receive (`receive_from`) of a block this rank expected inside that came alone (ranks with
+  // other `tagged_inline_bytes`); the others' receives were posted with the headers'.
   template <class Receive>
   void check_headers(call_tag tag, std::int64_t kind, std::byte* recv,
                      std::span<const std::int64_t> recv_counts,
@@ -499,19 +496,17 @@ class mpi_communicator {
                         header::size_of(kind, recv_counts[j], unit),
                         static_cast<std::size_t>(recv_counts[j]) * unit, what);
       }
-    } catch (...) {
+    } catch (...) { // `step` aborts; the posted sends and receives stay with MPI
       abandoned_->store(true, std::memory_order_release);
-      abort(record_of(std::current_exception(), rank_));
-      send_notices();
       throw;
     }
     for (int i = 1; i < size_; ++i) {
       const int peer = (rank_ + size_ - i) % size_;
       const auto j = static_cast<std::size_t>(peer);
+      const auto bytes = static_cast<std::size_t>(recv_counts[j]) * unit;
       if (messages_.inside(j))
-        messages_.copy_block(j, recv + recv_displs[j] * static_cast<std::int64_t>(unit),
-                             static_cast<std::size_t>(recv_counts[j]) * unit);
-      else
+        messages_.copy_block(j, recv + recv_displs[j] * static_cast<std::int64_t>(unit), bytes);
+      else if (messages_.travels_inside(bytes))
         receive_from(peer);
     }
   }
@@ -523,8 +518,9 @@ class mpi_communicator {
   // `int` displacement to overflow. Pieces of one pair share (source, tag, communicator), and a
   // stream issues its operations in order, so MPI matches every message to its receive.
   // Tagged: each peer's header message leaves with the data, carrying the block itself when it is
-  // small (`mpi_options::tagged_inline_bytes`); a larger block's receive is posted once every
-  // header checked (`check_headers`): one round trip, not a header exchange first.
+  // small (`mpi_options::tagged_inline_bytes`); a larger block's receive is posted with the
+  // headers' and waited for once every header checked (`check_headers`): one round trip, and no
+  // rendezvous waiting for a check. A failed call may thus have written into `recv`.
   void run_all_to_all_v(const std::byte* send, std::span<const std::int64_t> send_counts,
                         std::span<const std::int64_t> send_displs, std::byte* recv,
                         std::span<const std::int64_t> recv_counts,
@@ -559,10 +555,14 @@ class mpi_communicator {
     const auto from = [&](int i) { return (rank_ + size_ - i) % size_; };
     const bool tagged = tag.tagged();
     if (tagged)
-      post_headers(tag, kind, send, send_counts, send_displs, unit, what);
-    else
-      for (int i = 1; i < size_; ++i) // receives first: messages find them posted
+      receive_headers(what);
+    for (int i = 1; i < size_; ++i) { // receives first: messages find them posted
+      const auto j = static_cast<std::size_t>(from(i));
+      if (!tagged || !messages_.travels_inside(static_cast<std::size_t>(recv_counts[j]) * unit))
         receive_from(from(i));
+    }
+    if (tagged)
+      send_headers(tag, kind, send, send_counts, send_displs, unit, what);
     for (int i = 1; i < size_; ++i) { // each rank starts with a different peer
       const int peer = (rank_ + i) % size_;
       const auto j = static_cast<std::size_t>(peer);
@@ -574,7 +574,7 @@ class mpi_communicator {
               "MPI_Isend", what);
       });
     }
-    if (tagged) // a failed call receives nothing, not even its own block
+    if (tagged) // a failed call takes nothing out of its headers, nor its own block
       check_headers(tag, kind, recv, recv_counts, recv_displs, unit, what, receive_from);
     if (send_counts[self] > 0)
       std::memmove(recv + recv_displs[self] * bytes, send + send_displs[self] * bytes,
@@ -598,8 +598,7 @@ class mpi_communicator {
   std::vector<MPI_Request> requests_;  // an all-to-all's receives and sends, reused by every call
   detail::mpi_call_messages messages_; // tagged collectives' headers, with small blocks inside
   std::vector<std::int64_t> counts_layout_; // a tagged count exchange's counts and displacements
-  MPI_Datatype unit_type_ = MPI_DATATYPE_NULL;
-  std::size_t cached_unit_ = 0;
+  detail::mpi_unit_type unit_types_;        // the all-to-all's rows as one MPI element
 };
 
 static_assert(has_tagged_collectives<mpi_communicator> && has_shrink<mpi_communicator> &&

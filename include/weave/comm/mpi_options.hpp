@@ -1,8 +1,9 @@
 //! \file
 //! `mpi_options`, the settings of an `mpi_communicator` (component `weave::mpi`), and the
-//! MPI datatypes of the element types weave reduces.
+//! MPI datatypes of the element types weave reduces and of the rows it moves.
 #pragma once
 
+#include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
 
 #include <mpi.h>
@@ -37,10 +38,10 @@ struct mpi_options {
   std::size_t inline_max_bytes = std::size_t{1} << 22;
   //! A tagged collective (every one a weave layer issues) sends a peer block of at most this
   //! many bytes inside the message of its call header, so the receiver checks the call and takes
-  //! the block in one round trip; a larger block's receive is posted only once its header checked.
-  //! Costs a staging copy of such blocks on each side (which is why larger blocks go alone: at 16
-  //! and 64 KiB the copies cost more than the round trip saved; docs/perf.md) and up to
-  //! (size - 1) x (32 + this) bytes of staging per side, capped at 4 MiB (the limit shrinks
+  //! the block in one round trip; a larger block goes alone, its receive posted beside the
+  //! header's. Costs a staging copy of such blocks on each side (which is why larger blocks go
+  //! alone: at 16 and 64 KiB the copies cost more than the round trip saved; docs/perf.md) and up
+  //! to (size - 1) x (32 + this) bytes of staging per side, capped at 4 MiB (the limit shrinks
   //! beyond 1024 ranks). Set it alike on every rank: a block above the receiver's limit fails the
   //! call with `errc::mpi` (MPI's truncation). 0: headers travel alone.
   std::size_t tagged_inline_bytes = 4096;
@@ -59,6 +60,42 @@ MPI_Datatype mpi_type() {
   else
     return MPI_INT64_T;
 }
+
+//! The contiguous datatype of `unit` bytes an all-to-all moves its rows as, built once per unit
+//! (a caller moves rows of one size call after call).
+class mpi_unit_type {
+ public:
+  //! Sets `type` to the datatype of `unit` bytes (MPI_BYTE for 1); returns MPI's status.
+  int get(std::size_t unit, MPI_Datatype& type) {
+    if (unit == 1) {
+      type = MPI_BYTE;
+      return MPI_SUCCESS;
+    }
+    if (unit != unit_) {
+      free();
+      if (const int status =
+              MPI_Type_contiguous(checked_cast<int>(unit, "unit bytes"), MPI_BYTE, &type_);
+          status != MPI_SUCCESS)
+        return status;
+      if (const int status = MPI_Type_commit(&type_); status != MPI_SUCCESS)
+        return status;
+      unit_ = unit;
+    }
+    type = type_;
+    return MPI_SUCCESS;
+  }
+
+  //! Frees the cached datatype (never throws).
+  void free() noexcept {
+    if (type_ != MPI_DATATYPE_NULL)
+      MPI_Type_free(&type_);
+    unit_ = 0;
+  }
+
+ private:
+  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+  std::size_t unit_ = 0;
+};
 
 } // namespace detail
 
