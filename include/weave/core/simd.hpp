@@ -141,6 +141,40 @@ WEAVE_SIMD_INLINE void bf16_rounded_high(u32x8& out, const f32x8& v) noexcept {
   greater(nan, x & 0x7fffffffu, u32x8{} + 0x7f800000u); // all ones in a NaN's lane
   out = (quiet & nan) | (rounded & ~nan);
 }
+
+#if defined(__x86_64__)
+#define WEAVE_SIMD_BF16_NATIVE 1
+#if defined(__clang__)
+#define WEAVE_SIMD_AVX512_HELPER                                                                   \
+  __attribute__((target("avx2,avx512f,avx512vl,avx512bw,avx512dq"))) inline
+#else
+#define WEAVE_SIMD_AVX512_HELPER WEAVE_SIMD_INLINE
+#endif
+using u16x16 = std::uint16_t __attribute__((vector_size(32)));
+
+//! Stores bfloat16(even[i]) and bfloat16(odd[i]) at `p` as 16 values interleaved (even first),
+//! rounded by the CPU's own conversion (VCVTNE2PS2BF16: nearest even, a NaN quieted, exactly
+//! `bf16_rounded_high`), and returns true; returns false and stores nothing when a lane is
+//! subnormal, which that instruction would flush to zero. Run it only on a CPU with AVX-512 BF16
+//! and VL, from a function compiled for AVX-512. (Written as assembly: a helper without the
+//! intrinsics' target cannot call them. GCC inlines it anywhere and checks the operands where it
+//! lands; Clang checks them in the helper, so there it carries the target, and its inliner takes
+//! it into callers of that target only.)
+WEAVE_SIMD_AVX512_HELPER bool bf16_pairs_native(void* p, const f32x8& even,
+                                                const f32x8& odd) noexcept {
+  unsigned char subnormal_even = 0, subnormal_odd = 0;
+  asm("vfpclassps $0x20, %1, %0" : "=k"(subnormal_even) : "v"(even));
+  asm("vfpclassps $0x20, %1, %0" : "=k"(subnormal_odd) : "v"(odd));
+  if ((subnormal_even | subnormal_odd) != 0) [[unlikely]]
+    return false;
+  const u16x16 interleave = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+  u16x16 halves; // bfloat16(even) in values 0-7, bfloat16(odd) in 8-15
+  asm("vcvtne2ps2bf16 %1, %2, %0" : "=v"(halves) : "v"(even), "v"(odd));
+  asm("vpermw %1, %2, %0" : "=v"(halves) : "v"(halves), "v"(interleave));
+  store(p, halves);
+  return true;
+}
+#endif
 #endif
 
 } // namespace detail::simd

@@ -12,7 +12,8 @@
 //!   loops (`weave/routing/host_merge_row.hpp`);
 //! - on x86-64 with GCC or Clang the converting loops are compiled twice more, for AVX2 and for
 //!   AVX-512 (F, VL, BW, DQ: the same eight-lane vectors, with mask compares and three-input
-//!   logic), and the best copy the CPU runs is taken; products and sums are not fused (GCC:
+//!   logic; bf16 rows once more where the CPU has AVX-512 BF16, rounded by its conversion), and
+//!   the best copy the CPU runs is taken; products and sums are not fused (GCC:
 //!   under any flags; Clang: unless built with -ffp-contract=fast), so every one rounds as in
 //!   the baseline build.
 //! Results equal the element-by-element definition bitwise (same operations, same order); only
@@ -33,6 +34,7 @@
 #include <type_traits>
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <cpuid.h>
 #define WEAVE_HOST_AVX2_CLONE 1
 #define WEAVE_TARGET_AVX2 __attribute__((target("avx2")))
 #define WEAVE_TARGET_AVX512 __attribute__((target("avx2,avx512f,avx512vl,avx512bw,avx512dq")))
@@ -72,27 +74,39 @@ void visit_float(dtype t, const char* what, F&& f) {
 
 //! Instruction sets the converting loops are compiled for, each a superset of the one before.
 enum class host_isa : std::uint8_t {
-  baseline, //!< what the translation unit is compiled for
-  avx2,     //!< x86-64 AVX2 (GCC and Clang builds only)
-  avx512,   //!< x86-64 AVX-512 F/VL/BW/DQ on 256-bit vectors (GCC and Clang builds only)
+  baseline,    //!< what the translation unit is compiled for
+  avx2,        //!< x86-64 AVX2 (GCC and Clang builds only)
+  avx512,      //!< x86-64 AVX-512 F/VL/BW/DQ on 256-bit vectors (GCC and Clang builds only)
+  avx512_bf16, //!< and AVX-512 BF16: bf16 rows rounded by the CPU's conversion
 };
+
+#if WEAVE_HOST_AVX2_CLONE
+// CPUID leaf 7, subleaf 1, EAX bit 5 (the OS's support of the AVX-512 state is the caller's
+// test of AVX-512 VL).
+inline bool cpu_has_avx512_bf16() noexcept {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) != 0 && (a & (1u << 5)) != 0;
+}
+#endif
 
 //! The best of `host_isa` this CPU runs.
 inline host_isa detected_host_isa() noexcept {
 #if WEAVE_HOST_AVX2_CLONE
-  static const host_isa isa = __builtin_cpu_supports("avx512vl") &&
-                                      __builtin_cpu_supports("avx512bw") &&
-                                      __builtin_cpu_supports("avx512dq")
-                                  ? host_isa::avx512
-                              : __builtin_cpu_supports("avx2") ? host_isa::avx2
-                                                               : host_isa::baseline;
+  static const host_isa isa = [] {
+    if (!__builtin_cpu_supports("avx2"))
+      return host_isa::baseline;
+    if (!__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512dq"))
+      return host_isa::avx2;
+    return cpu_has_avx512_bf16() ? host_isa::avx512_bf16 : host_isa::avx512;
+  }();
   return isa;
 #else
   return host_isa::baseline;
 #endif
 }
 
-template <class T>
+template <class T, class Lanes = merge_lanes<T>>
 WEAVE_ALWAYS_INLINE void merge_loop(const const_token_view& src, const token_view& dst,
                                     const std::int64_t* index, std::size_t k, const float* weight,
                                     std::size_t rows, bool skip_empty) {
@@ -107,14 +121,14 @@ WEAVE_ALWAYS_INLINE void merge_loop(const const_token_view& src, const token_vie
     const std::int64_t* idx = index + i * k;
     if (skip_empty && std::none_of(idx, idx + k, [](std::int64_t x) { return x >= 0; }))
       continue;
-    merge_row<T>(src, reinterpret_cast<T*>(dst.row(i)), idx,
-                 weight != nullptr ? weight + i * k : nullptr, k, streaming);
+    merge_row<T, Lanes>(src, reinterpret_cast<T*>(dst.row(i)), idx,
+                        weight != nullptr ? weight + i * k : nullptr, k, streaming);
   }
   end_streaming(streaming);
 }
 
 // Gathers (k = 1, index by destination row) or scatters (index by source row, k per row).
-template <class T, bool Scatter>
+template <class T, bool Scatter, class Lanes = merge_lanes<T>>
 WEAVE_ALWAYS_INLINE void scale_loop(const const_token_view& src, const token_view& dst,
                                     const std::int64_t* index, std::size_t k, const float* scale,
                                     std::size_t rows) {
@@ -127,14 +141,15 @@ WEAVE_ALWAYS_INLINE void scale_loop(const const_token_view& src, const token_vie
     if constexpr (!Scatter) {
       prefetch_sources(i, rows, src.row_bytes(), sources);
       if (index[i] >= 0)
-        scale_row(reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
-                  reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i], streaming);
+        scale_row<T, Lanes>(reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
+                            reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i], streaming);
     } else {
       const T* in = reinterpret_cast<const T*>(src.row(i));
       for (std::size_t j = 0; j < k; ++j)
         if (index[i * k + j] >= 0)
-          scale_row(in, reinterpret_cast<T*>(dst.row(static_cast<std::size_t>(index[i * k + j]))),
-                    src.cols(), scale[i * k + j], streaming);
+          scale_row<T, Lanes>(
+              in, reinterpret_cast<T*>(dst.row(static_cast<std::size_t>(index[i * k + j]))),
+              src.cols(), scale[i * k + j], streaming);
     }
   }
   end_streaming(streaming);
@@ -178,6 +193,20 @@ scale_loop_avx2(const const_token_view& src, const token_view& dst, const std::i
                 std::size_t k, const float* scale, std::size_t rows) {
   scale_loop<T, Scatter>(src, dst, index, k, scale, rows);
 }
+// bf16 rows rounded by the CPU's conversion (`merge_lanes_bf16_native`).
+WEAVE_TARGET_AVX512 WEAVE_UNFUSED inline void
+merge_loop_avx512_bf16(const const_token_view& src, const token_view& dst,
+                       const std::int64_t* index, std::size_t k, const float* weight,
+                       std::size_t rows, bool skip_empty) {
+  merge_loop<bfloat16, merge_lanes_bf16_native>(src, dst, index, k, weight, rows, skip_empty);
+}
+template <bool Scatter>
+WEAVE_TARGET_AVX512 WEAVE_UNFUSED void
+scale_loop_avx512_bf16(const const_token_view& src, const token_view& dst,
+                       const std::int64_t* index, std::size_t k, const float* scale,
+                       std::size_t rows) {
+  scale_loop<bfloat16, Scatter, merge_lanes_bf16_native>(src, dst, index, k, scale, rows);
+}
 #endif
 
 template <bool Scatter>
@@ -186,7 +215,10 @@ void scale_rows_host(const const_token_view& src, const token_view& dst, const s
   visit_float(src.element_type(), "gate-scaled gather", [&]<class T>(T*) {
 #if WEAVE_HOST_AVX2_CLONE
     if constexpr (!std::is_same_v<T, half>) { // f16 converts element by element
-      if (isa == host_isa::avx512)
+      if constexpr (std::is_same_v<T, bfloat16>)
+        if (isa >= host_isa::avx512_bf16)
+          return scale_loop_avx512_bf16<Scatter>(src, dst, index, k, scale, rows);
+      if (isa >= host_isa::avx512)
         return scale_loop_avx512<T, Scatter>(src, dst, index, k, scale, rows);
       if (isa == host_isa::avx2)
         return scale_loop_avx2<T, Scatter>(src, dst, index, k, scale, rows);
@@ -244,7 +276,10 @@ inline void merge_rows_host(const const_token_view& src, const token_view& dst,
   visit_float(src.element_type(), "merge", [&]<class T>(T*) {
 #if WEAVE_HOST_AVX2_CLONE
     if constexpr (!std::is_same_v<T, half>) { // f16 converts element by element
-      if (isa == host_isa::avx512)
+      if constexpr (std::is_same_v<T, bfloat16>)
+        if (isa >= host_isa::avx512_bf16)
+          return merge_loop_avx512_bf16(src, dst, index, k, weight, rows, skip_empty);
+      if (isa >= host_isa::avx512)
         return merge_loop_avx512<T>(src, dst, index, k, weight, rows, skip_empty);
       if (isa == host_isa::avx2)
         return merge_loop_avx2<T>(src, dst, index, k, weight, rows, skip_empty);
