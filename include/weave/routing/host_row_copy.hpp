@@ -1,7 +1,6 @@
 //! \file
-//! Moving host rows at memory speed: two-stage prefetch of scattered source rows, and a 16-byte
-//! row copy with non-temporal stores for outputs larger than the caches. Used by the host row
-//! kernels (`weave/routing/host_row_kernels.hpp`).
+//! Moving host rows at memory speed: a 16-byte row copy with non-temporal stores for outputs
+//! larger than the caches. Used by the host row kernels (`weave/routing/host_row_kernels.hpp`).
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -24,47 +23,9 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 
-// Source rows are prefetched in two stages: `prefetch_far` rows ahead, their first
-// `prefetch_far_bytes` into L2 (the TLB miss and the DRAM latency overlap the rows in between),
-// then `prefetch_near` rows ahead their first two lines into L1.
-inline constexpr std::size_t prefetch_far = 16;
-inline constexpr std::size_t prefetch_near = 2;
-inline constexpr std::size_t prefetch_far_bytes = 4096;
-
 // Bytes a call writes from which row copies use non-temporal stores: beyond the caches, the
 // destination's lines would be read before being overwritten and evict everything else.
 inline constexpr std::size_t streaming_store_bytes = std::size_t{16} << 20;
-
-WEAVE_ALWAYS_INLINE void prefetch_far_row(const std::byte* row, std::size_t bytes) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  bytes = bytes < prefetch_far_bytes ? bytes : prefetch_far_bytes;
-  for (std::size_t o = 0; o < bytes; o += 64)
-    __builtin_prefetch(row + o, 0, 2);
-#else
-  (void)row;
-  (void)bytes;
-#endif
-}
-
-WEAVE_ALWAYS_INLINE void prefetch_near_row(const std::byte* row) noexcept {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(row, 0, 3);
-  __builtin_prefetch(row + 64, 0, 3);
-#else
-  (void)row;
-#endif
-}
-
-// Both stages for row i of a loop over `rows` rows; `sources(r, f)` calls f on each source row
-// of row r.
-template <class Sources>
-WEAVE_ALWAYS_INLINE void prefetch_sources(std::size_t i, std::size_t rows, std::size_t bytes,
-                                          Sources&& sources) {
-  if (i + prefetch_far < rows)
-    sources(i + prefetch_far, [&](const std::byte* row) { prefetch_far_row(row, bytes); });
-  if (i + prefetch_near < rows)
-    sources(i + prefetch_near, [](const std::byte* row) { prefetch_near_row(row); });
-}
 
 // Copies one row with 16-byte loads and stores (non-temporal ones when `streaming`). A vector
 // loop rather than memcpy: glibc's memcpy picks `rep movsb` for row-sized copies, which some

@@ -1,8 +1,8 @@
 //! \file
 //! The row loops under the host kernels (`gather_rows`, `merge_rows` and the host-stream
 //! `row_moves<host_space>`), written to run at memory speed:
-//! - scattered source rows are prefetched ahead, in two stages (each starts with a TLB miss and a
-//!   cold hardware prefetcher);
+//! - scattered source rows are left to the hardware prefetcher (a software prefetch of the rows
+//!   ahead helped the gathers of one row and slowed the merges of several; docs/perf.md);
 //! - rows are copied by a 16-byte vector loop, with non-temporal stores once a call writes more
 //!   than the caches hold (`streaming_store_bytes`), so the destination is not read first;
 //! - the layout moves that have the inverse map scatter instead of gather: each source row is
@@ -111,13 +111,7 @@ WEAVE_ALWAYS_INLINE void merge_loop(const const_token_view& src, const token_vie
                                     const std::int64_t* index, std::size_t k, const float* weight,
                                     std::size_t rows, bool skip_empty) {
   const bool streaming = rows * dst.row_bytes() >= streaming_store_bytes;
-  const auto sources = [&](std::size_t r, auto&& f) {
-    for (std::size_t j = 0; j < k; ++j)
-      if (index[r * k + j] >= 0)
-        f(src.row(static_cast<std::size_t>(index[r * k + j])));
-  };
   for (std::size_t i = 0; i < rows; ++i) {
-    prefetch_sources(i, rows, src.row_bytes(), sources);
     const std::int64_t* idx = index + i * k;
     if (skip_empty && std::none_of(idx, idx + k, [](std::int64_t x) { return x >= 0; }))
       continue;
@@ -133,13 +127,8 @@ WEAVE_ALWAYS_INLINE void scale_loop(const const_token_view& src, const token_vie
                                     const std::int64_t* index, std::size_t k, const float* scale,
                                     std::size_t rows) {
   const bool streaming = dst.rows() * dst.row_bytes() >= streaming_store_bytes;
-  const auto sources = [&](std::size_t r, auto&& f) {
-    if (index[r] >= 0)
-      f(src.row(static_cast<std::size_t>(index[r])));
-  };
   for (std::size_t i = 0; i < rows; ++i) {
     if constexpr (!Scatter) {
-      prefetch_sources(i, rows, src.row_bytes(), sources);
       if (index[i] >= 0)
         scale_row<T, Lanes>(reinterpret_cast<const T*>(src.row(static_cast<std::size_t>(index[i]))),
                             reinterpret_cast<T*>(dst.row(i)), src.cols(), scale[i], streaming);
@@ -238,12 +227,7 @@ inline void gather_rows_host(const const_token_view& src, const token_view& dst,
     return scale_rows_host<false>(src, dst, index, 1, scale, rows, isa);
   const std::size_t bytes = src.row_bytes();
   const bool streaming = dst.rows() * bytes >= streaming_store_bytes;
-  const auto sources = [&](std::size_t r, auto&& f) {
-    if (index[r] >= 0)
-      f(src.row(static_cast<std::size_t>(index[r])));
-  };
   for (std::size_t i = 0; i < rows; ++i) {
-    prefetch_sources(i, rows, bytes, sources);
     if (index[i] >= 0)
       copy_row(dst.row(i), src.row(static_cast<std::size_t>(index[i])), bytes, streaming);
   }
