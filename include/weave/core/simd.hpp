@@ -28,16 +28,20 @@
 #define WEAVE_SIMD_INLINE [[gnu::always_inline]] inline
 // Unrolls the next loop (of a constant trip count) whole: GCC does it at -O3 but at -O2 only
 // where the code does not grow, and a loop over a kernel's inputs left rolled keeps its vectors
-// in memory. (nvcc's front end does not know the pragma: CUDA sources leave it to the host
-// compiler's level.)
+// in memory. WEAVE_UNROLL_BY(n): n times. (nvcc's front end does not know the pragma: CUDA
+// sources leave it to the host compiler's level.)
 #if defined(__CUDACC__)
 #define WEAVE_UNROLL
+#define WEAVE_UNROLL_BY(n)
 #else
 #define WEAVE_UNROLL _Pragma("GCC unroll 8")
+#define WEAVE_UNROLL_BY(n) _Pragma(WEAVE_UNROLL_TEXT(GCC unroll n))
+#define WEAVE_UNROLL_TEXT(x) #x
 #endif
 #else
 #define WEAVE_SIMD 0
 #define WEAVE_UNROLL
+#define WEAVE_UNROLL_BY(n)
 #endif
 
 WEAVE_NAMESPACE_BEGIN
