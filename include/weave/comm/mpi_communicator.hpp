@@ -437,7 +437,7 @@ class mpi_communicator {
 
   MPI_Datatype unit_type(std::size_t unit) {
     MPI_Datatype type = MPI_BYTE;
-    check(unit_types_.get(unit, type), "MPI_Type_contiguous", "all_to_all_v");
+    check(unit_types_.get(unit, type), "MPI_Type_contiguous or MPI_Type_commit", "all_to_all_v");
     return type;
   }
 
@@ -552,14 +552,14 @@ class mpi_communicator {
               "MPI_Irecv", what);
       });
     };
-    const auto from = [&](int i) { return (rank_ + size_ - i) % size_; };
     const bool tagged = tag.tagged();
     if (tagged)
       receive_headers(what);
     for (int i = 1; i < size_; ++i) { // receives first: messages find them posted
-      const auto j = static_cast<std::size_t>(from(i));
+      const int peer = (rank_ + size_ - i) % size_;
+      const auto j = static_cast<std::size_t>(peer);
       if (!tagged || !messages_.travels_inside(static_cast<std::size_t>(recv_counts[j]) * unit))
-        receive_from(from(i));
+        receive_from(peer);
     }
     if (tagged)
       send_headers(tag, kind, send, send_counts, send_displs, unit, what);
