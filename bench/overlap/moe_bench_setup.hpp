@@ -102,11 +102,12 @@ inline void copy_experts(const weave::expert_batch& b) {
   std::memcpy(b.output.data(), b.input.data(), b.input.rows() * b.input.row_bytes());
 }
 
-// A decode layer's experts, copying their inputs to their outputs: one block per expert, or
-// with gathered inputs (`decode_options::gathered_inputs`) each row from where it arrived.
+// A decode layer's experts, copying their inputs to their outputs: one block per expert that
+// received rows, or with gathered inputs (`decode_options::gathered_inputs`) each row from
+// where it arrived.
 template <class Experts>
 void copy_decode_experts(const Experts& xs, bool gathered, std::size_t row_bytes) {
-  for (int l = 0; l < xs.local_experts(); ++l)
+  for (const int l : xs.busy())
     if (gathered) {
       const auto rows = xs.input_rows(l);
       auto* out = reinterpret_cast<std::byte*>(xs.output(l).data());

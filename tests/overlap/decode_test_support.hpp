@@ -101,6 +101,11 @@ std::vector<T> decode_call(Exchange& ex, const moe_test::rank_input<T>& in,
   const auto xs = h.experts();
   const int D = ex.where().num_devices();
   const bool gathered = ex.options().gathered_inputs;
+  std::vector<int> busy; // brute force: the slots that received rows
+  for (int l = 0; l < xs.local_experts(); ++l)
+    if (xs.rows(l) > 0)
+      busy.push_back(l);
+  CHECK(std::vector<int>(xs.busy().begin(), xs.busy().end()) == busy);
   for (int l = 0; l < xs.local_experts(); ++l) {
     const auto output = xs.output(l);
     for (std::int64_t r = 0; r < xs.rows(l); ++r) // (the rows where they arrived, or copies)

@@ -129,6 +129,7 @@ class decode_exchange {
     expert_rows_.assign(spd, 0);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     expert_first_.assign(spd, 0);
+    busy_.reserve(spd);
     gathered_.assign(options_.gathered_inputs ? pool_rows_ : 0, nullptr);
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
@@ -474,9 +475,12 @@ class decode_exchange {
     }
     combine_.place_sends();
     std::size_t first = 0;
+    busy_.clear();
     for (std::size_t l = 0; l < spd(); ++l) {
       expert_first_[l] = static_cast<std::int64_t>(first);
       first += static_cast<std::size_t>(expert_rows_[l]);
+      if (expert_rows_[l] > 0)
+        busy_.push_back(static_cast<int>(l));
     }
     std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in());
     for (std::size_t d = 0; d < world(); ++d) {
@@ -640,6 +644,7 @@ class decode_exchange {
     check_local(l);
     return expert_rows_[static_cast<std::size_t>(l)];
   }
+  std::span<const int> busy_slots() const noexcept { return busy_; }
   std::span<const T> expert_input(int l) const {
     WEAVE_EXPECT(!options_.fp8_dispatch || options_.fp8_dispatch->dequantized_inputs,
                  errc::invalid_state,
@@ -724,6 +729,7 @@ class decode_exchange {
   std::vector<std::int64_t> received_;          // rows per (local slot, source)
   std::vector<std::int64_t> expert_rows_;       // rows per local slot
   std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
+  std::vector<int> busy_;                       // the local slots that received rows, ascending
   std::span<const float> weights_;              // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
