@@ -318,7 +318,7 @@ TEST_CASE("decode_exchange example: one layer, experts queued between dispatch a
     weave::host_stream stream("decode");
     auto h = layer.dispatch(in.x.elements(), in.ids, in.weights, stream); // one all-to-all
     stream.submit([&f, xs = h.experts(), H = o.hidden] { // runs once the dispatch arrived
-      for (int l = 0; l < xs.local_experts(); ++l)       // xs.rows(l, source): rows of each source
+      for (const int l : xs.busy()) // the slots with rows; xs.rows(l, source): rows per source
         for (std::size_t r = 0; r * H < xs.input(l).size(); ++r)
           f.apply(xs.expert(l), xs.input(l).data() + r * H, xs.output(l).data() + r * H);
     });
