@@ -1,20 +1,22 @@
 // Decode-sized MoE layers over MPI, under mpirun (one process per rank), in one run: per layer,
-// the decode exchange with the per-pair combine (`partial_sums = false`; small operations on an
-// idle stream run on the calling thread), the same with every step handed to the stream's worker
-// (`inline_max_bytes = 0`), the dynamic moe_exchange, and the floor: the raw-MPI decode
-// reference, two blocking all-to-alls of the decode's bytes (no packing, no weave). The experts
-// copy their input.
+// the decode exchange (default and per-pair combines, gathered inputs, steps handed off), the
+// dynamic moe_exchange, and two raw-MPI baselines without weave: the bytes floor (two blocking
+// all-to-alls of the decode's bytes: no packing, no experts, no sums) and the raw-MPI decode
+// reference (the same layer written by hand with plain MPI and loops: the same bytes, experts
+// and sums; raw_mpi_decode.hpp). The experts copy their input.
 // Every iteration is one layer on every rank after a barrier, timed as the slowest rank's
 // (MPI_Allreduce max). Only rank 0 reports. Arguments: tokens per rank, hidden (bf16), experts
-// (k = 8), mode (0 decode per-pair, 1 its steps handed off, 2 dynamic, 3 raw MPI: one
-// MPI_Alltoallv of the decode's dispatch messages, one of its combine's rows, each rank's own
-// message a header as in weave; 4 decode with the default combine (`partial_sums`), 5 its
-// raw-MPI floor, 6 the default combine with gathered inputs: the experts copy each row from
-// where it arrived, `decode_experts::input_rows`).
+// (k = 8), mode (0 decode per-pair, 1 its steps handed off, 2 dynamic, 3 bytes floor of the
+// per-pair decode: one MPI_Alltoallv of its dispatch messages, one of its combine's rows, each
+// rank's own message a header as in weave; 4 decode with the default combine (`partial_sums`),
+// 5 its bytes floor, 6 the default combine with gathered inputs: the experts copy each row from
+// where it arrived, `decode_experts::input_rows`; 7 the raw-MPI decode reference, its output
+// checked once to equal the default decode layer's bitwise).
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
 #include "moe_bench_setup.hpp"
+#include "raw_mpi_decode.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
 #include <weave/core/dtype.hpp>
@@ -118,6 +120,29 @@ void decode_layer_mpi(benchmark::State& state) {
       compute.synchronize();
       stream.synchronize();
     });
+  } else if (mode == 7) {
+    raw_mpi_decode::layer ref(MPI_COMM_WORLD, tokens, hidden, experts, k);
+    const auto bits = [](std::span<row_t> v) {
+      return std::span<std::uint16_t>(reinterpret_cast<std::uint16_t*>(v.data()), v.size());
+    };
+    const auto x = bits(d.x.elements()), y = bits(d.y.elements());
+    ref.run(x, d.ids, d.weights, y);
+    { // the reference computes weave's layer bitwise (the same f32 sums in the same order)
+      weave::host_matrix<row_t> expected(tokens, hidden);
+      weave::decode_exchange<weave::mpi_communicator, row_t> ex(comm, where, o);
+      auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
+      weave::run_inline_or_submit(
+          stream, [xs = h.experts(), row] { moe_bench::copy_decode_experts(xs, false, row); });
+      ex.combine(h, expected.elements(), stream);
+      stream.synchronize();
+      int equal = std::memcmp(expected.data(), d.y.data(), y.size() * sizeof(row_t)) == 0;
+      MPI_Allreduce(MPI_IN_PLACE, &equal, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); // all, or none
+      if (!equal) {
+        state.SkipWithError("the raw-MPI reference's output differs from weave's decode layer");
+        return;
+      }
+    }
+    run([&] { ref.run(x, d.ids, d.weights, y); });
   } else { // the floor: the decode's bytes in two blocking all-to-alls, no packing
     std::vector<int> dispatch_counts(static_cast<std::size_t>(n),
                                      static_cast<int>(dispatch_per_peer));
@@ -151,7 +176,7 @@ void decode_layer_mpi(benchmark::State& state) {
   static const char* const labels[] = {
       "decode, per-pair combine", "decode per-pair, handed off", "dynamic",
       "raw MPI floor, per-pair",  "decode (default combine)",    "raw MPI floor, default combine",
-      "decode, gathered inputs"};
+      "decode, gathered inputs",  "raw-MPI decode reference"};
   state.SetLabel(labels[mode]);
 }
 
@@ -162,7 +187,7 @@ int main(int argc, char** argv) {
     for (const int experts : {32, 256})
       for (const int hidden : {256, 2048})
         for (const int tokens : {1, 8, 64, 256, 512})
-          for (const int mode : {0, 1, 2, 3, 4, 5, 6}) // each shape's modes side by side
+          for (const int mode : {0, 1, 2, 3, 4, 5, 6, 7}) // each shape's modes side by side
             benchmark::RegisterBenchmark("decode_layer_mpi", decode_layer_mpi)
                 ->Args({tokens, hidden, experts, mode})
                 ->ArgNames({"tokens", "hidden", "experts", "mode"})
