@@ -90,8 +90,7 @@ class decode_exchange {
             detail::agree_on_decode(comm, where, options, dtype_of_v<T>, "decode_exchange", true))
       , where_(std::move(where))
       , options_(options)
-      , rank_(comm.rank())
-      , plan_(where_, options.k, comm.rank()) {
+      , rank_(comm.rank()) {
     const auto D = static_cast<std::size_t>(comm.size());
     const auto spd = static_cast<std::size_t>(where_.slots_per_device());
     const auto k = static_cast<std::size_t>(options_.k);
@@ -137,18 +136,6 @@ class decode_exchange {
                          std::byte{0});
       expert_wire_.assign(checked_mul(pool_rows_, wire_.stride, "wire bytes"), std::byte{0});
     }
-    // Sizes the plan's buffers for the largest call (every token choosing k experts spread over
-    // as many devices as it can): later builds do not allocate.
-    std::vector<std::int32_t> spread;
-    for (std::size_t j = 0; spread.size() < k && j < D * spd; ++j) {
-      const int e = where_.expert_of_slot(static_cast<int>((j % D) * spd + j / D));
-      if (std::find(spread.begin(), spread.end(), e) == spread.end())
-        spread.push_back(e);
-    }
-    std::vector<std::int32_t> ids(pairs);
-    for (std::size_t p = 0; p < pairs; ++p)
-      ids[p] = spread[p % k];
-    plan_.build(ids, std::vector<float>(pairs, 0.0f));
   }
 
   decode_exchange(const decode_exchange&) = delete;
@@ -358,7 +345,8 @@ class decode_exchange {
           const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
           const std::size_t tokens = detail::decode_call_tokens(options_, x.size(), ids.size(),
                                                                 weights.size(), "decode_exchange");
-          plan_.build(ids, weights); // the exchanges' one validation of ids and weights
+          // The exchanges' one validation of ids and weights (the dynamic exchange's plan's).
+          detail::check_routing(ids, weights, k, where_.num_experts());
           weights_ = weights;
           const auto* rows = reinterpret_cast<const std::byte*>(x.data());
           if (options_.fp8_dispatch) { // each token once; a NaN or an inf fails the call
@@ -370,16 +358,15 @@ class decode_exchange {
           // One record per (token, device): the row once, then the token's local slots there
           // in choice order (-1 after the last); one combine row per (token, expert) pair.
           const std::size_t row = wire_row();
-          const std::span<const std::int32_t> kept = plan_.kept_experts();
           std::fill(records_.begin(), records_.end(), 0);
           std::fill(pairs_to_.begin(), pairs_to_.end(), 0);
           std::fill(last_token_.begin(), last_token_.end(), -1);
           for (std::size_t p = 0; p < tokens * k; ++p) {
             pair_slot_[p] = -1;
-            if (kept[p] < 0)
+            if (ids[p] < 0)
               continue;
             const std::size_t t = p / k;
-            const int slot = where_.slot_for(kept[p], t, rank_);
+            const int slot = where_.slot_for(ids[p], t, rank_);
             const auto d = static_cast<std::size_t>(slot) / spd();
             const auto l = static_cast<std::int32_t>(static_cast<std::size_t>(slot) % spd());
             std::byte* message = sent(d, dispatch_);
@@ -450,8 +437,13 @@ class decode_exchange {
   void deliver_records() {
     const bool fp8 = options_.fp8_dispatch.has_value();
     const std::size_t row = wire_row(), per_source = records_layout_.pairs();
-    std::fill(expert_rows_.begin(), expert_rows_.end(), 0);
-    std::fill(received_.begin(), received_.end(), 0);
+    for (const int l : busy_) { // only the slots the last call fed hold counts
+      expert_rows_[static_cast<std::size_t>(l)] = 0;
+      std::fill_n(received_.begin() +
+                      static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * world()),
+                  world(), 0);
+    }
+    busy_.clear();
     for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `send_`
       std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
@@ -463,6 +455,8 @@ class decode_exchange {
         for (std::size_t c = 0; c < static_cast<std::size_t>(got.count); ++c) {
           const auto slot = static_cast<std::size_t>(record_slots_[c]);
           const float w = options_.partial_sums ? records_layout_.weight(message, r, c) : 0.0f;
+          if (expert_rows_[slot] == 0)
+            busy_.push_back(record_slots_[c]);
           arrivals_[d * per_source + pairs++] = {record_slots_[c], expert_rows_[slot]++,
                                                  static_cast<std::int64_t>(r), w};
           ++received_[slot * world() + d];
@@ -474,13 +468,18 @@ class decode_exchange {
         combine_.send_counts[d] = combine_bytes(options_.partial_sums ? n : pairs);
     }
     combine_.place_sends();
+    if (busy_.size() * 8 < spd()) { // the pool holds the slots' rows in slot order
+      std::sort(busy_.begin(), busy_.end());
+    } else { // most slots fed: a scan is cheaper than a sort
+      busy_.clear();
+      for (std::size_t l = 0; l < spd(); ++l)
+        if (expert_rows_[l] > 0)
+          busy_.push_back(static_cast<int>(l));
+    }
     std::size_t first = 0;
-    busy_.clear();
-    for (std::size_t l = 0; l < spd(); ++l) {
-      expert_first_[l] = static_cast<std::int64_t>(first);
-      first += static_cast<std::size_t>(expert_rows_[l]);
-      if (expert_rows_[l] > 0)
-        busy_.push_back(static_cast<int>(l));
+    for (const int l : busy_) {
+      expert_first_[static_cast<std::size_t>(l)] = static_cast<std::int64_t>(first);
+      first += static_cast<std::size_t>(expert_rows_[static_cast<std::size_t>(l)]);
     }
     std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in());
     for (std::size_t d = 0; d < world(); ++d) {
@@ -684,8 +683,9 @@ class decode_exchange {
   const T* pool_out() const noexcept {
     return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
   }
-  std::size_t first_row(int l) const noexcept {
-    return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(l)]);
+  std::size_t first_row(int l) const noexcept { // an empty slot's (stale) first row unused
+    const auto i = static_cast<std::size_t>(l);
+    return expert_rows_[i] == 0 ? 0 : static_cast<std::size_t>(expert_first_[i]);
   }
 
   void release_handle(std::uint64_t call) noexcept {
@@ -701,7 +701,6 @@ class decode_exchange {
   placement where_;
   decode_options options_;
   int rank_ = 0;
-  dispatch_plan plan_;
   std::size_t pool_rows_ = 0, tokens_ = 0;
   phase_layout dispatch_, combine_;    // the two all-to-alls' messages
   std::vector<std::byte> send_, recv_; // [rank][message] of the larger phase (recv_: then the pool)

@@ -45,6 +45,39 @@ struct dropped_route {
   friend bool operator==(const dropped_route&, const dropped_route&) = default;
 };
 
+namespace detail {
+
+// Checks pair p of `ids` / `weights` (k per token; ids[p] != -1) as `dispatch_plan::build`
+// does: an id in [0, E), not chosen twice by its token, a finite weight. Token numbers in the
+// messages count from `token_offset`.
+inline void check_pair(std::span<const std::int32_t> ids, std::span<const float> weights,
+                       std::size_t p, std::size_t k, int E, std::size_t token_offset) {
+  const std::int32_t e = ids[p];
+  const std::size_t t = p / k;
+  WEAVE_EXPECT(e >= 0 && e < E, errc::out_of_range, "expert id ", e, " of token ", token_offset + t,
+               " outside [-1, ", E, ")");
+  for (std::size_t j = t * k; j < p; ++j)
+    WEAVE_EXPECT(ids[j] != e, errc::invalid_argument, "token ", token_offset + t,
+                 " chooses expert ", e, " twice");
+  WEAVE_EXPECT(is_finite(weights[p]), errc::invalid_argument, "weight ", weights[p], " of token ",
+               token_offset + t, " for expert ", e);
+}
+
+// Checks every pair of `ids` / `weights` (as many, k per token, -1 = no expert) as
+// `dispatch_plan::build` does, without building a plan.
+inline void check_routing(std::span<const std::int32_t> ids, std::span<const float> weights,
+                          std::size_t k, int E) {
+  WEAVE_EXPECT(k > 0 && ids.size() % k == 0, errc::size_mismatch, ids.size(),
+               " ids are not a whole number of tokens with k = ", k);
+  WEAVE_EXPECT(weights.size() == ids.size(), errc::size_mismatch, weights.size(), " weights for ",
+               ids.size(), " ids");
+  for (std::size_t p = 0; p < ids.size(); ++p)
+    if (ids[p] != -1)
+      check_pair(ids, weights, p, k, E, 0);
+}
+
+} // namespace detail
+
 //! Sender-side plan: ORI -> SFD and back. Reusable; rebuilding with at most as many tokens
 //! does not allocate.
 class dispatch_plan {
@@ -101,13 +134,7 @@ class dispatch_plan {
         const std::int32_t e = ids[p];
         if (e == -1)
           continue;
-        WEAVE_EXPECT(e >= 0 && e < E, errc::out_of_range, "expert id ", e, " of token ",
-                     token_offset + t, " outside [-1, ", E, ")");
-        for (std::size_t j = 0; j < i; ++j)
-          WEAVE_EXPECT(ids[t * kk + j] != e, errc::invalid_argument, "token ", token_offset + t,
-                       " chooses expert ", e, " twice");
-        WEAVE_EXPECT(detail::is_finite(weights[p]), errc::invalid_argument, "weight ", weights[p],
-                     " of token ", token_offset + t, " for expert ", e);
+        detail::check_pair(ids, weights, p, kk, E, token_offset);
         if (!keep.empty() && keep[p] == 0) {
           dropped_.push_back(
               {static_cast<std::int64_t>(token_offset + t), static_cast<std::int32_t>(i), e});
