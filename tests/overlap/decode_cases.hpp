@@ -36,8 +36,9 @@ inline std::size_t tokens_of(int rank, int call) {
 template <class T, class Comm>
 void check_against_reference(Comm& comm, const weave::placement& where, bool partial_sums = false,
                              bool gathered_inputs = false) {
+  const int num_experts = where.num_experts(); // the routing's, the placement's count
   const int rank = comm.rank(), D = comm.size();
-  const moe_test::linear_experts f(experts, hidden, 11);
+  const moe_test::linear_experts f(num_experts, hidden, 11);
   weave::decode_options o = options();
   o.partial_sums = partial_sums;
   o.gathered_inputs = gathered_inputs;
@@ -47,7 +48,7 @@ void check_against_reference(Comm& comm, const weave::placement& where, bool par
     std::vector<moe_test::rank_input<T>> inputs;
     for (int r = 0; r < D; ++r) {
       std::mt19937 rng(static_cast<std::uint32_t>(100 * call + r));
-      inputs.push_back(moe_test::random_input<T>(tokens_of(r, call), hidden, experts, k, rng));
+      inputs.push_back(moe_test::random_input<T>(tokens_of(r, call), hidden, num_experts, k, rng));
     }
     std::vector<std::int64_t> rows;
     const auto y = decode_call(ex, inputs[static_cast<std::size_t>(rank)], f, s, &rows);

@@ -27,6 +27,21 @@ TEST_CASE_TEMPLATE("decode_exchange equals the naive reference on 2 and 4 ranks"
   }
 }
 
+TEST_CASE("decode_exchange with 128 slots per rank, most idle in a call, equals the reference") {
+  // A call feeds a few of many slots (E = 256 on 2 ranks): the resets and the pool's order
+  // follow the slots fed, call after call, for either combine and gathered inputs.
+  weave::local_world world(2);
+  for (const bool partial_sums : {true, false})
+    for (const bool gathered : {false, true}) {
+      CAPTURE(partial_sums);
+      CAPTURE(gathered);
+      world.run([&](local& c) {
+        decode_test::check_against_reference<float>(c, weave::placement::contiguous(256, 2),
+                                                    partial_sums, gathered);
+      });
+    }
+}
+
 TEST_CASE("decode_exchange with replicated experts equals the naive reference") {
   // 2 ranks of 6 slots: experts 0, 1, 4 and 5 have a replica on each rank.
   const weave::placement where(8, 2, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 0, 1});
