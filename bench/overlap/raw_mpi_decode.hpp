@@ -108,14 +108,10 @@ class layer {
               std::memcpy(&expert_out_[pair++ * hidden_], &x[t * hidden_], hidden_ * 2);
         continue;
       }
-      const std::int64_t records = count_from(s);
-      for (std::int64_t i = 0; i < records; ++i) {
-        const std::byte* r = record(recv_.data(), s, i);
-        std::int32_t m = 0;
-        std::memcpy(&m, r + 4, 4);
+      for_each_record(s, [&](std::int64_t, const std::byte* r, std::int32_t m) {
         for (std::int32_t c = 0; c < m; ++c)
           std::memcpy(&expert_out_[pair++ * hidden_], r + header_bytes(), hidden_ * 2);
-      }
+      });
     }
     pair = 0;
     for (std::size_t s = 0; s < n; ++s) {
@@ -134,11 +130,7 @@ class layer {
         }
         continue;
       }
-      const std::int64_t records = count_from(s);
-      for (std::int64_t i = 0; i < records; ++i) {
-        const std::byte* r = record(recv_.data(), s, i);
-        std::int32_t m = 0;
-        std::memcpy(&m, r + 4, 4);
+      for_each_record(s, [&](std::int64_t i, const std::byte* r, std::int32_t m) {
         std::fill(acc_.begin(), acc_.end(), 0.0f);
         for (std::int32_t c = 0; c < m; ++c) {
           float w = 0;
@@ -146,7 +138,7 @@ class layer {
           accumulate(&expert_out_[pair++ * hidden_], w);
         }
         store(out + static_cast<std::size_t>(i) * hidden_);
-      }
+      });
     }
     // Combine: each source's records' rows back to it.
     for (std::size_t d = 0; d < n; ++d) {
@@ -182,6 +174,17 @@ class layer {
   }
   std::byte* record(std::byte* base, std::size_t peer, std::int64_t i) const {
     return base + peer * per_peer_ + 16 + static_cast<std::size_t>(i) * record_;
+  }
+  // Calls f(i, record, choices) for each record peer s sent, in order.
+  template <class F>
+  void for_each_record(std::size_t s, F&& f) {
+    const std::int64_t records = count_from(s);
+    for (std::int64_t i = 0; i < records; ++i) {
+      const std::byte* r = record(recv_.data(), s, i);
+      std::int32_t m = 0;
+      std::memcpy(&m, r + 4, 4);
+      f(i, r, m);
+    }
   }
   std::int64_t count_from(std::size_t peer) const {
     std::int64_t c = 0;
