@@ -34,9 +34,9 @@
 #define WEAVE_UNROLL
 #define WEAVE_UNROLL_BY(n)
 #else
-#define WEAVE_UNROLL _Pragma("GCC unroll 8")
 #define WEAVE_UNROLL_BY(n) _Pragma(WEAVE_UNROLL_TEXT(GCC unroll n))
 #define WEAVE_UNROLL_TEXT(x) #x
+#define WEAVE_UNROLL WEAVE_UNROLL_BY(8)
 #endif
 #else
 #define WEAVE_SIMD 0
