@@ -286,6 +286,28 @@ TEST_CASE("inline tasks keep the stream's failure rules") {
   CHECK_NOTHROW(s.synchronize());
 }
 
+TEST_CASE("idle says whether work is left, and record_unless_idle records only then") {
+  weave::host_stream s;
+  CHECK(s.idle());
+  weave::host_event e = s.record(); // reached at once
+  CHECK(e.query());
+  weave::record_unless_idle(s, e); // nothing left: e keeps its reached point
+  CHECK(e.query());
+  std::promise<void> gate;
+  s.submit([opened = gate.get_future().share()] { opened.wait(); });
+  CHECK_FALSE(s.idle());
+  weave::record_unless_idle(s, e); // behind the gated task
+  CHECK_FALSE(e.query());
+  gate.set_value();
+  e.synchronize();
+  s.synchronize();
+  CHECK(s.idle());
+  s.begin_capture(); // never idle while capturing (and no throw, unlike query)
+  CHECK_FALSE(s.idle());
+  s.end_capture();
+  CHECK(s.idle());
+}
+
 TEST_CASE("a capturing stream never runs a task inline") {
   weave::host_stream s;
   s.begin_capture();

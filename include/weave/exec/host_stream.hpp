@@ -289,6 +289,7 @@ class host_stream {
     drained_.wait(lock, [&] { return pending_ == 0; });
     if (failure_) {
       std::exception_ptr failure = std::exchange(failure_, nullptr);
+      has_failure_.store(false, std::memory_order_relaxed);
       lock.unlock();
       std::rethrow_exception(failure);
     }
@@ -297,6 +298,15 @@ class host_stream {
   //! True when every submitted task has finished.
   bool query() const {
     check_not_capturing("query");
+    std::lock_guard lock(mutex_);
+    return pending_ == 0;
+  }
+
+  //! `query()` for a layer that records an event only when work is left: true when nothing is
+  //! queued or running and no capture is on (false, not an error, while capturing).
+  bool idle() const noexcept {
+    if (capturing_)
+      return false;
     std::lock_guard lock(mutex_);
     return pending_ == 0;
   }
@@ -447,20 +457,30 @@ class host_stream {
     work_ready_.notify_one();
   }
 
+  // The failure reads skip the lock while the stream has none (the common case): a failure is
+  // set by this stream's own tasks, which run one at a time, so the task reading it next was
+  // ordered after the set by the claim or the queue (both under `mutex_`).
   std::exception_ptr current_failure() const {
+    if (!has_failure_.load(std::memory_order_acquire))
+      return nullptr;
     std::lock_guard lock(mutex_);
     return failure_;
   }
 
   std::exception_ptr take_failure() {
+    if (!has_failure_.load(std::memory_order_acquire))
+      return nullptr;
     std::lock_guard lock(mutex_);
+    has_failure_.store(false, std::memory_order_relaxed);
     return std::exchange(failure_, nullptr);
   }
 
   void fail(std::exception_ptr failure) {
     std::lock_guard lock(mutex_);
-    if (!failure_)
+    if (!failure_) {
       failure_ = std::move(failure);
+      has_failure_.store(true, std::memory_order_release);
+    }
   }
 
   void run() {
@@ -494,8 +514,9 @@ class host_stream {
   std::deque<entry> queue_;
   std::size_t pending_ = 0;
   bool stopping_ = false;
-  bool inline_running_ = false; // a task runs on a caller's thread (see try_begin_inline)
-  std::exception_ptr failure_;  // first failure since the last synchronize(); under mutex_
+  bool inline_running_ = false;          // a task runs on a caller's thread (see try_begin_inline)
+  std::exception_ptr failure_;           // first failure since the last synchronize(); under mutex_
+  std::atomic<bool> has_failure_{false}; // failure_ is set (written under mutex_)
   // The capture this stream belongs to (under `host_capture::lock()`), and whether it has one.
   std::shared_ptr<detail::host_capture> capture_;
   std::atomic<bool> capturing_{false};

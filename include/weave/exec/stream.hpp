@@ -49,6 +49,19 @@ void run_inline_or_submit(S& s, F&& task) {
     s.submit(std::forward<F>(task));
 }
 
+//! Moves `e` to the end of `s`'s queue unless `s` can tell that nothing is left on it
+//! (`host_stream::idle`): an event that only says when a layer's queued work has run (to wait
+//! for it at destruction) need not be recorded after a call that ran on the calling thread.
+template <stream S>
+void record_unless_idle(S& s, typename S::event_type& e) {
+  if constexpr (requires {
+                  { s.idle() } -> std::convertible_to<bool>;
+                })
+    if (s.idle())
+      return;
+  s.record(e);
+}
+
 //! Makes `consumer` wait for everything submitted to `producer` so far.
 template <stream S>
 void order_after(S& consumer, S& producer) {
