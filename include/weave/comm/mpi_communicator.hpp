@@ -385,7 +385,8 @@ class mpi_communicator {
   // is the request's own error (MPI_Testall would report MPI_ERR_IN_STATUS). The statuses are
   // left in `statuses_`.
   void wait_all(std::span<MPI_Request> requests, const char* what) {
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    // Read the clock first at the first check: most small waits end before it.
+    std::optional<std::chrono::steady_clock::time_point> deadline;
     statuses_.resize(requests.size());
     struct abandon_guard { // leaving without completing abandons the requests (see ~)
       std::atomic<bool>& abandoned;
@@ -423,7 +424,10 @@ class mpi_communicator {
         send_notices();
         throw_failed(what);
       }
-      if (std::chrono::steady_clock::now() > deadline) {
+      const auto now = std::chrono::steady_clock::now();
+      if (!deadline)
+        deadline = now + options_.timeout;
+      else if (now > *deadline) {
         const std::string message =
             detail::concat("mpi_communicator rank ", rank_, ": ", what, " did not complete within ",
                            options_.timeout.count(),
