@@ -7,9 +7,12 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cmath>
+#include <future>
 #include <limits>
 #include <random>
+#include <thread>
 
 namespace decode_test {
 
@@ -109,6 +112,48 @@ void check_queued_calls(Comm& comm) {
     CHECK(bitwise_equal(
         ys[static_cast<std::size_t>(call)],
         expected(inputs[static_cast<std::size_t>(call)], options(), f, where, comm.rank())));
+}
+
+// A layer destroyed while its last call is still queued (behind a gated task) waits for that
+// call: the combine's output is complete when the destructor returns. A call that ran on the
+// calling thread first leaves nothing queued, so the layer records no event for it; the queued
+// call's must still be recorded.
+template <class Comm>
+void check_destroyed_while_queued(Comm& comm) {
+  const moe_test::linear_experts f(experts, hidden, 3);
+  const auto where = weave::placement::contiguous(experts, comm.size());
+  typename Comm::stream_type s("decode"); // outlives the layer
+  std::vector<moe_test::rank_input<float>> inputs;
+  for (int call = 0; call < 2; ++call) {
+    std::mt19937 rng(static_cast<std::uint32_t>(20 * comm.rank() + call));
+    inputs.push_back(
+        moe_test::random_input<float>(tokens_of(comm.rank(), call), hidden, experts, k, rng));
+  }
+  std::vector<float> queued_y(inputs[1].x.rows() * hidden, -7.0f);
+  std::promise<void> gate;
+  std::thread opener;
+  {
+    weave::decode_exchange<Comm, float> ex(comm, where, options());
+    CHECK(bitwise_equal(decode_call(ex, inputs[0], f, s),
+                        expected(inputs[0], options(), f, where, comm.rank())));
+    s.submit([opened = gate.get_future().share()] { opened.wait(); });
+    auto h = ex.dispatch(inputs[1].x.elements(), inputs[1].ids, inputs[1].weights, s);
+    s.submit([&f, xs = h.experts()] {
+      for (int l = 0; l < xs.local_experts(); ++l)
+        for (std::int64_t r = 0; r < xs.rows(l); ++r)
+          f.apply(xs.expert(l), xs.input(l).data() + r * static_cast<std::int64_t>(hidden),
+                  xs.output(l).data() + r * static_cast<std::int64_t>(hidden));
+    });
+    ex.combine(h, std::span<float>(queued_y), s);
+    CHECK_FALSE(s.query()); // still queued behind the gate
+    opener = std::thread([&gate] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      gate.set_value();
+    });
+  } // waits for the queued call
+  CHECK(bitwise_equal(queued_y, expected(inputs[1], options(), f, where, comm.rank())));
+  opener.join();
+  s.synchronize();
 }
 
 // How `bad` corrupts one rank's call.

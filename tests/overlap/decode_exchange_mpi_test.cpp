@@ -43,3 +43,8 @@ TEST_CASE("decode_exchange over MPI: calls queued back to back without waiting")
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_queued_calls(comm);
 }
+
+TEST_CASE("decode_exchange over MPI: destroyed with a call still queued, it waits for it") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_destroyed_while_queued(comm);
+}

@@ -223,6 +223,15 @@ TEST_CASE("decode_exchange: calls queued back to back without waiting equal the 
   }
 }
 
+TEST_CASE("decode_exchange destroyed with a call still queued waits for it, after calls that "
+          "ran on the calling thread") {
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks);
+    world.run([&](local& c) { decode_test::check_destroyed_while_queued(c); });
+  }
+}
+
 TEST_CASE("decode_exchange fail-stop: one rank's bad call fails every rank, none hangs") {
   for (int ranks : {2, 4}) {
     CAPTURE(ranks);

@@ -201,7 +201,7 @@ class decode_exchange {
     run_inline_or_submit(s, [this, x, ids, weights] { pack_dispatch(x, ids, weights); });
     exchange(s, dispatch_);
     run_inline_or_submit(s, [this, call] { unpack_dispatch(call); });
-    s.record(last_);
+    record_unless_idle(s, last_);
     return handle(this, call, life_);
   }
 
@@ -218,7 +218,7 @@ class decode_exchange {
     run_inline_or_submit(s, [this, y, call = h.call_] { pack_combine(y, call); });
     exchange(s, combine_);
     run_inline_or_submit(s, [this, y] { unpack_combine(y); });
-    s.record(last_);
+    record_unless_idle(s, last_);
     h.reset();
   }
 
@@ -557,11 +557,16 @@ class decode_exchange {
       merge_index_[at] = static_cast<std::int64_t>(pool_row(a));
       merge_weight_[at] = a.weight;
     }
-    merge_rows(const_token_view(reinterpret_cast<const std::byte*>(pool_out()), pool_rows_,
-                                options_.hidden, dtype_of_v<T>),
-               token_view(out, n, options_.hidden, dtype_of_v<T>),
-               std::span<const std::int64_t>(merge_index_.data(), n * C), static_cast<int>(C),
-               std::span<const float>(merge_weight_.data(), n * C));
+    merge(const_token_view(reinterpret_cast<const std::byte*>(pool_out()), pool_rows_,
+                           options_.hidden, dtype_of_v<T>),
+          token_view(out, n, options_.hidden, dtype_of_v<T>), merge_index_.data(), C,
+          merge_weight_.data());
+  }
+  // `merge_rows` without its argument checks (a pass over every index, a few hundred cycles
+  // of a one-token layer): the layer builds the indices from records it checked on arrival.
+  static void merge(const const_token_view& src, const token_view& dst, const std::int64_t* index,
+                    std::size_t k, const float* weight = nullptr) {
+    detail::merge_rows_host(src, dst, index, k, weight, dst.rows(), false);
   }
 
   // The weighted sum of each token's returned rows, in choice order; with partial sums, the sum
@@ -592,9 +597,7 @@ class decode_exchange {
                     pool_out_row_ + pool_row(own_pairs[static_cast<std::size_t>(pair_pos_[p])]))
               : returned_row(d, pair_pos_[p]);
     }
-    merge_rows(returned_rows_view(), output_view(y),
-               std::span<const std::int64_t>(sum_rows_.data(), pairs), options_.k,
-               weights_.first(pairs));
+    merge(returned_rows_view(), output_view(y), sum_rows_.data(), k, weights_.data());
   }
   token_view output_view(std::span<T> y) const {
     return token_view(reinterpret_cast<std::byte*>(y.data()), tokens_, options_.hidden,
@@ -613,9 +616,7 @@ class decode_exchange {
             return returned_row(static_cast<std::size_t>(d), record);
           },
           sum_rows_.data() + t * per_token);
-    merge_rows(returned_rows_view(), output_view(y),
-               std::span<const std::int64_t>(sum_rows_.data(), tokens_ * per_token),
-               static_cast<int>(per_token));
+    merge(returned_rows_view(), output_view(y), sum_rows_.data(), per_token);
   }
 
   // --- what the handle reads -----------------------------------------------------------------
@@ -734,8 +735,9 @@ class decode_exchange {
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
   bool held_ = false, combined_ = false;
-  stream_type* stream_ = nullptr;         // the stream of every call
-  typename stream_type::event_type last_; // the end of the last call's work (destruction waits)
+  stream_type* stream_ = nullptr; // the stream of every call
+  // The end of the last call's work left queued (destruction waits for it).
+  typename stream_type::event_type last_;
   std::shared_ptr<detail::layer_life> life_ = std::make_shared<detail::layer_life>();
 };
 
