@@ -110,6 +110,8 @@ class decode_exchange {
     own_token_.assign(M, 0);
     const std::size_t pairs = checked_mul(M, k, "pairs");
     pair_slot_.assign(pairs, -1);
+    pair_device_.assign(pairs, 0);
+    row_devices_.assign(std::min(D, k), 0);
     sum_rows_.assign(pairs, -1);
     pair_pos_.assign(pairs, 0);
     records_.assign(D, 0);
@@ -358,38 +360,47 @@ class decode_exchange {
           // One record per (token, device): the row once, then the token's local slots there
           // in choice order (-1 after the last); one combine row per (token, expert) pair.
           const std::size_t row = wire_row();
-          std::fill(records_.begin(), records_.end(), 0);
-          std::fill(pairs_to_.begin(), pairs_to_.end(), 0);
-          std::fill(last_token_.begin(), last_token_.end(), -1);
-          for (std::size_t p = 0; p < tokens * k; ++p) {
-            pair_slot_[p] = -1;
-            if (ids[p] < 0)
-              continue;
-            const std::size_t t = p / k;
-            const int slot = where_.slot_for(ids[p], t, rank_);
-            const auto d = static_cast<std::size_t>(slot) / spd();
-            const auto l = static_cast<std::int32_t>(static_cast<std::size_t>(slot) % spd());
-            std::byte* message = sent(d, dispatch_);
-            if (last_token_[d] != static_cast<std::int64_t>(t)) { // the token's record on d
-              last_token_[d] = static_cast<std::int64_t>(t);
-              const auto r = static_cast<std::size_t>(records_[d]++);
-              if (d == own())
-                own_token_[r] = static_cast<std::int64_t>(t); // the row stays in `rows`
-              else
-                std::memcpy(records_layout_.row(message, r), rows + t * row, row);
-              records_layout_.clear_choices(message, r);
-              next_choice_[d] = 0;
+          // The per-device counters as plain pointers: the row copies write through bytes,
+          // which would make the compiler reload every vector's data pointer after each.
+          std::int64_t* const records = records_.data();
+          std::int64_t* const pairs_to = pairs_to_.data();
+          std::int64_t* const last_token = last_token_.data();
+          std::size_t* const next_choice = next_choice_.data();
+          std::fill_n(records, world(), 0);
+          std::fill_n(pairs_to, world(), 0);
+          std::fill_n(last_token, world(), -1);
+          const auto slots = static_cast<std::uint32_t>(spd());
+          const bool partial = options_.partial_sums;
+          for (std::size_t t = 0, p = 0; t < tokens; ++t)
+            for (std::size_t j = 0; j < k; ++j, ++p) {
+              pair_slot_[p] = -1;
+              if (ids[p] < 0)
+                continue;
+              const int slot = where_.slot_for(ids[p], t, rank_);
+              const auto d = static_cast<std::size_t>(static_cast<std::uint32_t>(slot) / slots);
+              const auto l = static_cast<std::int32_t>(static_cast<std::uint32_t>(slot) % slots);
+              std::byte* message = sent(d, dispatch_);
+              if (last_token[d] != static_cast<std::int64_t>(t)) { // the token's record on d
+                last_token[d] = static_cast<std::int64_t>(t);
+                const auto r = static_cast<std::size_t>(records[d]++);
+                if (d == own())
+                  own_token_[r] = static_cast<std::int64_t>(t); // the row stays in `rows`
+                else
+                  std::memcpy(records_layout_.row(message, r), rows + t * row, row);
+                records_layout_.clear_choices(message, r);
+                next_choice[d] = 0;
+              }
+              const auto r = static_cast<std::size_t>(records[d] - 1);
+              // Distinct experts in distinct slots: at most `choices` per record.
+              records_layout_.put_choice(message, r, next_choice[d], l);
+              if (partial)
+                records_layout_.put_weight(message, r, next_choice[d], weights[p]);
+              ++next_choice[d];
+              pair_slot_[p] = slot;
+              pair_device_[p] = static_cast<std::int32_t>(d);
+              pair_pos_[p] = partial ? static_cast<std::int64_t>(r) : pairs_to[d];
+              ++pairs_to[d];
             }
-            const auto r = static_cast<std::size_t>(records_[d] - 1);
-            // Distinct experts in distinct slots: at most `choices` per record.
-            records_layout_.put_choice(message, r, next_choice_[d], l);
-            if (options_.partial_sums)
-              records_layout_.put_weight(message, r, next_choice_[d], weights[p]);
-            ++next_choice_[d];
-            pair_slot_[p] = slot;
-            pair_pos_[p] = options_.partial_sums ? static_cast<std::int64_t>(r) : pairs_to_[d];
-            ++pairs_to_[d];
-          }
           for (std::size_t d = 0; d < world(); ++d) {
             decode_header h;
             h.rows = records_[d];
@@ -590,7 +601,7 @@ class decode_exchange {
         sum_rows_[p] = -1;
         continue;
       }
-      const auto d = static_cast<std::size_t>(slot) / spd();
+      const auto d = static_cast<std::size_t>(pair_device_[p]);
       sum_rows_[p] =
           d == own() // the pool's output row, in the same view (`pool_out_row_`)
               ? static_cast<std::int64_t>(
@@ -604,18 +615,34 @@ class decode_exchange {
                       dtype_of_v<T>);
   }
 
+  // Each token's output: the rows its devices returned, in ascending device order (a token's
+  // pairs on one device share its record there), then -1 up to min(D, k).
   void sum_partials(std::span<T> y) {
     const std::size_t k = static_cast<std::size_t>(options_.k);
     const std::size_t per_token = std::min(world(), k);
-    for (std::size_t t = 0; t < tokens_; ++t)
-      detail::rows_by_device(
-          pair_slot_.data() + t * k, pair_pos_.data() + t * k, options_.k,
-          static_cast<std::int64_t>(spd()), static_cast<std::int64_t>(world()),
-          static_cast<int>(per_token),
-          [this](std::int64_t d, std::int64_t record) {
-            return returned_row(static_cast<std::size_t>(d), record);
-          },
-          sum_rows_.data() + t * per_token);
+    for (std::size_t t = 0; t < tokens_; ++t) {
+      std::int64_t* rows = sum_rows_.data() + t * per_token;
+      std::int32_t* devices = row_devices_.data();
+      std::size_t n = 0;
+      for (std::size_t p = t * k; p < t * k + k; ++p) {
+        if (pair_slot_[p] < 0)
+          continue;
+        const std::int32_t d = pair_device_[p];
+        std::size_t i = n; // insertion into the ascending devices seen so far
+        while (i > 0 && devices[i - 1] > d)
+          --i;
+        if (i > 0 && devices[i - 1] == d)
+          continue;
+        for (std::size_t m = n; m > i; --m) {
+          devices[m] = devices[m - 1];
+          rows[m] = rows[m - 1];
+        }
+        devices[i] = d;
+        rows[i] = returned_row(static_cast<std::size_t>(d), pair_pos_[p]);
+        ++n;
+      }
+      std::fill(rows + n, rows + per_token, std::int64_t{-1});
+    }
     merge(returned_rows_view(), output_view(y), sum_rows_.data(), per_token);
   }
 
@@ -714,6 +741,8 @@ class decode_exchange {
   std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
   std::vector<const T*> gathered_;              // gathered inputs: each pool row where it is
   std::vector<std::int32_t> pair_slot_;         // (token, choice) -> physical slot, or -1
+  std::vector<std::int32_t> pair_device_;       // (token, choice) -> that slot's device
+  std::vector<std::int32_t> row_devices_;       // sum_partials: one token's devices, ascending
   std::vector<std::int64_t> pair_pos_;          // (token, choice) -> row in its device's combine
   std::vector<std::int64_t> sum_rows_;          // the final sums' returned rows
   std::vector<std::int64_t> records_;           // token records per device being sent

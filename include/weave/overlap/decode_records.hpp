@@ -59,7 +59,8 @@ WEAVE_HOST_DEVICE record_read read_record(Entry&& entry, std::int64_t choices, s
 // With partial sums, the rows a token's output sums: for each device its pairs went to, in
 // ascending device order, `row(device, record)` into `rows`, then -1 up to `per_token`.
 // `slot` and `record` are the token's k pairs' physical slots (-1: not routed) and their
-// records on those devices. Shared by both decode exchanges.
+// records on those devices. The device exchange's (the host exchange knows each pair's device
+// from its dispatch and sorts a token's few devices itself).
 template <class Row>
 WEAVE_HOST_DEVICE void rows_by_device(const std::int32_t* slot, const std::int64_t* record, int k,
                                       std::int64_t spd, std::int64_t devices, int per_token,
