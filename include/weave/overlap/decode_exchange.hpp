@@ -53,6 +53,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -131,6 +132,7 @@ class decode_exchange {
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     expert_first_.assign(spd, 0);
     busy_.reserve(spd);
+    busy_bits_.assign((spd + 63) / 64, 0);
     gathered_.assign(options_.gathered_inputs ? pool_rows_ : 0, nullptr);
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
@@ -448,13 +450,14 @@ class decode_exchange {
   void deliver_records() {
     const bool fp8 = options_.fp8_dispatch.has_value();
     const std::size_t row = wire_row(), per_source = records_layout_.pairs();
-    for (const int l : busy_) { // only the slots the last call fed hold counts
-      expert_rows_[static_cast<std::size_t>(l)] = 0;
-      std::fill_n(received_.begin() +
-                      static_cast<std::ptrdiff_t>(static_cast<std::size_t>(l) * world()),
-                  world(), 0);
-    }
+    // Only the slots the last call fed hold counts (their bits: set as a slot got its first
+    // row, so they cover a call a bad record stopped half way, unlike `busy_`).
+    for_each_busy([&](std::size_t l) {
+      expert_rows_[l] = 0;
+      std::fill_n(received_.begin() + static_cast<std::ptrdiff_t>(l * world()), world(), 0);
+    });
     busy_.clear();
+    std::fill(busy_bits_.begin(), busy_bits_.end(), std::uint64_t{0});
     for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `send_`
       std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
@@ -467,7 +470,7 @@ class decode_exchange {
           const auto slot = static_cast<std::size_t>(record_slots_[c]);
           const float w = options_.partial_sums ? records_layout_.weight(message, r, c) : 0.0f;
           if (expert_rows_[slot] == 0)
-            busy_.push_back(record_slots_[c]);
+            busy_bits_[slot / 64] |= std::uint64_t{1} << (slot % 64);
           arrivals_[d * per_source + pairs++] = {record_slots_[c], expert_rows_[slot]++,
                                                  static_cast<std::int64_t>(r), w};
           ++received_[slot * world() + d];
@@ -479,14 +482,8 @@ class decode_exchange {
         combine_.send_counts[d] = combine_bytes(options_.partial_sums ? n : pairs);
     }
     combine_.place_sends();
-    if (busy_.size() * 8 < spd()) { // the pool holds the slots' rows in slot order
-      std::sort(busy_.begin(), busy_.end());
-    } else { // most slots fed: a scan is cheaper than a sort
-      busy_.clear();
-      for (std::size_t l = 0; l < spd(); ++l)
-        if (expert_rows_[l] > 0)
-          busy_.push_back(static_cast<int>(l));
-    }
+    // The pool holds the slots' rows in slot order: the fed slots ascending, from their bits.
+    for_each_busy([&](std::size_t l) { busy_.push_back(static_cast<int>(l)); });
     std::size_t first = 0;
     for (const int l : busy_) {
       expert_first_[static_cast<std::size_t>(l)] = static_cast<std::int64_t>(first);
@@ -507,6 +504,14 @@ class decode_exchange {
           std::memcpy(in + pool_row(a) * row, from, row);
       }
     }
+  }
+  // Calls f(l) for each local slot l whose bit is set, ascending: a step per 64 slots, then
+  // one per fed slot (no sort, no pass over idle slots).
+  template <class F>
+  void for_each_busy(F&& f) const {
+    for (std::size_t w = 0; w < busy_bits_.size(); ++w)
+      for (std::uint64_t bits = busy_bits_[w]; bits != 0; bits &= bits - 1)
+        f(w * 64 + static_cast<std::size_t>(std::countr_zero(bits)));
   }
   // The rows peer d returns in this call's combine: one per pair sent to it, or per record.
   std::int64_t returned_rows(std::size_t d) const noexcept {
@@ -759,7 +764,9 @@ class decode_exchange {
   std::vector<std::int64_t> expert_rows_;       // rows per local slot
   std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
   std::vector<int> busy_;                       // the local slots that received rows, ascending
-  std::span<const float> weights_;              // the call's gate weights
+  std::vector<std::uint64_t>
+      busy_bits_;                  // the slots with counts: slot l is bit l % 64 of word l / 64
+  std::span<const float> weights_; // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
