@@ -11,7 +11,9 @@
 // rank's own message a header as in weave; 4 decode with the default combine (`partial_sums`),
 // 5 its bytes floor, 6 the default combine with gathered inputs: the experts copy each row from
 // where it arrived, `decode_experts::input_rows`; 7 the raw-MPI decode reference, its output
-// checked once to equal the default decode layer's bitwise).
+// checked once to equal the default decode layer's bitwise). `decode_side_by_side_mpi` runs the
+// dynamic exchange, the decode layer (default and gathered inputs) and the reference in turn
+// within each iteration and reports the ratios measured side by side.
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
@@ -180,6 +182,97 @@ void decode_layer_mpi(benchmark::State& state) {
   state.SetLabel(labels[mode]);
 }
 
+// The same layers side by side: each iteration runs the dynamic exchange, the default decode
+// layer, the decode layer with gathered inputs and the raw-MPI reference once each, in an order
+// that rotates with the iteration (each after a barrier, the slowest rank's time), so that a
+// change of the host's speed within the run hits all four alike. Counters: each one's median
+// and the medians of the per-iteration ratios. The iteration time is the gathered layer's.
+void decode_side_by_side_mpi(benchmark::State& state) {
+  const auto tokens = static_cast<std::size_t>(state.range(0));
+  const auto hidden = static_cast<std::size_t>(state.range(1));
+  const auto experts = static_cast<int>(state.range(2));
+  const auto where = weave::placement::contiguous(experts, size_of());
+  auto d = tokens_of_rank(tokens, hidden, experts);
+  weave::host_stream stream("comm"), compute("compute");
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  const std::size_t row = hidden * sizeof(row_t);
+  weave::decode_options o{k, hidden, tokens};
+  o.partial_sums = true;
+  weave::decode_options og = o;
+  og.gathered_inputs = true;
+  weave::decode_exchange<weave::mpi_communicator, row_t> plain(comm, where, o),
+      gathered(comm, where, og);
+  weave::moe_options mo;
+  mo.k = k;
+  mo.hidden = hidden;
+  mo.element = weave::dtype::bf16;
+  mo.max_tokens = tokens;
+  mo.chunks = 1;
+  weave::moe_exchange<weave::mpi_communicator> dynamic(comm, where, mo);
+  raw_mpi_decode::layer ref(MPI_COMM_WORLD, tokens, hidden, experts, k);
+  const auto x = std::span<const std::uint16_t>(reinterpret_cast<const std::uint16_t*>(d.x.data()),
+                                                tokens * hidden);
+  const auto y =
+      std::span<std::uint16_t>(reinterpret_cast<std::uint16_t*>(d.y.data()), tokens * hidden);
+  const auto decode = [&](auto& ex, bool rows_in_place) {
+    auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
+    weave::run_inline_or_submit(stream, [xs = h.experts(), rows_in_place, row] {
+      moe_bench::copy_decode_experts(xs, rows_in_place, row);
+    });
+    ex.combine(h, d.y.elements(), stream);
+    stream.synchronize();
+  };
+  const auto layer = [&](int which) {
+    switch (which) {
+    case 0:
+      dynamic.forward(d.x.view(), d.ids, d.weights, d.y.view(), moe_bench::copy_experts, compute,
+                      stream);
+      compute.synchronize();
+      stream.synchronize();
+      break;
+    case 1:
+      decode(plain, false);
+      break;
+    case 2:
+      decode(gathered, true);
+      break;
+    default:
+      ref.run(x, d.ids, d.weights, y);
+    }
+  };
+  std::vector<double> times[4];
+  for (int warm = 0; warm < 3; ++warm)
+    for (int which = 0; which < 4; ++which)
+      slowest_rank_seconds([&] { layer(which); });
+  int iteration = 0;
+  for (auto _ : state) {
+    for (int i = 0; i < 4; ++i) {
+      const int which = (i + iteration) % 4;
+      times[which].push_back(slowest_rank_seconds([&] { layer(which); }));
+    }
+    state.SetIterationTime(times[2].back());
+    ++iteration;
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  const auto ratio = [&](int a, int b) { // median of the per-iteration ratios a / b
+    std::vector<double> r;
+    for (std::size_t i = 0; i < times[a].size(); ++i)
+      r.push_back(times[a][i] / times[b][i]);
+    return median(std::move(r));
+  };
+  state.counters["dynamic_us"] = median(times[0]) * 1e6;
+  state.counters["decode_us"] = median(times[1]) * 1e6;
+  state.counters["gathered_us"] = median(times[2]) * 1e6;
+  state.counters["reference_us"] = median(times[3]) * 1e6;
+  state.counters["dynamic_over_gathered"] = ratio(0, 2); // the speed-up over dynamic
+  state.counters["dynamic_over_decode"] = ratio(0, 1);
+  state.counters["gathered_over_reference"] = ratio(2, 3);
+  state.counters["decode_over_reference"] = ratio(1, 3);
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
@@ -194,5 +287,16 @@ int main(int argc, char** argv) {
                 ->Iterations(tokens * hidden >= 256 * 2048 ? 20 : 100) // the same on every rank
                 ->UseManualTime()
                 ->Unit(benchmark::kMicrosecond);
+    for (const int experts : {32, 256})
+      for (const int hidden : {256, 2048})
+        for (const int tokens : {1, 8, 64, 256, 512})
+          benchmark::RegisterBenchmark("decode_side_by_side_mpi", decode_side_by_side_mpi)
+              ->Args({tokens, hidden, experts})
+              ->ArgNames({"tokens", "hidden", "experts"})
+              ->Iterations(tokens * hidden >= 256 * 2048 ? 20
+                           : tokens >= 64                ? 100
+                                                         : 1000)
+              ->UseManualTime()
+              ->Unit(benchmark::kMicrosecond);
   });
 }
