@@ -260,9 +260,9 @@ TEST_CASE("a cuda_decode_exchange layer over NCCL runs inside a CUDA graph") {
       CHECK(to_host(y.cspan()) == eager);
     }
     CHECK(decode_test::bitwise_equal(
-        eager, decode_test::expected(in, options(), f,
-                                     weave::placement::contiguous(experts, comm.size()),
-                                     comm.rank())));
+        eager,
+        decode_test::expected(in, options(), f, weave::placement::contiguous(experts, comm.size()),
+                              comm.rank())));
     WEAVE_CUDA_CHECK(cudaGraphExecDestroy(exec));
     WEAVE_CUDA_CHECK(cudaGraphDestroy(graph));
   }
