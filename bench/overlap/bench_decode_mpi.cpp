@@ -50,6 +50,17 @@ moe_bench::rank_data tokens_of_rank(std::size_t tokens, std::size_t hidden, int 
   return moe_bench::random_tokens(tokens, hidden, experts, k, rng);
 }
 
+// The dynamic exchange the decode layers are compared with: bf16 rows, one chunk.
+weave::moe_options dynamic_options(std::size_t tokens, std::size_t hidden) {
+  weave::moe_options o;
+  o.k = k;
+  o.hidden = hidden;
+  o.element = weave::dtype::bf16;
+  o.max_tokens = tokens;
+  o.chunks = 1;
+  return o;
+}
+
 void decode_layer_mpi(benchmark::State& state) {
   const auto tokens = static_cast<std::size_t>(state.range(0));
   const auto hidden = static_cast<std::size_t>(state.range(1));
@@ -109,13 +120,7 @@ void decode_layer_mpi(benchmark::State& state) {
       stream.synchronize();
     });
   } else if (mode == 2) {
-    weave::moe_options mo;
-    mo.k = k;
-    mo.hidden = hidden;
-    mo.element = weave::dtype::bf16;
-    mo.max_tokens = tokens;
-    mo.chunks = 1;
-    weave::moe_exchange<weave::mpi_communicator> ex(comm, where, mo);
+    weave::moe_exchange<weave::mpi_communicator> ex(comm, where, dynamic_options(tokens, hidden));
     run([&] {
       ex.forward(d.x.view(), d.ids, d.weights, d.y.view(), moe_bench::copy_experts, compute,
                  stream);
@@ -202,13 +207,8 @@ void decode_side_by_side_mpi(benchmark::State& state) {
   og.gathered_inputs = true;
   weave::decode_exchange<weave::mpi_communicator, row_t> plain(comm, where, o),
       gathered(comm, where, og);
-  weave::moe_options mo;
-  mo.k = k;
-  mo.hidden = hidden;
-  mo.element = weave::dtype::bf16;
-  mo.max_tokens = tokens;
-  mo.chunks = 1;
-  weave::moe_exchange<weave::mpi_communicator> dynamic(comm, where, mo);
+  weave::moe_exchange<weave::mpi_communicator> dynamic(comm, where,
+                                                       dynamic_options(tokens, hidden));
   raw_mpi_decode::layer ref(MPI_COMM_WORLD, tokens, hidden, experts, k);
   const auto x = std::span<const std::uint16_t>(reinterpret_cast<const std::uint16_t*>(d.x.data()),
                                                 tokens * hidden);
