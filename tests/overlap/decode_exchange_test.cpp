@@ -9,9 +9,13 @@
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/decode_slot_counts.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 
+#include <algorithm>
+#include <map>
 #include <random>
+#include <vector>
 
 using local = weave::local_communicator;
 
@@ -213,6 +217,49 @@ TEST_CASE("decode_exchange with partial sums returns one row per token record") 
     CHECK(decode_test::bitwise_equal(
         y, decode_test::partial_sums_reference(in, decode_test::k, f, where, c.rank())));
   });
+}
+
+TEST_CASE("decode_slot_counts equals a brute-force count call after call, also after a call "
+          "stopped half way") {
+  for (const std::size_t slots : {1u, 5u, 64u, 130u}) {
+    CAPTURE(slots);
+    const std::size_t sources = 3;
+    weave::detail::decode_slot_counts counts(slots, sources);
+    std::mt19937 rng(static_cast<std::uint32_t>(slots));
+    for (int call = 0; call < 40; ++call) {
+      CAPTURE(call);
+      counts.begin();
+      const bool dense = call % 4 == 3;
+      const std::size_t rows = rng() % (dense ? 4 * slots : 9);
+      std::map<std::size_t, std::vector<std::size_t>> seen; // slot -> each row's source
+      for (std::size_t i = 0; i < rows; ++i) {
+        const std::size_t slot = dense ? rng() % slots : (rng() % 2 ? slots - 1 : rng() % slots);
+        const std::size_t source = rng() % sources;
+        CHECK(counts.add(slot, source) == static_cast<std::int64_t>(seen[slot].size()));
+        seen[slot].push_back(source);
+      }
+      if (call % 5 == 4)
+        continue; // stopped before `finish` (a bad record): the next call starts from zero
+      counts.finish();
+      std::vector<int> busy;
+      std::int64_t first = 0;
+      for (std::size_t l = 0; l < slots; ++l) {
+        const auto it = seen.find(l);
+        const auto n =
+            it == seen.end() ? std::int64_t{0} : static_cast<std::int64_t>(it->second.size());
+        CHECK(counts.rows(l) == n);
+        for (std::size_t s = 0; s < sources; ++s)
+          CHECK(counts.rows(l, s) ==
+                (it == seen.end() ? 0 : std::count(it->second.begin(), it->second.end(), s)));
+        CHECK(counts.first(l) == (n == 0 ? 0 : first));
+        if (n > 0) {
+          busy.push_back(static_cast<int>(l));
+          first += n;
+        }
+      }
+      CHECK(std::vector<int>(counts.busy().begin(), counts.busy().end()) == busy);
+    }
+  }
 }
 
 TEST_CASE("decode_exchange: calls queued back to back without waiting equal the reference") {

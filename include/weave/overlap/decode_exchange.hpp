@@ -45,6 +45,7 @@
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/decode_records.hpp"
+#include "weave/overlap/decode_slot_counts.hpp"
 #include "weave/overlap/layer_life.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
@@ -53,7 +54,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -127,12 +127,8 @@ class decode_exchange {
     arrived_records_.assign(D, 0);
     arrivals_.assign(checked_mul(D, records_layout_.pairs(), "arrivals"), {});
     arrived_pairs_.assign(D, 0);
-    received_.assign(spd * D, 0);
-    expert_rows_.assign(spd, 0);
+    slots_ = detail::decode_slot_counts(spd, D);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
-    expert_first_.assign(spd, 0);
-    busy_.reserve(spd);
-    busy_bits_.assign((spd + 63) / 64, 0);
     gathered_.assign(options_.gathered_inputs ? pool_rows_ : 0, nullptr);
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
@@ -431,8 +427,8 @@ class decode_exchange {
     }
     if (options_.fp8_dispatch && options_.fp8_dispatch->dequantized_inputs) { // the whole pool
       std::size_t rows = 0;
-      for (const std::int64_t n : expert_rows_)
-        rows += static_cast<std::size_t>(n);
+      for (const int l : slots_.busy())
+        rows += static_cast<std::size_t>(slots_.rows(static_cast<std::size_t>(l)));
       const auto [codes, scales] = wire_views(expert_wire_.data(), rows);
       dequantize_rows(codes, scales,
                       token_view(reinterpret_cast<std::byte*>(expert_in()), rows, options_.hidden,
@@ -450,14 +446,7 @@ class decode_exchange {
   void deliver_records() {
     const bool fp8 = options_.fp8_dispatch.has_value();
     const std::size_t row = wire_row(), per_source = records_layout_.pairs();
-    // Only the slots the last call fed hold counts (their bits: set as a slot got its first
-    // row, so they cover a call a bad record stopped half way, unlike `busy_`).
-    for_each_busy([&](std::size_t l) {
-      expert_rows_[l] = 0;
-      std::fill_n(received_.begin() + static_cast<std::ptrdiff_t>(l * world()), world(), 0);
-    });
-    busy_.clear();
-    std::fill(busy_bits_.begin(), busy_bits_.end(), std::uint64_t{0});
+    slots_.begin();
     for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `send_`
       std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
@@ -469,11 +458,8 @@ class decode_exchange {
         for (std::size_t c = 0; c < static_cast<std::size_t>(got.count); ++c) {
           const auto slot = static_cast<std::size_t>(record_slots_[c]);
           const float w = options_.partial_sums ? records_layout_.weight(message, r, c) : 0.0f;
-          if (expert_rows_[slot] == 0)
-            busy_bits_[slot / 64] |= std::uint64_t{1} << (slot % 64);
-          arrivals_[d * per_source + pairs++] = {record_slots_[c], expert_rows_[slot]++,
+          arrivals_[d * per_source + pairs++] = {record_slots_[c], slots_.add(slot, d),
                                                  static_cast<std::int64_t>(r), w};
-          ++received_[slot * world() + d];
         }
       }
       arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
@@ -482,13 +468,7 @@ class decode_exchange {
         combine_.send_counts[d] = combine_bytes(options_.partial_sums ? n : pairs);
     }
     combine_.place_sends();
-    // The pool holds the slots' rows in slot order: the fed slots ascending, from their bits.
-    for_each_busy([&](std::size_t l) { busy_.push_back(static_cast<int>(l)); });
-    std::size_t first = 0;
-    for (const int l : busy_) {
-      expert_first_[static_cast<std::size_t>(l)] = static_cast<std::int64_t>(first);
-      first += static_cast<std::size_t>(expert_rows_[static_cast<std::size_t>(l)]);
-    }
+    slots_.finish(); // the pool holds the slots' rows in slot order
     std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in());
     for (std::size_t d = 0; d < world(); ++d) {
       std::byte* message = received(d, dispatch_);
@@ -505,21 +485,13 @@ class decode_exchange {
       }
     }
   }
-  // Calls f(l) for each local slot l whose bit is set, ascending: a step per 64 slots, then
-  // one per fed slot (no sort, no pass over idle slots).
-  template <class F>
-  void for_each_busy(F&& f) const {
-    for (std::size_t w = 0; w < busy_bits_.size(); ++w)
-      for (std::uint64_t bits = busy_bits_[w]; bits != 0; bits &= bits - 1)
-        f(w * 64 + static_cast<std::size_t>(std::countr_zero(bits)));
-  }
   // The rows peer d returns in this call's combine: one per pair sent to it, or per record.
   std::int64_t returned_rows(std::size_t d) const noexcept {
     return options_.partial_sums ? records_[d] : pairs_to_[d];
   }
   // Where a received pair's row is in the expert pool.
   std::size_t pool_row(const arrival& a) const noexcept {
-    return static_cast<std::size_t>(expert_first_[static_cast<std::size_t>(a.slot)] + a.row);
+    return static_cast<std::size_t>(slots_.first(static_cast<std::size_t>(a.slot)) + a.row);
   }
   [[noreturn]] void bad_record(std::size_t d, std::size_t r, std::size_t c, std::int32_t l) {
     const auto failure =
@@ -670,13 +642,13 @@ class decode_exchange {
     check_local(l);
     WEAVE_EXPECT(source >= 0 && static_cast<std::size_t>(source) < world(), errc::out_of_range,
                  "source rank ", source, " outside [0, ", world(), ")");
-    return received_[static_cast<std::size_t>(l) * world() + static_cast<std::size_t>(source)];
+    return slots_.rows(static_cast<std::size_t>(l), static_cast<std::size_t>(source));
   }
   std::int64_t received_rows(int l) const {
     check_local(l);
-    return expert_rows_[static_cast<std::size_t>(l)];
+    return slots_.rows(static_cast<std::size_t>(l));
   }
-  std::span<const int> busy_slots() const noexcept { return busy_; }
+  std::span<const int> busy_slots() const noexcept { return slots_.busy(); }
   std::span<const T> expert_input(int l) const {
     WEAVE_EXPECT(!options_.fp8_dispatch || options_.fp8_dispatch->dequantized_inputs,
                  errc::invalid_state,
@@ -716,9 +688,8 @@ class decode_exchange {
   const T* pool_out() const noexcept {
     return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
   }
-  std::size_t first_row(int l) const noexcept { // an empty slot's (stale) first row unused
-    const auto i = static_cast<std::size_t>(l);
-    return expert_rows_[i] == 0 ? 0 : static_cast<std::size_t>(expert_first_[i]);
+  std::size_t first_row(int l) const noexcept {
+    return static_cast<std::size_t>(slots_.first(static_cast<std::size_t>(l)));
   }
 
   void release_handle(std::uint64_t call) noexcept {
@@ -760,13 +731,8 @@ class decode_exchange {
   std::vector<std::int64_t> merge_index_;       // partial sums: one source's pool rows per record
   std::vector<float> merge_weight_;             // and their gate weights
   std::vector<std::int32_t> record_slots_;      // one received record's choices (scratch)
-  std::vector<std::int64_t> received_;          // rows per (local slot, source)
-  std::vector<std::int64_t> expert_rows_;       // rows per local slot
-  std::vector<std::int64_t> expert_first_;      // per local slot: its first row in the pool
-  std::vector<int> busy_;                       // the local slots that received rows, ascending
-  std::vector<std::uint64_t>
-      busy_bits_;                  // the slots with counts: slot l is bit l % 64 of word l / 64
-  std::span<const float> weights_; // the call's gate weights
+  detail::decode_slot_counts slots_;            // rows per local slot and source, the fed slots
+  std::span<const float> weights_;              // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
