@@ -42,10 +42,11 @@
 #include "weave/core/retain.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
+#include "weave/overlap/decode_arrivals.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/decode_records.hpp"
-#include "weave/overlap/decode_slot_counts.hpp"
+#include "weave/overlap/decode_routes.hpp"
 #include "weave/overlap/layer_life.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/dispatch_plan.hpp"
@@ -108,26 +109,8 @@ class decode_exchange {
     // addresses the returned rows and this rank's own (`returned_rows_view`).
     recv_.assign(sizes.recv_bytes, std::byte{0});
     pool_out_row_ = sizes.pool_out_row;
-    own_token_.assign(M, 0);
-    const std::size_t pairs = checked_mul(M, k, "pairs");
-    pair_slot_.assign(pairs, -1);
-    pair_device_.assign(pairs, 0);
-    row_devices_.assign(std::min(D, k), 0);
-    sum_rows_.assign(pairs, -1);
-    pair_pos_.assign(pairs, 0);
-    records_.assign(D, 0);
-    pairs_to_.assign(D, 0);
-    last_token_.assign(D, -1);
-    next_choice_.assign(D, 0);
-    record_slots_.assign(records_layout_.choices, 0);
-    if (options_.partial_sums) { // one source's records, merged at a time
-      merge_index_.assign(records_layout_.pairs(), -1);
-      merge_weight_.assign(records_layout_.pairs(), 0.0f);
-    }
-    arrived_records_.assign(D, 0);
-    arrivals_.assign(checked_mul(D, records_layout_.pairs(), "arrivals"), {});
-    arrived_pairs_.assign(D, 0);
-    slots_ = detail::decode_slot_counts(spd, D);
+    routes_ = detail::decode_routes(D, M, k);
+    arrivals_ = detail::decode_arrivals(D, spd, records_layout_, options_.partial_sums);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
     gathered_.assign(options_.gathered_inputs ? pool_rows_ : 0, nullptr);
     if (options_.fp8_dispatch) {
@@ -239,14 +222,7 @@ class decode_exchange {
                  "decode_exchange: every call runs on the stream of the first call");
   }
 
-  // A received (token, expert) pair: its local slot, its row among that expert's, its record,
-  // and (partial sums) its gate weight.
-  struct arrival {
-    std::int32_t slot = 0;
-    std::int64_t row = 0;
-    std::int64_t record = 0;
-    float weight = 0.0f;
-  };
+  using arrival = detail::decode_arrivals::arrival;
 
   using phase_layout = detail::decode_phase;
   // The index, in rows of T from the start of the receive buffer, of row r of peer d's combine.
@@ -355,53 +331,12 @@ class decode_exchange {
                           options_.fp8_dispatch->blocks);
             rows = token_wire_.data();
           }
-          // One record per (token, device): the row once, then the token's local slots there
-          // in choice order (-1 after the last); one combine row per (token, expert) pair.
-          const std::size_t row = wire_row();
-          // The per-device counters as plain pointers: the row copies write through bytes,
-          // which would make the compiler reload every vector's data pointer after each.
-          std::int64_t* const records = records_.data();
-          std::int64_t* const pairs_to = pairs_to_.data();
-          std::int64_t* const last_token = last_token_.data();
-          std::size_t* const next_choice = next_choice_.data();
-          std::fill_n(records, world(), 0);
-          std::fill_n(pairs_to, world(), 0);
-          std::fill_n(last_token, world(), -1);
-          const auto slots = static_cast<std::uint32_t>(spd());
-          const bool partial = options_.partial_sums;
-          for (std::size_t t = 0, p = 0; t < tokens; ++t)
-            for (std::size_t j = 0; j < k; ++j, ++p) {
-              pair_slot_[p] = -1;
-              if (ids[p] < 0)
-                continue;
-              const int slot = where_.slot_for(ids[p], t, rank_);
-              const auto d = static_cast<std::size_t>(static_cast<std::uint32_t>(slot) / slots);
-              const auto l = static_cast<std::int32_t>(static_cast<std::uint32_t>(slot) % slots);
-              std::byte* message = sent(d, dispatch_);
-              if (last_token[d] != static_cast<std::int64_t>(t)) { // the token's record on d
-                last_token[d] = static_cast<std::int64_t>(t);
-                const auto r = static_cast<std::size_t>(records[d]++);
-                if (d == own())
-                  own_token_[r] = static_cast<std::int64_t>(t); // the row stays in `rows`
-                else
-                  std::memcpy(records_layout_.row(message, r), rows + t * row, row);
-                records_layout_.clear_choices(message, r);
-                next_choice[d] = 0;
-              }
-              const auto r = static_cast<std::size_t>(records[d] - 1);
-              // Distinct experts in distinct slots: at most `choices` per record.
-              records_layout_.put_choice(message, r, next_choice[d], l);
-              if (partial)
-                records_layout_.put_weight(message, r, next_choice[d], weights[p]);
-              ++next_choice[d];
-              pair_slot_[p] = slot;
-              pair_device_[p] = static_cast<std::int32_t>(d);
-              pair_pos_[p] = partial ? static_cast<std::int64_t>(r) : pairs_to[d];
-              ++pairs_to[d];
-            }
+          // One record per (token, device): the row once, then the token's local slots there.
+          routes_.route(ids, weights, tokens, where_, own(), records_layout_, options_.partial_sums,
+                        rows, wire_row(), [this](std::size_t d) { return sent(d, dispatch_); });
           for (std::size_t d = 0; d < world(); ++d) {
             decode_header h;
-            h.rows = records_[d];
+            h.rows = routes_.records()[d];
             h.source = rank_;
             put_header(d, h, dispatch_);
             if (d != own())
@@ -409,7 +344,7 @@ class decode_exchange {
           }
           // The combine's receive displacements; this rank's own message gets room for its rows
           // too: with partial sums they are merged there.
-          combine_.place_receives(options_.partial_sums ? records_ : pairs_to_,
+          combine_.place_receives(options_.partial_sums ? routes_.records() : routes_.pairs(),
                                   options_.hidden * sizeof(T));
           tokens_ = tokens;
           dispatch_rows_ = rows;
@@ -427,8 +362,8 @@ class decode_exchange {
     }
     if (options_.fp8_dispatch && options_.fp8_dispatch->dequantized_inputs) { // the whole pool
       std::size_t rows = 0;
-      for (const int l : slots_.busy())
-        rows += static_cast<std::size_t>(slots_.rows(static_cast<std::size_t>(l)));
+      for (const int l : arrivals_.slots().busy())
+        rows += static_cast<std::size_t>(arrivals_.slots().rows(static_cast<std::size_t>(l)));
       const auto [codes, scales] = wire_views(expert_wire_.data(), rows);
       dequantize_rows(codes, scales,
                       token_view(reinterpret_cast<std::byte*>(expert_in()), rows, options_.hidden,
@@ -444,54 +379,38 @@ class decode_exchange {
   // [0, spd), a slot twice or a choice after the end, is a protocol error, and the peers, which
   // may wait in the combine, are told), then the rows.
   void deliver_records() {
-    const bool fp8 = options_.fp8_dispatch.has_value();
-    const std::size_t row = wire_row(), per_source = records_layout_.pairs();
-    slots_.begin();
+    const std::size_t row = wire_row();
+    arrivals_.begin();
     for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `send_`
-      std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
+      const std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
-      std::size_t pairs = 0;
-      for (std::size_t r = 0; r < n; ++r) {
-        const auto got = records_layout_.read_choices(message, r, spd(), record_slots_);
-        if (got.bad >= 0)
-          bad_record(d, r, static_cast<std::size_t>(got.bad), got.value);
-        for (std::size_t c = 0; c < static_cast<std::size_t>(got.count); ++c) {
-          const auto slot = static_cast<std::size_t>(record_slots_[c]);
-          const float w = options_.partial_sums ? records_layout_.weight(message, r, c) : 0.0f;
-          arrivals_[d * per_source + pairs++] = {record_slots_[c], slots_.add(slot, d),
-                                                 static_cast<std::int64_t>(r), w};
-        }
-      }
-      arrived_pairs_[d] = static_cast<std::int64_t>(pairs);
-      arrived_records_[d] = static_cast<std::int64_t>(n);
+      const std::size_t pairs =
+          arrivals_.read(d, message, n, [&](std::size_t r, std::size_t c, std::int32_t l) {
+            bad_record(d, r, c, l);
+          });
       if (d != own())
         combine_.send_counts[d] = combine_bytes(options_.partial_sums ? n : pairs);
     }
     combine_.place_sends();
-    slots_.finish(); // the pool holds the slots' rows in slot order
-    std::byte* in = fp8 ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in());
+    arrivals_.finish();
+    std::byte* in =
+        options_.fp8_dispatch ? expert_wire_.data() : reinterpret_cast<std::byte*>(expert_in());
     for (std::size_t d = 0; d < world(); ++d) {
       std::byte* message = received(d, dispatch_);
-      for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
-        const arrival a = arrivals_[d * per_source + i];
+      for (const arrival& a : arrivals_.pairs(d)) {
         const auto r = static_cast<std::size_t>(a.record);
-        const std::byte* from = d == own()
-                                    ? dispatch_rows_ + static_cast<std::size_t>(own_token_[r]) * row
-                                    : records_layout_.row(message, r);
+        const std::byte* from = d == own() ? dispatch_rows_ + routes_.own_token(r) * row
+                                           : records_layout_.row(message, r);
         if (options_.gathered_inputs) // the expert reads the row where it is
-          gathered_[pool_row(a)] = reinterpret_cast<const T*>(from);
+          gathered_[arrivals_.pool_row(a)] = reinterpret_cast<const T*>(from);
         else
-          std::memcpy(in + pool_row(a) * row, from, row);
+          std::memcpy(in + arrivals_.pool_row(a) * row, from, row);
       }
     }
   }
   // The rows peer d returns in this call's combine: one per pair sent to it, or per record.
   std::int64_t returned_rows(std::size_t d) const noexcept {
-    return options_.partial_sums ? records_[d] : pairs_to_[d];
-  }
-  // Where a received pair's row is in the expert pool.
-  std::size_t pool_row(const arrival& a) const noexcept {
-    return static_cast<std::size_t>(slots_.first(static_cast<std::size_t>(a.slot)) + a.row);
+    return options_.partial_sums ? routes_.records()[d] : routes_.pairs()[d];
   }
   [[noreturn]] void bad_record(std::size_t d, std::size_t r, std::size_t c, std::int32_t l) {
     const auto failure =
@@ -508,20 +427,18 @@ class decode_exchange {
                        "decode_exchange::combine: an output of ", y.size(), " elements for ",
                        tokens_, " tokens of hidden = ", options_.hidden);
           const std::size_t H = options_.hidden, row = H * sizeof(T);
-          const std::size_t pairs_per_source = records_layout_.pairs();
           for (std::size_t d = 0; d < world(); ++d) { // each pair's output, in arrival order
             std::byte* out = sent(d, combine_) + sizeof(decode_header);
-            const auto n = static_cast<std::size_t>(arrived_pairs_[d]);
+            const std::span<const arrival> pairs = arrivals_.pairs(d);
             if (options_.partial_sums) { // this rank's own sums where the source reads them
               merge_records(d, d == own() ? received(d, combine_) + sizeof(decode_header) : out);
             } else if (d != own()) { // this rank reads its own pairs in the pool
-              for (std::size_t i = 0; i < n; ++i) {
-                const arrival a = arrivals_[d * pairs_per_source + i];
-                std::memcpy(out + i * row, pool_out() + pool_row(a) * H, row);
-              }
+              for (std::size_t i = 0; i < pairs.size(); ++i)
+                std::memcpy(out + i * row, pool_out() + arrivals_.pool_row(pairs[i]) * H, row);
             }
             decode_header h;
-            h.rows = options_.partial_sums ? arrived_records_[d] : static_cast<std::int64_t>(n);
+            h.rows = static_cast<std::int64_t>(options_.partial_sums ? arrivals_.records(d)
+                                                                     : pairs.size());
             h.source = rank_;
             put_header(d, h, combine_);
           }
@@ -532,23 +449,11 @@ class decode_exchange {
   // Partial sums: each of source d's records becomes the gate-weighted sum of its choices'
   // expert outputs (f32 in choice order, rounded to T), into `out`, in record order.
   void merge_records(std::size_t d, std::byte* out) {
-    const std::size_t C = records_layout_.choices, per_source = records_layout_.pairs();
-    const auto n = static_cast<std::size_t>(arrived_records_[d]);
-    std::fill_n(merge_index_.begin(), n * C, std::int64_t{-1});
-    std::int64_t record = -1;
-    std::size_t c = 0;
-    for (std::size_t i = 0; i < static_cast<std::size_t>(arrived_pairs_[d]); ++i) {
-      const arrival a = arrivals_[d * per_source + i]; // a record's pairs are consecutive
-      c = a.record == record ? c + 1 : 0;
-      record = a.record;
-      const std::size_t at = static_cast<std::size_t>(a.record) * C + c;
-      merge_index_[at] = static_cast<std::int64_t>(pool_row(a));
-      merge_weight_[at] = a.weight;
-    }
+    const auto [index, weight] = arrivals_.record_rows(d);
     merge(const_token_view(reinterpret_cast<const std::byte*>(pool_out()), pool_rows_,
                            options_.hidden, dtype_of_v<T>),
-          token_view(out, n, options_.hidden, dtype_of_v<T>), merge_index_.data(), C,
-          merge_weight_.data());
+          token_view(out, arrivals_.records(d), options_.hidden, dtype_of_v<T>), index,
+          records_layout_.choices, weight);
   }
   // `merge_rows` without its argument checks (a pass over every index, a few hundred cycles
   // of a one-token layer): the layer builds the indices from records it checked on arrival.
@@ -568,59 +473,26 @@ class decode_exchange {
                    returned_rows(d), options_.partial_sums ? " token records" : " pairs",
                    " sent to it");
     }
-    if (options_.partial_sums)
-      return sum_partials(y);
-    const std::size_t k = static_cast<std::size_t>(options_.k), pairs = tokens_ * k;
-    const arrival* own_pairs = arrivals_.data() + own() * records_layout_.pairs();
-    for (std::size_t p = 0; p < pairs; ++p) {
-      const std::int32_t slot = pair_slot_[p];
-      if (slot < 0) {
-        sum_rows_[p] = -1;
-        continue;
-      }
-      const auto d = static_cast<std::size_t>(pair_device_[p]);
-      sum_rows_[p] =
-          d == own() // the pool's output row, in the same view (`pool_out_row_`)
-              ? static_cast<std::int64_t>(
-                    pool_out_row_ + pool_row(own_pairs[static_cast<std::size_t>(pair_pos_[p])]))
-              : returned_row(d, pair_pos_[p]);
+    const auto returned_at = [this](std::size_t d, std::int64_t r) { return returned_row(d, r); };
+    if (options_.partial_sums) { // each token's devices' rows, in ascending device order
+      const std::size_t per_token = std::min(world(), static_cast<std::size_t>(options_.k));
+      merge(returned_rows_view(), output_view(y),
+            routes_.device_rows(tokens_, per_token, returned_at), per_token);
+      return;
     }
-    merge(returned_rows_view(), output_view(y), sum_rows_.data(), k, weights_.data());
+    const std::span<const arrival> own_pairs = arrivals_.pairs(own());
+    const std::int64_t* rows = routes_.pair_rows(tokens_, [&](std::size_t d, std::int64_t pos) {
+      return d == own() // the pool's output row, in the same view (`pool_out_row_`)
+                 ? static_cast<std::int64_t>(
+                       pool_out_row_ + arrivals_.pool_row(own_pairs[static_cast<std::size_t>(pos)]))
+                 : returned_at(d, pos);
+    });
+    merge(returned_rows_view(), output_view(y), rows, static_cast<std::size_t>(options_.k),
+          weights_.data());
   }
   token_view output_view(std::span<T> y) const {
     return token_view(reinterpret_cast<std::byte*>(y.data()), tokens_, options_.hidden,
                       dtype_of_v<T>);
-  }
-
-  // Each token's output: the rows its devices returned, in ascending device order (a token's
-  // pairs on one device share its record there), then -1 up to min(D, k).
-  void sum_partials(std::span<T> y) {
-    const std::size_t k = static_cast<std::size_t>(options_.k);
-    const std::size_t per_token = std::min(world(), k);
-    for (std::size_t t = 0; t < tokens_; ++t) {
-      std::int64_t* rows = sum_rows_.data() + t * per_token;
-      std::int32_t* devices = row_devices_.data();
-      std::size_t n = 0;
-      for (std::size_t p = t * k; p < t * k + k; ++p) {
-        if (pair_slot_[p] < 0)
-          continue;
-        const std::int32_t d = pair_device_[p];
-        std::size_t i = n; // insertion into the ascending devices seen so far
-        while (i > 0 && devices[i - 1] > d)
-          --i;
-        if (i > 0 && devices[i - 1] == d)
-          continue;
-        for (std::size_t m = n; m > i; --m) {
-          devices[m] = devices[m - 1];
-          rows[m] = rows[m - 1];
-        }
-        devices[i] = d;
-        rows[i] = returned_row(static_cast<std::size_t>(d), pair_pos_[p]);
-        ++n;
-      }
-      std::fill(rows + n, rows + per_token, std::int64_t{-1});
-    }
-    merge(returned_rows_view(), output_view(y), sum_rows_.data(), per_token);
   }
 
   // --- what the handle reads -----------------------------------------------------------------
@@ -642,13 +514,13 @@ class decode_exchange {
     check_local(l);
     WEAVE_EXPECT(source >= 0 && static_cast<std::size_t>(source) < world(), errc::out_of_range,
                  "source rank ", source, " outside [0, ", world(), ")");
-    return slots_.rows(static_cast<std::size_t>(l), static_cast<std::size_t>(source));
+    return arrivals_.slots().rows(static_cast<std::size_t>(l), static_cast<std::size_t>(source));
   }
   std::int64_t received_rows(int l) const {
     check_local(l);
-    return slots_.rows(static_cast<std::size_t>(l));
+    return arrivals_.slots().rows(static_cast<std::size_t>(l));
   }
-  std::span<const int> busy_slots() const noexcept { return slots_.busy(); }
+  std::span<const int> busy_slots() const noexcept { return arrivals_.slots().busy(); }
   std::span<const T> expert_input(int l) const {
     WEAVE_EXPECT(!options_.fp8_dispatch || options_.fp8_dispatch->dequantized_inputs,
                  errc::invalid_state,
@@ -689,7 +561,7 @@ class decode_exchange {
     return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
   }
   std::size_t first_row(int l) const noexcept {
-    return static_cast<std::size_t>(slots_.first(static_cast<std::size_t>(l)));
+    return static_cast<std::size_t>(arrivals_.slots().first(static_cast<std::size_t>(l)));
   }
 
   void release_handle(std::uint64_t call) noexcept {
@@ -709,29 +581,14 @@ class decode_exchange {
   phase_layout dispatch_, combine_;    // the two all-to-alls' messages
   std::vector<std::byte> send_, recv_; // [rank][message] of the larger phase (recv_: then the pool)
   std::size_t pool_out_row_ = 0;       // the pool's outputs' first row in recv_
-  std::vector<std::int64_t> own_token_;         // this rank's records to itself: their tokens
   const std::byte* dispatch_rows_ = nullptr;    // the call's token rows (FP8: `token_wire_`)
   detail::decode_record_layout records_layout_; // the messages' wire format
   quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales
   std::vector<std::byte> token_wire_;           // FP8 dispatch: the call's tokens quantised
   std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
   std::vector<const T*> gathered_;              // gathered inputs: each pool row where it is
-  std::vector<std::int32_t> pair_slot_;         // (token, choice) -> physical slot, or -1
-  std::vector<std::int32_t> pair_device_;       // (token, choice) -> that slot's device
-  std::vector<std::int32_t> row_devices_;       // sum_partials: one token's devices, ascending
-  std::vector<std::int64_t> pair_pos_;          // (token, choice) -> row in its device's combine
-  std::vector<std::int64_t> sum_rows_;          // the final sums' returned rows
-  std::vector<std::int64_t> records_;           // token records per device being sent
-  std::vector<std::int64_t> pairs_to_;          // (token, expert) pairs per device being sent
-  std::vector<std::int64_t> last_token_;        // per device: the token of its last record
-  std::vector<std::size_t> next_choice_;        // per device: the last record's next free choice
-  std::vector<arrival> arrivals_;               // [source][pair]: where each received pair went
-  std::vector<std::int64_t> arrived_pairs_;     // pairs received per source
-  std::vector<std::int64_t> arrived_records_;   // token records received per source
-  std::vector<std::int64_t> merge_index_;       // partial sums: one source's pool rows per record
-  std::vector<float> merge_weight_;             // and their gate weights
-  std::vector<std::int32_t> record_slots_;      // one received record's choices (scratch)
-  detail::decode_slot_counts slots_;            // rows per local slot and source, the fed slots
+  detail::decode_routes routes_;                // where this rank's pairs went
+  detail::decode_arrivals arrivals_;            // where the pairs received went
   std::span<const float> weights_;              // the call's gate weights
   std::exception_ptr local_failure_;
   std::uint64_t calls_ = 0;                                // dispatches issued

@@ -56,32 +56,32 @@ WEAVE_HOST_DEVICE record_read read_record(Entry&& entry, std::int64_t choices, s
   return got;
 }
 
-// With partial sums, the rows a token's output sums: for each device its pairs went to, in
-// ascending device order, `row(device, record)` into `rows`, then -1 up to `per_token`.
-// `slot` and `record` are the token's k pairs' physical slots (-1: not routed) and their
-// records on those devices. The device exchange's (the host exchange knows each pair's device
-// from its dispatch and sorts a token's few devices itself).
-template <class Row>
-WEAVE_HOST_DEVICE void rows_by_device(const std::int32_t* slot, const std::int64_t* record, int k,
-                                      std::int64_t spd, std::int64_t devices, int per_token,
-                                      Row&& row, std::int64_t* rows) {
+// With partial sums, the rows a token's output sums: for each device its k pairs went to, in
+// ascending device order, `row(j)` of the first pair j there (a token's pairs on one device
+// share its record), then -1 up to `per_token` (min(devices, k)). `device(j)`: pair j's device,
+// or -1 for a pair not routed. Both decode exchanges' (the host one knows each pair's device
+// from its dispatch, the device one divides the slot). An insertion of each pair's index into
+// `rows` (a token reaches few devices), then each index replaced by its row.
+template <class Device, class Row>
+WEAVE_HOST_DEVICE void rows_by_device(int k, int per_token, Device&& device, Row&& row,
+                                      std::int64_t* rows) {
   int n = 0;
-  for (std::int64_t below = 0; n < per_token;) { // the devices below `below` are done
-    std::int64_t next = devices, at = 0;
-    for (int j = 0; j < k; ++j) {
-      if (slot[j] < 0 || record[j] < 0)
-        continue;
-      const std::int64_t d = slot[j] / spd;
-      if (d >= below && d < next) {
-        next = d;
-        at = record[j];
-      }
-    }
-    if (next == devices)
-      break;
-    rows[n++] = row(next, at);
-    below = next + 1;
+  for (int j = 0; j < k; ++j) {
+    const std::int64_t d = device(j);
+    if (d < 0)
+      continue;
+    int i = n;
+    while (i > 0 && device(static_cast<int>(rows[i - 1])) > d)
+      --i;
+    if ((i > 0 && device(static_cast<int>(rows[i - 1])) == d) || n == per_token)
+      continue; // a device seen (n == per_token: more devices than one token reaches, none)
+    for (int m = n; m > i; --m)
+      rows[m] = rows[m - 1];
+    rows[i] = j;
+    ++n;
   }
+  for (int m = 0; m < n; ++m)
+    rows[m] = row(static_cast<int>(rows[m]));
   for (; n < per_token; ++n)
     rows[n] = -1;
 }
@@ -244,7 +244,7 @@ struct decode_record_layout {
   }
 
   //! Reads record r's choices into `out` (room for `choices`) with `read_record`.
-  record_read read_choices(std::byte* message, std::size_t r, std::size_t local_experts,
+  record_read read_choices(const std::byte* message, std::size_t r, std::size_t local_experts,
                            std::span<std::int32_t> out) const noexcept {
     const record_read got = read_record(
         [&](std::int64_t c) {
@@ -264,6 +264,9 @@ struct decode_record_layout {
     return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
   }
   std::byte* entry(std::byte* message, std::size_t r, std::size_t c) const noexcept {
+    return message + side_at + (r * choices + c) * sizeof(std::int32_t);
+  }
+  const std::byte* entry(const std::byte* message, std::size_t r, std::size_t c) const noexcept {
     return message + side_at + (r * choices + c) * sizeof(std::int32_t);
   }
 };

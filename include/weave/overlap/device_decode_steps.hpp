@@ -385,10 +385,15 @@ struct decode_token_rows_step {
         rows[n] = -1;
       return;
     }
+    const std::int32_t* slot = pair_slot + t * k;
+    const std::int64_t* record = pair_pos + t * k;
+    const std::int64_t slots = spd;
+    const auto device = [slot, record, slots](int j) -> std::int64_t {
+      return slot[j] < 0 || record[j] < 0 ? -1 : slot[j] / slots;
+    };
     const decode_layout at = back;
     rows_by_device(
-        pair_slot + t * k, pair_pos + t * k, k, spd, back.D, per_token,
-        [at](std::int64_t d, std::int64_t record) { return at.payload_row(d, record); }, rows);
+        k, per_token, device, [&](int j) { return at.payload_row(device(j), record[j]); }, rows);
   }
 };
 
