@@ -9,6 +9,7 @@
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/decode_records.hpp>
 #include <weave/overlap/decode_slot_counts.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 
@@ -259,6 +260,35 @@ TEST_CASE("decode_slot_counts equals a brute-force count call after call, also a
       }
       CHECK(std::vector<int>(counts.busy().begin(), counts.busy().end()) == busy);
     }
+  }
+}
+
+TEST_CASE("rows_by_device lists a token's devices ascending, each with its first pair, as a "
+          "brute-force sort") {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int k = 1 + static_cast<int>(rng() % 9);
+    const int devices = 1 + static_cast<int>(rng() % 6);
+    CAPTURE(k);
+    CAPTURE(devices);
+    std::vector<std::int64_t> device(static_cast<std::size_t>(k));
+    for (auto& d : device) // about one pair in five not routed
+      d = rng() % 5 == 0 ? -1 : static_cast<std::int64_t>(rng() % static_cast<unsigned>(devices));
+    const int per_token = std::min(devices, k);
+    // Brute force: each device's first pair, devices ascending, the row 100 * device + pair.
+    std::map<std::int64_t, int> first;
+    for (int j = 0; j < k; ++j)
+      if (device[static_cast<std::size_t>(j)] >= 0)
+        first.emplace(device[static_cast<std::size_t>(j)], j);
+    std::vector<std::int64_t> expected;
+    for (const auto& [d, j] : first)
+      expected.push_back(100 * d + j);
+    expected.resize(static_cast<std::size_t>(per_token), -1);
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(per_token), 7);
+    weave::detail::rows_by_device(
+        k, per_token, [&](int j) { return device[static_cast<std::size_t>(j)]; },
+        [&](int j) { return 100 * device[static_cast<std::size_t>(j)] + j; }, rows.data());
+    CHECK(rows == expected);
   }
 }
 
