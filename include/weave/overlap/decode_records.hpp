@@ -58,10 +58,10 @@ WEAVE_HOST_DEVICE record_read read_record(Entry&& entry, std::int64_t choices, s
 
 // With partial sums, the rows a token's output sums: for each device its k pairs went to, in
 // ascending device order, `row(j)` of the first pair j there (a token's pairs on one device
-// share its record), then -1 up to `per_token` (min(devices, k)). `device(j)`: pair j's device,
-// or -1 for a pair not routed. Both decode exchanges' (the host one knows each pair's device
-// from its dispatch, the device one divides the slot). An insertion of each pair's index into
-// `rows` (a token reaches few devices), then each index replaced by its row.
+// share its record), then -1 up to `per_token` (min(devices, k)). `device(j)`: pair j's device
+// (below 2^31), or -1 for a pair not routed. Both decode exchanges' (the host one knows each
+// pair's device from its dispatch, the device one divides the slot). An insertion of each
+// device's first pair into `rows` as (device << 32 | pair), then each replaced by its row.
 template <class Device, class Row>
 WEAVE_HOST_DEVICE void rows_by_device(int k, int per_token, Device&& device, Row&& row,
                                       std::int64_t* rows) {
@@ -71,17 +71,22 @@ WEAVE_HOST_DEVICE void rows_by_device(int k, int per_token, Device&& device, Row
     if (d < 0)
       continue;
     int i = n;
-    while (i > 0 && device(static_cast<int>(rows[i - 1])) > d)
+    std::int64_t before = -1; // the device at position i - 1
+    while (i > 0 && (before = rows[i - 1] >> 32) > d)
       --i;
-    if ((i > 0 && device(static_cast<int>(rows[i - 1])) == d) || n == per_token)
+    if ((i > 0 && before == d) || n == per_token)
       continue; // a device seen (n == per_token: more devices than one token reaches, none)
-    for (int m = n; m > i; --m)
-      rows[m] = rows[m - 1];
-    rows[i] = j;
-    ++n;
+    // Into position i, the rest one up: a loop GCC does not make a memmove call of a few bytes.
+    std::int64_t carry = d << 32 | j;
+    for (int m = i; m < n; ++m) {
+      const std::int64_t next = rows[m];
+      rows[m] = carry;
+      carry = next;
+    }
+    rows[n++] = carry;
   }
   for (int m = 0; m < n; ++m)
-    rows[m] = row(static_cast<int>(rows[m]));
+    rows[m] = row(static_cast<int>(rows[m] & 0xffffffff));
   for (; n < per_token; ++n)
     rows[n] = -1;
 }

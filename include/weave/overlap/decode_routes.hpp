@@ -115,17 +115,13 @@ class decode_routes {
   template <class Row>
   const std::int64_t* device_rows(std::size_t tokens, std::size_t per_token, Row&& row) {
     for (std::size_t t = 0; t < tokens; ++t) {
-      const std::size_t first = t * k_;
+      const std::int32_t* slot = slot_.data() + t * k_;
+      const std::int32_t* device = device_.data() + t * k_;
+      const std::int64_t* pos = pos_.data() + t * k_;
       rows_by_device(
           static_cast<int>(k_), static_cast<int>(per_token),
-          [&](int j) -> std::int64_t {
-            const auto p = first + static_cast<std::size_t>(j);
-            return slot_[p] < 0 ? -1 : device_[p];
-          },
-          [&](int j) {
-            const auto p = first + static_cast<std::size_t>(j);
-            return row(static_cast<std::size_t>(device_[p]), pos_[p]);
-          },
+          [slot, device](int j) -> std::int64_t { return slot[j] < 0 ? -1 : device[j]; },
+          [&row, device, pos](int j) { return row(static_cast<std::size_t>(device[j]), pos[j]); },
           rows_.data() + t * per_token);
     }
     return rows_.data();
