@@ -318,3 +318,85 @@ TEST_CASE("a capturing stream never runs a task inline") {
   s.synchronize();
   CHECK(ran_on != std::this_thread::get_id());
 }
+
+TEST_CASE("a claim runs its thread's steps here, in order with work other threads queue") {
+  weave::host_stream s;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::vector<int> order;
+  std::vector<std::thread::id> ran_on;
+  const auto step = [&](int n) {
+    return [&, n] {
+      order.push_back(n);
+      ran_on.push_back(std::this_thread::get_id());
+    };
+  };
+  {
+    const auto claim = weave::claim_if_idle(s);
+    REQUIRE(static_cast<bool>(claim));
+    CHECK_FALSE(static_cast<bool>(s.claim_if_idle())); // held by this thread already
+    CHECK(s.run_inline_or_submit(step(1)));
+    CHECK(s.run_inline_or_submit_always([&](std::exception_ptr f) {
+      step(2)();
+      return f;
+    }));
+    CHECK(claim.all_ran_here());
+    CHECK_FALSE(s.idle());                          // held
+    CHECK_THROWS_AS(s.synchronize(), weave::error); // would wait for itself
+    std::thread other([&] { s.submit(step(3)); });  // another thread's work, queued meanwhile
+    other.join();
+    CHECK_FALSE(s.run_inline_or_submit(step(4))); // behind it: queued, not run here
+    CHECK_FALSE(claim.all_ran_here());
+    std::this_thread::sleep_for(5ms);       // room for a wrongly started worker
+    CHECK(order == std::vector<int>{1, 2}); // the worker starts nothing while held
+  }
+  s.synchronize();
+  CHECK(order == std::vector<int>{1, 2, 3, 4});
+  CHECK(ran_on[0] == caller);
+  CHECK(ran_on[1] == caller);
+  CHECK(ran_on[3] != caller);
+  CHECK(s.idle());
+
+  // A step the chooser sends to the worker: every later step of the claim queues behind it.
+  order.clear();
+  {
+    const auto claim = s.claim_if_idle();
+    REQUIRE(static_cast<bool>(claim));
+    CHECK_FALSE(s.run_inline_or_submit_always(
+        [&](std::exception_ptr f) {
+          order.push_back(1);
+          return f;
+        },
+        [] { return false; }));
+    CHECK_FALSE(s.run_inline_or_submit(step(2)));
+  }
+  s.synchronize();
+  CHECK(order == std::vector<int>{1, 2});
+
+  // Busy: no claim, steps queue as usual.
+  std::promise<void> gate;
+  auto opened = gate.get_future().share();
+  s.submit([opened] { opened.wait(); });
+  {
+    const auto claim = s.claim_if_idle();
+    CHECK_FALSE(static_cast<bool>(claim));
+    CHECK_FALSE(claim.all_ran_here());
+    CHECK_FALSE(s.run_inline_or_submit(step(5)));
+  }
+  gate.set_value();
+  s.synchronize();
+  CHECK(order.back() == 5);
+}
+
+TEST_CASE("a claimed step that fails the stream skips the claim's later steps") {
+  weave::host_stream s;
+  bool ran = false;
+  {
+    const auto claim = s.claim_if_idle();
+    CHECK(s.run_inline_or_submit([] { throw std::runtime_error("claimed boom"); }));
+    CHECK(s.run_inline_or_submit([&] { ran = true; }));
+  }
+  CHECK_FALSE(ran);
+  CHECK_THROWS_WITH(s.synchronize(), "claimed boom");
+  CHECK(s.run_inline_or_submit([&] { ran = true; }));
+  CHECK(ran);
+}

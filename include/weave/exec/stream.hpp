@@ -49,6 +49,23 @@ void run_inline_or_submit(S& s, F&& task) {
     s.submit(std::forward<F>(task));
 }
 
+//! What `claim_if_idle` returns for a stream that cannot be claimed: nothing held.
+struct no_claim {
+  explicit operator bool() const noexcept { return false; }
+  bool all_ran_here() const noexcept { return false; }
+};
+
+//! Holds `s` for the calling thread while it is idle, where `s` can
+//! (`host_stream::claim_if_idle`): the steps a layer issues through `run_inline_or_submit`
+//! until the returned claim ends then run here without claiming `s` each. Else `no_claim`.
+template <class S>
+[[nodiscard]] auto claim_if_idle(S& s) {
+  if constexpr (requires { s.claim_if_idle(); })
+    return s.claim_if_idle();
+  else
+    return no_claim{};
+}
+
 //! Moves `e` to the end of `s`'s queue unless `s` can tell that nothing is left on it
 //! (`host_stream::idle`): an event that only says when a layer's queued work has run (to wait
 //! for it at destruction) need not be recorded after a call that ran on the calling thread.

@@ -181,10 +181,16 @@ class decode_exchange {
     const std::uint64_t call = ++calls_; // tasks of several calls may be queued at once
     held_ = true;
     combined_ = false;
-    run_inline_or_submit(s, [this, x, ids, weights] { pack_dispatch(x, ids, weights); });
-    exchange(s, dispatch_);
-    run_inline_or_submit(s, [this, call] { unpack_dispatch(call); });
-    record_unless_idle(s, last_);
+    bool done = false; // every step ran on this thread: no end to record
+    {
+      const auto claim = claim_if_idle(s); // one claim of an idle stream for the three steps
+      run_inline_or_submit(s, [this, x, ids, weights] { pack_dispatch(x, ids, weights); });
+      exchange(s, dispatch_);
+      run_inline_or_submit(s, [this, call] { unpack_dispatch(call); });
+      done = claim.all_ran_here();
+    }
+    if (!done)
+      record_unless_idle(s, last_);
     return handle(this, call, life_);
   }
 
@@ -198,10 +204,16 @@ class decode_exchange {
                  "decode_exchange::combine: a handle of another exchange (or an empty one)");
     bind_stream(s);
     combined_ = true;
-    run_inline_or_submit(s, [this, y, call = h.call_] { pack_combine(y, call); });
-    exchange(s, combine_);
-    run_inline_or_submit(s, [this, y] { unpack_combine(y); });
-    record_unless_idle(s, last_);
+    bool done = false;
+    {
+      const auto claim = claim_if_idle(s);
+      run_inline_or_submit(s, [this, y, call = h.call_] { pack_combine(y, call); });
+      exchange(s, combine_);
+      run_inline_or_submit(s, [this, y] { unpack_combine(y); });
+      done = claim.all_ran_here();
+    }
+    if (!done)
+      record_unless_idle(s, last_);
     h.reset();
   }
 
