@@ -292,6 +292,52 @@ TEST_CASE("rows_by_device lists a token's devices ascending, each with its first
   }
 }
 
+TEST_CASE("read_record accepts exactly the records a brute-force check accepts") {
+  // Local slots past 64 share the read's buckets (slot % 64): repeats and near misses among them.
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const std::int64_t choices = 1 + static_cast<std::int64_t>(rng() % 8);
+    const std::int64_t slots = 1 + static_cast<std::int64_t>(rng() % 200);
+    std::vector<std::int32_t> entry(static_cast<std::size_t>(choices));
+    for (auto& e : entry) { // mostly valid slots, from a few buckets; some -1, a few outside
+      const unsigned r = rng() % 20;
+      e = r < 3    ? -1
+          : r == 3 ? static_cast<std::int32_t>(slots)
+          : r == 4 ? -5
+                   : static_cast<std::int32_t>((rng() % 3) * 64 + rng() % 3) %
+                         static_cast<std::int32_t>(slots);
+    }
+    if (rng() % 2 == 0) // a well-formed tail: -1 after the first few
+      for (std::size_t c = 1 + rng() % entry.size(); c < entry.size(); ++c)
+        entry[c] = -1;
+    // Brute force: the first entry that is not a new slot in range, before the first -1, or
+    // not -1 after it.
+    weave::detail::record_read expected;
+    for (std::int64_t c = 0; c < choices && expected.bad < 0; ++c) {
+      const std::int32_t e = entry[static_cast<std::size_t>(c)];
+      const bool ended = expected.count > 0 && expected.count < c;
+      const bool repeat =
+          std::find(entry.begin(), entry.begin() + c, e) != entry.begin() + c && e != -1;
+      if (e == -1 && expected.count > 0)
+        continue;
+      if (ended || e < 0 || e >= slots || repeat) {
+        expected.bad = c;
+        expected.value = e;
+      } else {
+        ++expected.count;
+      }
+    }
+    const auto got = weave::detail::read_record(
+        [&](std::int64_t c) { return entry[static_cast<std::size_t>(c)]; }, choices, slots);
+    CAPTURE(trial);
+    CHECK(got.bad == expected.bad);
+    if (expected.bad < 0)
+      CHECK(got.count == expected.count);
+    else
+      CHECK(got.value == expected.value);
+  }
+}
+
 TEST_CASE("decode_exchange: calls queued back to back without waiting equal the reference") {
   for (int ranks : {2, 4}) {
     CAPTURE(ranks);

@@ -8,10 +8,12 @@
 #include <weave/core/host_matrix.hpp>
 #include <weave/routing.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 namespace {
@@ -383,4 +385,68 @@ TEST_CASE("plans reject bad input with the right error code") {
   routes[3] = {0, 1.0f};
   CHECK(code([&] { eplan.build(routes, counts); }) == weave::errc::invalid_argument); // twice
   CHECK(code([&] { weave::expert_plan(0, 2); }) == weave::errc::invalid_argument);
+}
+
+TEST_CASE("check_routing fails exactly where the pair-by-pair check does, with its error") {
+  // The branch-free token check against check_pair pair by pair (the plan's own check): random
+  // tokens with a few faults each (ids out of range, below -1, repeated, weights inf or NaN).
+  std::mt19937 rng(5);
+  int failures = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const std::size_t k = 1 + rng() % 8, tokens = 1 + rng() % 4;
+    const int E = static_cast<int>(k) + static_cast<int>(rng() % 12);
+    CAPTURE(trial);
+    std::vector<std::int32_t> ids(tokens * k);
+    std::vector<float> weights(ids.size());
+    for (std::size_t t = 0; t < tokens; ++t) {
+      std::vector<std::int32_t> experts(static_cast<std::size_t>(E));
+      for (int e = 0; e < E; ++e)
+        experts[static_cast<std::size_t>(e)] = e;
+      std::shuffle(experts.begin(), experts.end(), rng);
+      for (std::size_t j = 0; j < k; ++j) {
+        ids[t * k + j] = rng() % 6 == 0 ? -1 : experts[j];
+        weights[t * k + j] = static_cast<float>(rng() % 100) / 50.0f - 1.0f;
+      }
+    }
+    if (rng() % 2 == 0) { // one fault, somewhere
+      const std::size_t p = rng() % ids.size();
+      switch (rng() % 6) {
+      case 0:
+        ids[p] = E + static_cast<int>(rng() % 3);
+        break;
+      case 1:
+        ids[p] = -2 - static_cast<int>(rng() % 3);
+        break;
+      case 2:
+        ids[p] = ids[p / k * k + rng() % k];
+        break; // may be itself or a -1: no fault
+      case 3:
+        weights[p] = std::numeric_limits<float>::infinity();
+        break;
+      case 4:
+        weights[p] = std::numeric_limits<float>::quiet_NaN();
+        break;
+      default:
+        ids[p] = -1;
+        weights[p] = std::numeric_limits<float>::quiet_NaN();
+        break; // fine
+      }
+    }
+    std::string expected, got;
+    try {
+      for (std::size_t p = 0; p < ids.size(); ++p)
+        if (ids[p] != -1)
+          weave::detail::check_pair(ids, weights, p, k, E, 0);
+    } catch (const weave::error& e) {
+      expected = std::to_string(static_cast<int>(e.code())) + e.message();
+    }
+    try {
+      weave::detail::check_routing(ids, weights, k, E);
+    } catch (const weave::error& e) {
+      got = std::to_string(static_cast<int>(e.code())) + e.message();
+    }
+    CHECK(got == expected);
+    failures += expected.empty() ? 0 : 1;
+  }
+  CHECK(failures > 500); // the faults were caught often enough to mean something
 }

@@ -36,21 +36,27 @@ struct record_read {
 
 // Reads a record's `choices` entries (`entry(c)`): distinct local slots in [0, `local`), at least
 // one, then -1 to the end, or the first entry that breaks it. Shared by both decode exchanges.
+// An entry is looked for among the earlier ones only where a 64-bucket mask of them says it may
+// repeat.
 template <class Entry>
 WEAVE_HOST_DEVICE record_read read_record(Entry&& entry, std::int64_t choices, std::int64_t local) {
   record_read got;
+  std::uint64_t buckets = 0; // bit slot % 64 of each slot so far
   for (std::int64_t c = 0; c < choices; ++c) {
     const std::int32_t slot = entry(c);
     if (slot == -1 && got.count > 0)
       continue;
+    const std::uint64_t bit = std::uint64_t{1} << (static_cast<std::uint32_t>(slot) & 63u);
     bool seen = false;
-    for (std::int64_t j = 0; j < c; ++j)
-      seen = seen || entry(j) == slot;
+    if ((buckets & bit) != 0) // the same slot, or another of its bucket
+      for (std::int64_t j = 0; j < c; ++j)
+        seen = seen || entry(j) == slot;
     if (got.count != c || slot < 0 || slot >= local || seen) {
       got.bad = c;
       got.value = slot;
       return got;
     }
+    buckets |= bit;
     ++got.count;
   }
   return got;
@@ -248,20 +254,14 @@ struct decode_record_layout {
     return w;
   }
 
-  //! Reads record r's choices into `out` (room for `choices`) with `read_record`.
+  //! Reads record r's choices into `out` (room for `choices`; its first `count` are the valid
+  //! ones) and checks them with `read_record`.
   record_read read_choices(const std::byte* message, std::size_t r, std::size_t local_experts,
                            std::span<std::int32_t> out) const noexcept {
-    const record_read got = read_record(
-        [&](std::int64_t c) {
-          std::int32_t slot = 0;
-          std::memcpy(&slot, entry(message, r, static_cast<std::size_t>(c)), sizeof slot);
-          return slot;
-        },
-        static_cast<std::int64_t>(choices), static_cast<std::int64_t>(local_experts));
-    for (std::int64_t c = 0; c < got.count; ++c)
-      std::memcpy(&out[static_cast<std::size_t>(c)], entry(message, r, static_cast<std::size_t>(c)),
-                  sizeof(std::int32_t));
-    return got;
+    std::memcpy(out.data(), entry(message, r, 0), choices * sizeof(std::int32_t));
+    return read_record([&](std::int64_t c) { return out[static_cast<std::size_t>(c)]; },
+                       static_cast<std::int64_t>(choices),
+                       static_cast<std::int64_t>(local_experts));
   }
 
  private:
