@@ -8,12 +8,11 @@
 //!   table after the rows: `min(k, local experts)` slots, -1 after the last);
 //! - the record count travels in the message's header (`decode_header`), so a dispatch is one
 //!   all-to-all of fixed-size messages, with no count exchange and no allocation per call;
-//! - the combine returns one row per (token, expert) pair, exactly those dispatched: both sides
-//!   know the counts from the dispatch, so it is one all-to-all of exact sizes, again with no
-//!   count exchange. The gate weights stay on the source rank, which sums the returned expert
-//!   outputs in token order (choice order within a token). With
-//!   `decode_options::partial_sums` the weights travel with the records, each device returns
-//!   one row per record (its choices' gate-weighted sum) and the source sums them by device.
+//! - the combine returns one row per record (`decode_options::partial_sums`, the default: the
+//!   weights travel with the records, each device sums its choices' outputs and the source sums
+//!   them by device) or per (token, expert) pair (the source sums them in choice order): both
+//!   sides know the counts from the dispatch, so it is one all-to-all of exact sizes, again
+//!   with no count exchange.
 //!
 //! With `decode_options::fp8_dispatch` the dispatch sends each token quantised to FP8 with one
 //! scale per block (codes, then scales, in one wire row) and the experts get codes, scales and,
@@ -181,16 +180,9 @@ class decode_exchange {
     const std::uint64_t call = ++calls_; // tasks of several calls may be queued at once
     held_ = true;
     combined_ = false;
-    bool done = false; // every step ran on this thread: no end to record
-    {
-      const auto claim = claim_if_idle(s); // one claim of an idle stream for the three steps
-      run_inline_or_submit(s, [this, x, ids, weights] { pack_dispatch(x, ids, weights); });
-      exchange(s, dispatch_);
-      run_inline_or_submit(s, [this, call] { unpack_dispatch(call); });
-      done = claim.all_ran_here();
-    }
-    if (!done)
-      record_unless_idle(s, last_);
+    issue(
+        s, [this, x, ids, weights] { pack_dispatch(x, ids, weights); }, dispatch_,
+        [this, call] { unpack_dispatch(call); });
     return handle(this, call, life_);
   }
 
@@ -204,16 +196,9 @@ class decode_exchange {
                  "decode_exchange::combine: a handle of another exchange (or an empty one)");
     bind_stream(s);
     combined_ = true;
-    bool done = false;
-    {
-      const auto claim = claim_if_idle(s);
-      run_inline_or_submit(s, [this, y, call = h.call_] { pack_combine(y, call); });
-      exchange(s, combine_);
-      run_inline_or_submit(s, [this, y] { unpack_combine(y); });
-      done = claim.all_ran_here();
-    }
-    if (!done)
-      record_unless_idle(s, last_);
+    issue(
+        s, [this, y, call = h.call_] { pack_combine(y, call); }, combine_,
+        [this, y] { unpack_combine(y); });
     h.reset();
   }
 
@@ -250,10 +235,21 @@ class decode_exchange {
     return phase_layout::message_bytes(rows, options_.hidden * sizeof(T));
   }
 
-  // The one all-to-all of a phase.
-  void exchange(stream_type& s, const phase_layout& p) {
-    weave::all_to_all_v(*comm_, s, send_.data(), p.send_counts, p.send_displs, recv_.data(),
-                        p.recv_counts, p.recv_displs, 1);
+  // A phase's three steps (pack, its one all-to-all, unpack) under one claim of `s` when it is
+  // idle, so that they run here without claiming it each; the end is recorded unless all ran.
+  template <class Pack, class Unpack>
+  void issue(stream_type& s, Pack pack_step, const phase_layout& p, Unpack unpack_step) {
+    bool done = false;
+    {
+      const auto claim = claim_if_idle(s);
+      run_inline_or_submit(s, std::move(pack_step));
+      weave::all_to_all_v(*comm_, s, send_.data(), p.send_counts, p.send_displs, recv_.data(),
+                          p.recv_counts, p.recv_displs, 1);
+      run_inline_or_submit(s, std::move(unpack_step));
+      done = claim.all_ran_here();
+    }
+    if (!done)
+      record_unless_idle(s, last_);
   }
 
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
