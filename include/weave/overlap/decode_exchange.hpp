@@ -169,9 +169,9 @@ class decode_exchange {
   //! (k per token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they
   //! fail the call on every rank as the file comment says. Throws `errc::invalid_state` when
   //! a handle of this exchange is still alive. When `s` is idle the steps run on the calling
-  //! thread (`host_stream::run_inline_or_submit`), and so does the all-to-all where the
-  //! communicator runs small ones inline (`mpi_options::inline_max_bytes`): a decode call then
-  //! returns complete, without a hand-off to the stream's worker. Combine likewise.
+  //! thread under one claim of it (`host_stream::claim_if_idle`), and so does the all-to-all
+  //! where the communicator runs small ones inline (`mpi_options::inline_max_bytes`): a decode
+  //! call then returns complete, without a hand-off to the stream's worker. Combine likewise.
   handle dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
                   std::span<const float> weights, stream_type& s) {
     WEAVE_EXPECT(!held_, errc::invalid_state,
