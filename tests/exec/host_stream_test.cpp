@@ -333,7 +333,12 @@ TEST_CASE("a claim runs its thread's steps here, in order with work other thread
   {
     const auto claim = weave::claim_if_idle(s);
     REQUIRE(static_cast<bool>(claim));
-    CHECK_FALSE(static_cast<bool>(s.claim_if_idle())); // held by this thread already
+    {
+      const auto joined = s.claim_if_idle(); // held by this thread already: joins the hold
+      CHECK(static_cast<bool>(joined));
+      CHECK(joined.all_ran_here());
+    }
+    CHECK_FALSE(s.idle()); // leaving the joined claim ended nothing
     CHECK(s.run_inline_or_submit(step(1)));
     CHECK(s.run_inline_or_submit_always([&](std::exception_ptr f) {
       step(2)();

@@ -156,6 +156,40 @@ void check_destroyed_while_queued(Comm& comm) {
   s.synchronize();
 }
 
+// Layers called inside the caller's own claim of the stream (`claim_if_idle`, held across a
+// whole layer) join it: every step, the all-to-alls (small, on a communicator that runs them
+// inline) and the experts run on the calling thread, so the output is complete before the
+// claim ends. A step sent to the worker would not run until then (the worker starts nothing
+// while the stream is held).
+template <class Comm>
+void check_inside_a_claim(Comm& comm) {
+  const moe_test::linear_experts f(experts, hidden, 9);
+  const auto where = weave::placement::contiguous(experts, comm.size());
+  weave::decode_exchange<Comm, float> ex(comm, where, options());
+  typename Comm::stream_type s("decode");
+  for (int call = 0; call < 3; ++call) {
+    std::mt19937 rng(static_cast<std::uint32_t>(40 * comm.rank() + call));
+    const auto in =
+        moe_test::random_input<float>(tokens_of(comm.rank(), call), hidden, experts, k, rng);
+    std::vector<float> y(in.x.rows() * hidden, -7.0f);
+    {
+      const auto claim = s.claim_if_idle();
+      REQUIRE(static_cast<bool>(claim));
+      auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+      weave::run_inline_or_submit(s, [&f, xs = h.experts()] {
+        for (int l = 0; l < xs.local_experts(); ++l)
+          for (std::int64_t r = 0; r < xs.rows(l); ++r)
+            f.apply(xs.expert(l), xs.input(l).data() + r * static_cast<std::int64_t>(hidden),
+                    xs.output(l).data() + r * static_cast<std::int64_t>(hidden));
+      });
+      ex.combine(h, std::span<float>(y), s);
+      CHECK(claim.all_ran_here());
+      CHECK(bitwise_equal(y, expected(in, options(), f, where, comm.rank()))); // done here
+    }
+    s.synchronize();
+  }
+}
+
 // How `bad` corrupts one rank's call.
 enum class fault { none, too_many_tokens, bad_id, nan_weight, duplicate_expert, wrong_output };
 

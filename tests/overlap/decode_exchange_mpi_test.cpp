@@ -48,3 +48,9 @@ TEST_CASE("decode_exchange over MPI: destroyed with a call still queued, it wait
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   decode_test::check_destroyed_while_queued(comm);
 }
+
+TEST_CASE("decode_exchange over MPI inside the caller's claim of its stream runs on the calling "
+          "thread") {
+  weave::mpi_communicator comm(MPI_COMM_WORLD);
+  decode_test::check_inside_a_claim(comm);
+}

@@ -346,6 +346,16 @@ TEST_CASE("decode_exchange: calls queued back to back without waiting equal the 
   }
 }
 
+TEST_CASE("decode_exchange inside the caller's claim of its stream runs on the calling thread") {
+  weave::local_world_options inline_ops; // small collectives on the calling thread, as over MPI
+  inline_ops.inline_max_bytes = 1 << 20;
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    weave::local_world world(ranks, inline_ops);
+    world.run([&](local& c) { decode_test::check_inside_a_claim(c); });
+  }
+}
+
 TEST_CASE("decode_exchange destroyed with a call still queued waits for it, after calls that "
           "ran on the calling thread") {
   for (int ranks : {2, 4}) {

@@ -227,15 +227,17 @@ class host_stream {
   }
 
   //! The calling thread's hold on an idle stream (`claim_if_idle`); empty when the stream was
-  //! busy or capturing. Ends (the worker may start queued work) when destroyed.
+  //! busy or capturing. The claim that took the stream ends the hold (the worker may start
+  //! queued work) when destroyed; one that joined this thread's hold leaves it.
   class inline_claim {
    public:
     inline_claim() = default;
     inline_claim(inline_claim&& other) noexcept
-        : stream_(std::exchange(other.stream_, nullptr)) {}
+        : stream_(std::exchange(other.stream_, nullptr))
+        , took_(other.took_) {}
     inline_claim& operator=(inline_claim&&) = delete;
     ~inline_claim() {
-      if (stream_ != nullptr)
+      if (stream_ != nullptr && took_)
         stream_->end_claim();
     }
     //! Whether the stream is held.
@@ -248,9 +250,11 @@ class host_stream {
 
    private:
     friend class host_stream;
-    explicit inline_claim(host_stream* s) noexcept
-        : stream_(s) {}
+    inline_claim(host_stream* s, bool took) noexcept
+        : stream_(s)
+        , took_(took) {}
     host_stream* stream_ = nullptr;
+    bool took_ = false; // this claim took the stream (else it joined this thread's hold)
   };
 
   //! Holds the stream for the calling thread when it is idle (as `run_inline_or_submit` does
@@ -259,13 +263,16 @@ class host_stream {
   //! per step). The stream's order holds: once any task is queued (another thread's, or a step
   //! submitted), this thread's later steps queue too, and the worker starts nothing before the
   //! claim ends. Synchronizing the stream while holding it is `errc::invalid_state` (it would
-  //! wait for itself). Empty (every step claims or queues as usual) when the stream is busy,
-  //! capturing, or already held by this thread.
+  //! wait for itself). Within this thread's own hold it joins it (a layer called inside a
+  //! caller's claim: its `all_ran_here` still says whether anything was queued). Empty (every
+  //! step claims or queues as usual) when the stream is busy or capturing.
   inline_claim claim_if_idle() {
-    if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id() || !try_begin_inline())
+    if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id())
+      return inline_claim(this, false);
+    if (!try_begin_inline())
       return {};
     owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
-    return inline_claim(this);
+    return inline_claim(this, true);
   }
 
   //! A new event at the current end of the queue.
