@@ -43,6 +43,7 @@
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_arrivals.hpp"
 #include "weave/overlap/decode_handle.hpp"
+#include "weave/overlap/decode_mailbox.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/decode_records.hpp"
 #include "weave/overlap/decode_routes.hpp"
@@ -103,10 +104,10 @@ class decode_exchange {
     dispatch_ = phase_layout::of(records_layout_.dispatch_bytes, D, own());
     combine_ = phase_layout::of(records_layout_.combine_bytes, D, own());
     const auto sizes = records_layout_.buffers_for(D, k, !options_.gathered_inputs);
-    send_.assign(sizes.send_bytes, std::byte{0}); // also the pool's inputs (`expert_in`)
-    // The pool's outputs after the messages, a whole number of rows in, so that one row view
-    // addresses the returned rows and this rank's own (`returned_rows_view`).
-    recv_.assign(sizes.recv_bytes, std::byte{0});
+    // The send buffer also holds the pool's inputs (`expert_in`); the receive buffer the pool's
+    // outputs after the messages, a whole number of rows in, so that one row view addresses the
+    // returned rows and this rank's own (`returned_rows_view`).
+    mail_ = detail::decode_mailbox(rank_, sizes.send_bytes, sizes.recv_bytes);
     pool_out_row_ = sizes.pool_out_row;
     routes_ = detail::decode_routes(D, M, k);
     arrivals_ = detail::decode_arrivals(D, spd, records_layout_, options_.partial_sums);
@@ -135,8 +136,8 @@ class decode_exchange {
     detail::wait_at_end(last_);
     life_->alive.store(false, std::memory_order_release);
     if (abandoned(abandoned_)) { // MPI may still write into them (until MPI_Finalize)
-      detail::retain_value_until_exit(std::move(send_));
-      detail::retain_value_until_exit(std::move(recv_));
+      detail::retain_value_until_exit(std::move(mail_.send_buffer()));
+      detail::retain_value_until_exit(std::move(mail_.recv_buffer()));
     }
   }
 
@@ -155,7 +156,8 @@ class decode_exchange {
   //! per-pair arrays. With `gathered_inputs` the pool has no inputs: with partial sums the send
   //! buffer holds the messages alone.
   std::size_t buffer_bytes() const noexcept {
-    return send_.size() + recv_.size() + token_wire_.size() + expert_wire_.size();
+    return mail_.send_buffer().size() + mail_.recv_buffer().size() + token_wire_.size() +
+           expert_wire_.size();
   }
   //! `buffer_bytes()` of a layer of `ranks` ranks and `local_experts` slots per rank built with
   //! `options`, without building it.
@@ -228,7 +230,8 @@ class decode_exchange {
   }
   const_token_view returned_rows_view() const {
     const std::size_t row = options_.hidden * sizeof(T);
-    return const_token_view(recv_.data(), recv_.size() / row, options_.hidden, dtype_of_v<T>);
+    const auto& recv = mail_.recv_buffer();
+    return const_token_view(recv.data(), recv.size() / row, options_.hidden, dtype_of_v<T>);
   }
   // A combine message of `rows` rows, to or from a peer.
   std::int64_t combine_bytes(std::size_t rows) const {
@@ -243,8 +246,8 @@ class decode_exchange {
     {
       const auto claim = claim_if_idle(s);
       run_inline_or_submit(s, std::move(pack_step));
-      weave::all_to_all_v(*comm_, s, send_.data(), p.send_counts, p.send_displs, recv_.data(),
-                          p.recv_counts, p.recv_displs, 1);
+      weave::all_to_all_v(*comm_, s, mail_.send_buffer().data(), p.send_counts, p.send_displs,
+                          mail_.recv_buffer().data(), p.recv_counts, p.recv_displs, 1);
       run_inline_or_submit(s, std::move(unpack_step));
       done = claim.all_ran_here();
     }
@@ -255,63 +258,20 @@ class decode_exchange {
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
   std::size_t own() const noexcept { return static_cast<std::size_t>(rank_); }
   std::size_t world() const noexcept { return dispatch_.send_counts.size(); }
-  // The message to peer d in `send_`, and the one from peer d in `recv_`.
-  std::byte* sent(std::size_t d, const phase_layout& p) noexcept {
-    return send_.data() + p.send_displs[d];
-  }
+  std::byte* sent(std::size_t d, const phase_layout& p) noexcept { return mail_.sent(d, p); }
   std::byte* received(std::size_t d, const phase_layout& p) noexcept {
-    return recv_.data() + p.recv_displs[d];
+    return mail_.received(d, p);
   }
-  decode_header header(std::size_t d, const phase_layout& p) noexcept {
-    decode_header h;
-    std::memcpy(&h, received(d, p), sizeof h);
-    return h;
-  }
+  decode_header header(std::size_t d, const phase_layout& p) noexcept { return mail_.header(d, p); }
   void put_header(std::size_t d, const decode_header& h, const phase_layout& p) noexcept {
-    std::memcpy(sent(d, p), &h, sizeof h);
+    mail_.put_header(d, h, p);
   }
-  // Runs `fill`, which writes the send messages of phase `p`; on failure every header says so
-  // instead, and the failure is kept for this rank's own stream.
   template <class F>
   void pack(F&& fill, const phase_layout& p) noexcept {
-    local_failure_ = nullptr;
-    try {
-      fill();
-      return;
-    } catch (const error& e) {
-      local_failure_ = std::current_exception();
-      mark_failed(e.code(), e.message(), p);
-    } catch (const std::exception& e) {
-      local_failure_ = std::current_exception();
-      mark_failed(errc::internal, e.what(), p);
-    }
+    mail_.pack(std::forward<F>(fill), p);
   }
-  void mark_failed(errc code, const std::string& what, const phase_layout& p) noexcept {
-    const decode_header h = detail::failed_header(rank_, code, what);
-    for (std::size_t d = 0; d < world(); ++d)
-      put_header(d, h, p);
-  }
-
-  // Checks every received header of phase `p`: this rank's own failure first (the root
-  // cause), then the lowest failed peer's (a failed header in any slot), or a header no sender
-  // writes. A failure its peers may not know (a header no sender writes, a sender that failed in
-  // some of its headers only) aborts the communicator, so that no peer waits for this rank in a
-  // later collective.
   void check_headers(const phase_layout& p, std::size_t max_rows) {
-    if (local_failure_)
-      std::rethrow_exception(local_failure_);
-    const detail::decode_headers_verdict verdict = detail::check_decode_headers(
-        world(), 1, static_cast<std::int64_t>(max_rows), 0, "decode_exchange",
-        [&](std::size_t d, std::size_t) { return header(d, p); },
-        [](const decode_header& h) {
-          return failure_record{h.source, static_cast<errc>(h.code), true,
-                                std::string(h.cause, ::strnlen(h.cause, sizeof h.cause))};
-        });
-    if (!verdict.failure)
-      return;
-    if (!verdict.told)
-      abort_peers(*comm_, verdict.failure);
-    std::rethrow_exception(verdict.failure);
+    mail_.check_headers(*comm_, p, max_rows, "decode_exchange");
   }
 
   // Bytes of a dispatched row: T elements, or an FP8 row (codes, then scales).
@@ -389,7 +349,7 @@ class decode_exchange {
   void deliver_records() {
     const std::size_t row = wire_row();
     arrivals_.begin();
-    for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `send_`
+    for (std::size_t d = 0; d < world(); ++d) { // this rank's side tables never left `sent`
       const std::byte* message = d == own() ? sent(d, dispatch_) : received(d, dispatch_);
       const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
       const std::size_t pairs =
@@ -562,11 +522,13 @@ class decode_exchange {
   }
   // The pool's inputs live in the send buffer, idle from the dispatch's end to the combine's
   // pack (which the experts precede in stream order); a view read later is refused as stale.
-  T* expert_in() noexcept { return reinterpret_cast<T*>(send_.data()); }
-  const T* expert_in() const noexcept { return reinterpret_cast<const T*>(send_.data()); }
-  // The pool's outputs: `pool_rows_` rows after the messages in `recv_` (row `pool_out_row_`).
+  T* expert_in() noexcept { return reinterpret_cast<T*>(mail_.send_buffer().data()); }
+  const T* expert_in() const noexcept {
+    return reinterpret_cast<const T*>(mail_.send_buffer().data());
+  }
+  // The pool's outputs: `pool_rows_` rows after the messages received (row `pool_out_row_`).
   const T* pool_out() const noexcept {
-    return reinterpret_cast<const T*>(recv_.data()) + pool_out_row_ * options_.hidden;
+    return reinterpret_cast<const T*>(mail_.recv_buffer().data()) + pool_out_row_ * options_.hidden;
   }
   std::size_t first_row(int l) const noexcept {
     return static_cast<std::size_t>(arrivals_.slots().first(static_cast<std::size_t>(l)));
@@ -586,9 +548,9 @@ class decode_exchange {
   decode_options options_;
   int rank_ = 0;
   std::size_t pool_rows_ = 0, tokens_ = 0;
-  phase_layout dispatch_, combine_;    // the two all-to-alls' messages
-  std::vector<std::byte> send_, recv_; // [rank][message] of the larger phase (recv_: then the pool)
-  std::size_t pool_out_row_ = 0;       // the pool's outputs' first row in recv_
+  phase_layout dispatch_, combine_; // the two all-to-alls' messages
+  detail::decode_mailbox mail_;     // the messages (send: then the pool's inputs; receive: outputs)
+  std::size_t pool_out_row_ = 0;    // the pool's outputs' first row in the receive buffer
   const std::byte* dispatch_rows_ = nullptr;    // the call's token rows (FP8: `token_wire_`)
   detail::decode_record_layout records_layout_; // the messages' wire format
   quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales
@@ -598,8 +560,7 @@ class decode_exchange {
   detail::decode_routes routes_;                // where this rank's pairs went
   detail::decode_arrivals arrivals_;            // where the pairs received went
   std::span<const float> weights_;              // the call's gate weights
-  std::exception_ptr local_failure_;
-  std::uint64_t calls_ = 0;                                // dispatches issued
+  std::uint64_t calls_ = 0;                     // dispatches issued
   std::atomic<std::uint64_t> arrived_{0}, failed_call_{0}; // the last dispatch that ran, failed
   bool held_ = false, combined_ = false;
   stream_type* stream_ = nullptr; // the stream of every call
