@@ -47,8 +47,10 @@ inline std::int64_t shuffled_displs(const std::vector<std::int64_t>& counts,
 }
 
 // counts[s][d] in units: a quarter are zero, one peer per sender gets `huge`, the rest small.
+// With `slack`, each receive has room for up to `slack` units more than its block (a bounded
+// all-to-all's receives); `expected_recv` leaves the rest of the room as the sentinel.
 inline a2a_case make_case(int n, std::size_t unit, std::uint64_t seed, std::int64_t huge = 3000,
-                          bool gaps = true) {
+                          bool gaps = true, std::int64_t slack = 0) {
   std::mt19937_64 rng(seed);
   a2a_case c;
   c.n = n;
@@ -67,7 +69,9 @@ inline a2a_case make_case(int n, std::size_t unit, std::uint64_t seed, std::int6
     L.send_counts = counts[std::size_t(r)];
     L.recv_counts.resize(std::size_t(n));
     for (int s = 0; s < n; ++s)
-      L.recv_counts[std::size_t(s)] = counts[std::size_t(s)][std::size_t(r)];
+      L.recv_counts[std::size_t(s)] =
+          counts[std::size_t(s)][std::size_t(r)] +
+          (slack > 0 ? static_cast<std::int64_t>(rng() % std::uint64_t(slack + 1)) : 0);
     const std::int64_t send_extent = shuffled_displs(L.send_counts, L.send_displs, rng, gaps);
     const std::int64_t recv_extent = shuffled_displs(L.recv_counts, L.recv_displs, rng, gaps);
     L.send.resize(static_cast<std::size_t>(send_extent) * unit);

@@ -83,6 +83,53 @@ TEST_CASE("local_world all_to_all_v equals the direct-copy reference on random s
   }
 }
 
+TEST_CASE("a bounded all_to_all_v fills each room with its block alone and reports its length") {
+  for (int n : {1, 2, 3, 5}) {
+    for (std::size_t unit : {std::size_t{1}, std::size_t{12}}) {
+      for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+        CAPTURE(n);
+        CAPTURE(unit);
+        CAPTURE(seed);
+        const auto c = comm_test::make_case(n, unit, seed * 104729 + std::uint64_t(n), 300, true,
+                                            seed == 3 ? 0 : 9); // seed 3: blocks fill their rooms
+        weave::local_world world(n);
+        world.run([&](weave::local_communicator& comm) {
+          const auto r = std::size_t(comm.rank());
+          const comm_test::rank_layout& L = c.ranks[r];
+          std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
+          std::vector<std::int64_t> received(std::size_t(n), -1);
+          weave::host_stream s("comm");
+          comm.all_to_all_v_bounded(s, L.send.data(), L.send_counts, L.send_displs, out.data(),
+                                    L.recv_counts, L.recv_displs, received, c.unit);
+          s.synchronize();
+          CHECK(out == comm_test::expected_recv(c, int(r)));
+          for (std::size_t j = 0; j < std::size_t(n); ++j)
+            CHECK(received[j] == c.ranks[j].send_counts[r]);
+        });
+      }
+    }
+  }
+}
+
+TEST_CASE("a bounded all_to_all_v refuses a block longer than its room") {
+  weave::local_world world(2);
+  world.run_collect([&](weave::local_communicator& comm) {
+    weave::host_stream s;
+    std::vector<std::byte> send(16, std::byte{7}), recv(16);
+    std::vector<std::int64_t> received(2);
+    const std::vector<std::int64_t> room{4, 4}, displs{0, 8};
+    std::vector<std::int64_t> counts{4, 4};
+    if (comm.rank() == 0)
+      counts[1] = 5; // rank 1 has room for 4
+    comm.all_to_all_v_bounded(s, send.data(), counts, displs, recv.data(), room, displs, received);
+    const auto code = code_of([&] { s.synchronize(); });
+    if (comm.rank() == 1)
+      CHECK(code == weave::errc::size_mismatch);
+    else // it received its own blocks; it may learn of rank 1's failure here
+      CHECK((code == weave::errc::internal || code == weave::errc::peer_failure));
+  });
+}
+
 TEST_CASE("counts exchanged on the stream feed the all_to_all_v enqueued right after them") {
   const int n = 4;
   const auto c = comm_test::make_case(n, 8, 42, 5000, /*gaps=*/false);

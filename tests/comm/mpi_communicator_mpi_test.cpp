@@ -143,6 +143,83 @@ TEST_CASE("blocks cut into pieces equal MPI_Alltoallv") {
   }
 }
 
+TEST_CASE("a bounded all-to-all fills each room with its block alone and reports its length") {
+  const int n = world_size(), r = world_rank();
+  weave::mpi_options small_chunks;
+  small_chunks.max_chunk_units = 7; // does not cut a bounded block
+  for (const weave::mpi_options& o : {weave::mpi_options{}, small_chunks}) {
+    weave::mpi_communicator comm(MPI_COMM_WORLD, o);
+    for (std::size_t unit : {std::size_t{1}, std::size_t{12}}) {
+      for (std::uint64_t seed = 1; seed <= 3; ++seed) {
+        CAPTURE(unit);
+        CAPTURE(seed);
+        const auto c = comm_test::make_case(n, unit, seed * 131 + unit, seed == 2 ? 20000 : 300,
+                                            true, seed == 3 ? 0 : 9);
+        const comm_test::rank_layout& L = c.ranks[std::size_t(r)];
+        std::vector<std::byte> out(L.recv_bytes, comm_test::sentinel);
+        std::vector<std::int64_t> received(std::size_t(n), -1);
+        weave::host_stream s("mpi");
+        comm.all_to_all_v_bounded(s, L.send.data(), L.send_counts, L.send_displs, out.data(),
+                                  L.recv_counts, L.recv_displs, received, c.unit);
+        s.synchronize();
+        CHECK(out == comm_test::expected_recv(c, r));
+        for (std::size_t j = 0; j < std::size_t(n); ++j)
+          CHECK(received[j] == c.ranks[j].send_counts[std::size_t(r)]);
+      }
+    }
+  }
+}
+
+TEST_CASE("a bounded all-to-all's block longer than its room fails its receiver, whose peers "
+          "learn it") {
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  {
+    weave::mpi_communicator comm(MPI_COMM_WORLD);
+    weave::host_stream s;
+    const int n = comm.size(), r = comm.rank();
+    auto layout = comm_test::uniform(n, 4, 8);
+    std::vector<std::int64_t>& send_counts = layout.counts;
+    const std::vector<std::int64_t>& displs = layout.displs;
+    const std::vector<std::int64_t> room = send_counts;
+    if (r == 0)
+      send_counts[1] = 8; // rank 1 has room for 4
+    auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));
+    auto recv = std::make_shared<std::vector<std::byte>>(send->size());
+    auto received = std::make_shared<std::vector<std::int64_t>>(std::size_t(n));
+    abandoned.keep(send);
+    abandoned.keep(recv);
+    comm.all_to_all_v_bounded(s, send->data(), send_counts, displs, recv->data(), room, displs,
+                              *received);
+    if (r == 1) {
+      try {
+        s.synchronize();
+        FAIL("a block longer than its room went unnoticed");
+      } catch (const weave::error& e) {
+        CHECK(e.code() == weave::errc::mpi);
+        CHECK(e.message().find("all_to_all_v_bounded") != std::string::npos);
+        CHECK(e.message().find("MPI_ERR_TRUNCATE") != std::string::npos);
+      }
+      CHECK(comm.aborted());
+    } else {
+      try {
+        s.synchronize(); // completes, or learns of rank 1's failure: both are fine here
+      } catch (const weave::peer_error& e) {
+        CHECK(e.origin().rank == 1);
+      }
+      comm.barrier(s);
+      try {
+        s.synchronize();
+        FAIL("rank 1's failure did not reach rank ", r);
+      } catch (const weave::peer_error& e) {
+        CHECK(e.origin().rank == 1);
+        CHECK(e.origin().code == weave::errc::mpi);
+      }
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+}
+
 TEST_CASE("a rank whose own block's counts disagree fails with size_mismatch, its peers learn it") {
   weave::mpi_communicator comm(MPI_COMM_WORLD);
   weave::host_stream s;

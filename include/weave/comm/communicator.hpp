@@ -73,6 +73,15 @@ concept has_all_to_all_v = communicator<C> &&
   c.all_to_all_v(s, send, v, v, recv, v, v, unit);
 };
 
+//! An all-to-all whose receive counts are room: each block may be shorter, and its length (in
+//! units) is written to `received` when the operation has run (`local_world`, MPI).
+template <class C>
+concept has_bounded_all_to_all = has_all_to_all_v<C> &&
+    requires(C& c, typename C::stream_type& s, const void* send, void* recv,
+             std::span<const std::int64_t> v, std::span<std::int64_t> received, std::size_t unit) {
+  c.all_to_all_v_bounded(s, send, v, v, recv, v, v, received, unit);
+};
+
 //! Grouped point-to-point transfers (the primitive NCCL offers; all_to_all_v is built on it).
 template <class C>
 concept has_send_recv = communicator<C> &&

@@ -81,6 +81,28 @@ class local_communicator {
     enqueue(s, p, [=] { return detail::moved_bytes(send_counts, recv_counts, unit); });
   }
 
+  //! `all_to_all_v` whose receive counts are room, not sizes: rank j's block to this rank may be
+  //! shorter than `recv_counts[j]`, and its length (units) is written to `received[j]` when the
+  //! operation has run. A block longer than its room fails with `errc::size_mismatch`. Untagged:
+  //! a layer that uses it carries its own headers (see `has_bounded_all_to_all`).
+  void all_to_all_v_bounded(host_stream& s, const void* send,
+                            std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, void* recv,
+                            std::span<const std::int64_t> recv_counts,
+                            std::span<const std::int64_t> recv_displs,
+                            std::span<std::int64_t> received, std::size_t unit = 1) {
+    detail::local_post p = make(detail::local_op::all_to_all_v_bounded);
+    p.send = static_cast<const std::byte*>(send);
+    p.recv = static_cast<std::byte*>(recv);
+    p.send_counts = send_counts;
+    p.send_displs = send_displs;
+    p.recv_counts = recv_counts;
+    p.recv_displs = recv_displs;
+    p.received = received;
+    p.unit = unit;
+    enqueue(s, p, [=] { return detail::moved_bytes(send_counts, recv_counts, unit); });
+  }
+
   //! Grouped point-to-point transfers. In a local_world every rank takes part in each group
   //! (with an empty list if it exchanges nothing).
   void send_recv(host_stream& s, std::span<const peer_transfer> transfers) {

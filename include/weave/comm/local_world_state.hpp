@@ -46,12 +46,22 @@ struct local_world_options {
 
 namespace detail {
 
-enum class local_op : int { none, all_to_all_v, send_recv, exchange_counts, all_reduce, barrier };
+enum class local_op : int {
+  none,
+  all_to_all_v,
+  all_to_all_v_bounded,
+  send_recv,
+  exchange_counts,
+  all_reduce,
+  barrier
+};
 
 constexpr const char* to_string(local_op op) noexcept {
   switch (op) {
   case local_op::all_to_all_v:
     return "all_to_all_v";
+  case local_op::all_to_all_v_bounded:
+    return "all_to_all_v_bounded";
   case local_op::send_recv:
     return "send_recv";
   case local_op::exchange_counts:
@@ -86,6 +96,7 @@ struct local_post {
   const std::byte* send = nullptr;
   std::byte* recv = nullptr;
   std::span<const std::int64_t> send_counts, send_displs, recv_counts, recv_displs;
+  std::span<std::int64_t> received;         // all_to_all_v_bounded: each block's length (units)
   std::size_t unit = 1;                     // all_to_all_v unit; exchange_counts: counts per peer
   std::span<const peer_transfer> transfers; // send_recv
   std::size_t count = 0;                    // all_reduce elements
@@ -260,8 +271,13 @@ class local_world_state {
   void check_own(const local_post& post) const {
     switch (post.op) {
     case local_op::all_to_all_v:
+    case local_op::all_to_all_v_bounded:
       check_layout(size_, post.send_counts, post.send_displs, post.unit, "send");
       check_layout(size_, post.recv_counts, post.recv_displs, post.unit, "receive");
+      WEAVE_EXPECT(post.op == local_op::all_to_all_v ||
+                       post.received.size() == static_cast<std::size_t>(size_),
+                   errc::size_mismatch, "all_to_all_v_bounded: ", post.received.size(),
+                   " received lengths for ", size_, " ranks");
       break;
     case local_op::exchange_counts:
       WEAVE_EXPECT(post.unit > 0 && post.send_counts.size() == post.unit * std::size_t(size_) &&
@@ -324,6 +340,24 @@ class local_world_state {
           std::memcpy(post.recv + post.recv_displs[p] * static_cast<std::int64_t>(post.unit),
                       from.send + from.send_displs[r] * static_cast<std::int64_t>(from.unit),
                       static_cast<std::size_t>(sent));
+        arrive(peer, sent);
+      }
+      break;
+    case local_op::all_to_all_v_bounded: // a block up to its room; its length reported
+      for (int peer = 0; peer < size_; ++peer) {
+        const auto p = static_cast<std::size_t>(peer);
+        const local_post& from = posts_[p];
+        const std::int64_t sent = from.send_counts[r] * static_cast<std::int64_t>(from.unit);
+        const auto unit = static_cast<std::int64_t>(post.unit);
+        const std::int64_t room = post.recv_counts[p] * unit;
+        WEAVE_EXPECT(sent <= room && sent % unit == 0, errc::size_mismatch,
+                     "all_to_all_v_bounded #", post.seq, ": rank ", peer, " sends ", sent,
+                     " bytes to rank ", rank, ", which has room for ", room, " in units of ", unit);
+        if (sent > 0)
+          std::memcpy(post.recv + post.recv_displs[p] * unit,
+                      from.send + from.send_displs[r] * static_cast<std::int64_t>(from.unit),
+                      static_cast<std::size_t>(sent));
+        post.received[p] = sent / unit;
         arrive(peer, sent);
       }
       break;

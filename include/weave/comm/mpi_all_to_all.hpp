@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -156,6 +157,65 @@ mpi_communicator::run_all_to_all_v(const std::byte* send, std::span<const std::i
                  static_cast<std::size_t>(send_counts[self] * bytes));
   if (!requests_.empty())
     wait_all(requests_, what);
+}
+
+// The bounded all-to-all: one receive per peer for its whole room, one send per peer of its
+// block, then each block's length from its receive's status.
+inline void mpi_communicator::run_bounded_all_to_all_v(
+    const std::byte* send, std::span<const std::int64_t> send_counts,
+    std::span<const std::int64_t> send_displs, std::byte* recv,
+    std::span<const std::int64_t> recv_counts, std::span<const std::int64_t> recv_displs,
+    std::span<std::int64_t> received, std::size_t unit) {
+  const char* what = "all_to_all_v_bounded";
+  detail::check_layout(size_, send_counts, send_displs, unit, "send");
+  detail::check_layout(size_, recv_counts, recv_displs, unit, "receive");
+  const auto self = static_cast<std::size_t>(rank_);
+  WEAVE_EXPECT(received.size() == static_cast<std::size_t>(size_), errc::size_mismatch,
+               "mpi_communicator rank ", rank_, ": ", what, ": ", received.size(),
+               " received lengths for ", size_, " ranks");
+  WEAVE_EXPECT(send_counts[self] <= recv_counts[self], errc::size_mismatch,
+               "mpi_communicator rank ", rank_, ": ", what, " sends ", send_counts[self],
+               " units to itself into room for ", recv_counts[self]);
+  const auto one_message = [&](std::int64_t count) {
+    WEAVE_EXPECT(count <= INT_MAX, errc::size_overflow, "mpi_communicator rank ", rank_, ": ", what,
+                 ": a block of ", count, " units (one message: at most INT_MAX)");
+    return static_cast<int>(count);
+  };
+  const MPI_Datatype type = unit_type(unit);
+  const auto bytes = static_cast<std::int64_t>(unit);
+  requests_.clear();
+  for (int i = 1; i < size_; ++i) { // receives first; request i - 1 receives from rank - i
+    const int peer = (rank_ + size_ - i) % size_;
+    const auto j = static_cast<std::size_t>(peer);
+    requests_.push_back(MPI_REQUEST_NULL);
+    check(MPI_Irecv(recv + recv_displs[j] * bytes, one_message(recv_counts[j]), type, peer,
+                    block_tag, comm_, &requests_.back()),
+          "MPI_Irecv", what);
+  }
+  for (int i = 1; i < size_; ++i) {
+    const int peer = (rank_ + i) % size_;
+    const auto j = static_cast<std::size_t>(peer);
+    requests_.push_back(MPI_REQUEST_NULL);
+    check(MPI_Isend(send + send_displs[j] * bytes, one_message(send_counts[j]), type, peer,
+                    block_tag, comm_, &requests_.back()),
+          "MPI_Isend", what);
+  }
+  if (send_counts[self] > 0)
+    std::memmove(recv + recv_displs[self] * bytes, send + send_displs[self] * bytes,
+                 static_cast<std::size_t>(send_counts[self] * bytes));
+  received[self] = send_counts[self];
+  if (requests_.empty())
+    return;
+  wait_all(requests_, what);
+  for (int i = 1; i < size_; ++i) {
+    int count = 0;
+    check(MPI_Get_count(&statuses_[static_cast<std::size_t>(i - 1)], type, &count), "MPI_Get_count",
+          what);
+    WEAVE_EXPECT(count != MPI_UNDEFINED, errc::size_mismatch, "mpi_communicator rank ", rank_, ": ",
+                 what, ": rank ", (rank_ + size_ - i) % size_,
+                 " sent a block that is not a whole number of units of ", unit, " bytes");
+    received[static_cast<std::size_t>((rank_ + size_ - i) % size_)] = count;
+  }
 }
 
 WEAVE_NAMESPACE_END

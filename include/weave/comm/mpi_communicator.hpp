@@ -195,6 +195,28 @@ class mpi_communicator {
         });
   }
 
+  //! `all_to_all_v` whose receive counts are room, not sizes: rank j's block to this rank may be
+  //! shorter than `recv_counts[j]`, and its length (units) is written to `received[j]` when the
+  //! operation has run. Each block is one message of at most INT_MAX units (`max_chunk_units`
+  //! does not cut it); a block longer than its room fails the receiver with `errc::mpi` (MPI's
+  //! truncation), its own with `errc::size_mismatch`. Untagged: a layer that uses it carries its
+  //! own headers (see `has_bounded_all_to_all`).
+  void all_to_all_v_bounded(host_stream& s, const void* send,
+                            std::span<const std::int64_t> send_counts,
+                            std::span<const std::int64_t> send_displs, void* recv,
+                            std::span<const std::int64_t> recv_counts,
+                            std::span<const std::int64_t> recv_displs,
+                            std::span<std::int64_t> received, std::size_t unit = 1) {
+    run(
+        s, "all_to_all_v_bounded",
+        [=, this] { return inline_allowed(detail::moved_bytes(send_counts, recv_counts, unit)); },
+        [=, this] {
+          run_bounded_all_to_all_v(static_cast<const std::byte*>(send), send_counts, send_displs,
+                                   static_cast<std::byte*>(recv), recv_counts, recv_displs,
+                                   received, unit);
+        });
+  }
+
   //! Sends the j-th group of k counts of `send` to rank j and receives rank j's k counts into
   //! the j-th group of `recv`; a tagged exchange checks the peers' tags first, as `all_to_all_v`.
   void exchange_counts(host_stream& s, std::span<const std::int64_t> send,
@@ -462,6 +484,11 @@ class mpi_communicator {
                         std::span<const std::int64_t> recv_displs, std::size_t unit,
                         call_tag tag = {}, std::int64_t kind = header::all_to_all,
                         const char* what = "all_to_all_v");
+  void run_bounded_all_to_all_v(const std::byte* send, std::span<const std::int64_t> send_counts,
+                                std::span<const std::int64_t> send_displs, std::byte* recv,
+                                std::span<const std::int64_t> recv_counts,
+                                std::span<const std::int64_t> recv_displs,
+                                std::span<std::int64_t> received, std::size_t unit);
 
   mpi_options options_;
   MPI_Comm comm_ = MPI_COMM_NULL;
