@@ -5,6 +5,7 @@
 // fails it with its typed error and every peer with peer_failure, and the next call works.
 #include "decode_cases.hpp"
 
+#include <weave/comm/communicator.hpp>
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
@@ -16,6 +17,8 @@
 #include <algorithm>
 #include <map>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 using local = weave::local_communicator;
@@ -45,6 +48,153 @@ TEST_CASE("decode_exchange with 128 slots per rank, most idle in a call, equals 
                                                     partial_sums, gathered);
       });
     }
+}
+
+namespace {
+
+// A local communicator with (`Bounded`) or without the bounded all-to-all; records, when it
+// runs, each bounded all-to-all's bytes per peer.
+template <bool Bounded>
+struct recording_comm {
+  using stream_type = weave::host_stream;
+  local* inner = nullptr;
+  std::vector<std::vector<std::int64_t>>* sent = nullptr;
+  int rank() const { return inner->rank(); }
+  int size() const { return inner->size(); }
+  void all_to_all_v(weave::host_stream& s, const void* send, std::span<const std::int64_t> sc,
+                    std::span<const std::int64_t> sd, void* recv, std::span<const std::int64_t> rc,
+                    std::span<const std::int64_t> rd, std::size_t unit) {
+    inner->all_to_all_v(s, send, sc, sd, recv, rc, rd, unit);
+  }
+  void all_to_all_v_bounded(weave::host_stream& s, const void* send,
+                            std::span<const std::int64_t> sc, std::span<const std::int64_t> sd,
+                            void* recv, std::span<const std::int64_t> rc,
+                            std::span<const std::int64_t> rd, std::span<std::int64_t> received,
+                            std::size_t unit) requires Bounded {
+    s.submit([this, sc] { sent->emplace_back(sc.begin(), sc.end()); });
+    inner->all_to_all_v_bounded(s, send, sc, sd, recv, rc, rd, received, unit);
+  }
+  void exchange_counts(weave::host_stream& s, std::span<const std::int64_t> in,
+                       std::span<std::int64_t> out) {
+    inner->exchange_counts(s, in, out);
+  }
+  void abort(const std::string& why) { inner->abort(why); }
+};
+static_assert(weave::has_bounded_all_to_all<recording_comm<true>> &&
+              !weave::has_bounded_all_to_all<recording_comm<false>>);
+
+// A local communicator whose bounded all-to-all sends rank 1 one byte less of rank 0's message
+// than the layer asked for (what a rogue or broken peer might do).
+struct shortening_comm {
+  using stream_type = weave::host_stream;
+  local* inner = nullptr;
+  std::vector<std::int64_t> counts; // the counts sent, set on the stream
+  int rank() const { return inner->rank(); }
+  int size() const { return inner->size(); }
+  void all_to_all_v(weave::host_stream& s, const void* send, std::span<const std::int64_t> sc,
+                    std::span<const std::int64_t> sd, void* recv, std::span<const std::int64_t> rc,
+                    std::span<const std::int64_t> rd, std::size_t unit) {
+    inner->all_to_all_v(s, send, sc, sd, recv, rc, rd, unit);
+  }
+  void all_to_all_v_bounded(weave::host_stream& s, const void* send,
+                            std::span<const std::int64_t> sc, std::span<const std::int64_t> sd,
+                            void* recv, std::span<const std::int64_t> rc,
+                            std::span<const std::int64_t> rd, std::span<std::int64_t> received,
+                            std::size_t unit) {
+    counts.assign(sc.size(), 0);
+    s.submit([this, sc] {
+      std::copy(sc.begin(), sc.end(), counts.begin());
+      if (rank() == 0)
+        --counts[1];
+    });
+    inner->all_to_all_v_bounded(s, send, counts, sd, recv, rc, rd, received, unit);
+  }
+  void exchange_counts(weave::host_stream& s, std::span<const std::int64_t> in,
+                       std::span<std::int64_t> out) {
+    inner->exchange_counts(s, in, out);
+  }
+  void abort(const std::string& why) { inner->abort(why); }
+};
+
+} // namespace
+
+TEST_CASE("decode_exchange's dispatch sends a peer its records alone over a bounded all-to-all, "
+          "whole messages elsewhere, with the same results") {
+  constexpr int ranks = 4; // 2 experts each: choices = min(k, 2)
+  const auto where = weave::placement::contiguous(decode_test::experts, ranks);
+  for (const bool partial_sums : {true, false}) {
+    CAPTURE(partial_sums);
+    weave::local_world world(ranks);
+    world.run([&](local& c) {
+      std::vector<std::vector<std::int64_t>> sent;
+      recording_comm<true> bounded{&c, &sent};
+      decode_test::check_against_reference<float>(bounded, where, partial_sums);
+      recording_comm<false> whole{&c, nullptr};
+      decode_test::check_against_reference<float>(whole, where, partial_sums);
+      // The documented format, counted by brute force: a header, then per record (a token that
+      // reaches the device) its row and min(k, local experts) slots (and as many weights).
+      const int per_device = decode_test::experts / ranks;
+      const std::size_t entry = static_cast<std::size_t>(std::min(decode_test::k, per_device)) * 4 *
+                                (partial_sums ? 2 : 1);
+      REQUIRE(sent.size() == 4); // the dispatches of check_against_reference's four calls
+      for (int call = 0; call < 4; ++call) {
+        std::mt19937 rng(static_cast<std::uint32_t>(100 * call + c.rank()));
+        const auto in = moe_test::random_input<float>(decode_test::tokens_of(c.rank(), call),
+                                                      decode_test::hidden, decode_test::experts,
+                                                      decode_test::k, rng);
+        for (int d = 0; d < ranks; ++d) {
+          if (d == c.rank())
+            continue;
+          std::size_t records = 0;
+          for (std::size_t t = 0; t * decode_test::k < in.ids.size(); ++t) {
+            bool reaches = false;
+            for (int j = 0; j < decode_test::k; ++j) {
+              const int id = in.ids[t * decode_test::k + static_cast<std::size_t>(j)];
+              reaches = reaches || (id >= 0 && id / per_device == d);
+            }
+            records += reaches ? 1 : 0;
+          }
+          CAPTURE(call);
+          CAPTURE(d);
+          CHECK(sent[static_cast<std::size_t>(call)][static_cast<std::size_t>(d)] ==
+                static_cast<std::int64_t>(sizeof(weave::decode_header) +
+                                          records * (decode_test::hidden * sizeof(float) + entry)));
+        }
+      }
+    });
+  }
+}
+
+TEST_CASE("decode_exchange: a dispatch message shorter than its header's records fails every "
+          "rank, the receiver with protocol") {
+  weave::local_world world(2);
+  world.run_collect([&](local& c) {
+    shortening_comm comm{&c, {}};
+    const auto where = weave::placement::contiguous(decode_test::experts, 2);
+    weave::decode_exchange<shortening_comm, float> ex(comm, where, decode_test::options());
+    weave::host_stream s("decode");
+    std::mt19937 rng(static_cast<std::uint32_t>(3 + c.rank()));
+    auto in = moe_test::random_input<float>(decode_test::max_tokens, decode_test::hidden,
+                                            decode_test::experts, decode_test::k, rng);
+    in.ids[0] = decode_test::experts - 1; // token 0 on rank 1's experts too: a record
+    in.ids[1] = 0;
+    in.ids[2] = 1;
+    std::vector<float> y(in.x.rows() * decode_test::hidden);
+    const auto got = decode_test::outcome_of([&] {
+      auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+      s.synchronize();                       // rank 1 fails here; rank 0's dispatch may complete
+      ex.combine(h, std::span<float>(y), s); // and then learns it in the combine
+      s.synchronize();
+    });
+    INFO("rank ", c.rank(), ": ", got.message);
+    if (c.rank() == 1) {
+      CHECK(got.code == weave::errc::protocol);
+      CHECK(got.message.find("rank 0 sent a dispatch message of") != std::string::npos);
+    } else {
+      CHECK(got.code == weave::errc::peer_failure);
+      CHECK(got.message.find("rank 0 sent a dispatch message of") != std::string::npos);
+    }
+  });
 }
 
 TEST_CASE("decode_exchange with replicated experts equals the naive reference") {

@@ -54,7 +54,8 @@ class decode_arrivals {
   //! Starts a call: nothing received.
   void begin() { slots_.begin(); }
 
-  //! Reads the side tables of source d's `records` records in `message` and counts each pair's
+  //! Reads the side tables of source d's `records` records in `message` (compacted: see
+  //! `decode_record_layout::compact`) and counts each pair's
   //! row in its slot. A record no weave rank writes (no choice, a slot outside the local ones,
   //! a slot twice, a choice after the end) calls `bad(record, choice, entry)`, which must not
   //! return. Returns the pairs read.
@@ -64,12 +65,12 @@ class decode_arrivals {
     arrival* out = pairs_.data() + d * per_source;
     std::size_t n = 0;
     for (std::size_t r = 0; r < records; ++r) {
-      const auto got = layout_.read_choices(message, r, local_slots_, choices_);
+      const auto got = layout_.read_choices(message, records, r, local_slots_, choices_);
       if (got.bad >= 0)
         bad(r, static_cast<std::size_t>(got.bad), got.value);
       for (std::size_t c = 0; c < static_cast<std::size_t>(got.count); ++c) {
         const auto slot = static_cast<std::size_t>(choices_[c]);
-        const float w = partial_ ? layout_.weight(message, r, c) : 0.0f;
+        const float w = partial_ ? layout_.weight(message, records, r, c) : 0.0f;
         out[n++] = {choices_[c], slots_.add(slot, d), static_cast<std::int64_t>(r), w};
       }
     }

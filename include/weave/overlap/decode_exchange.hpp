@@ -7,7 +7,9 @@
 //!   row, sent once to each device it is routed to, and its local expert choices there (a side
 //!   table after the rows: `min(k, local experts)` slots, -1 after the last);
 //! - the record count travels in the message's header (`decode_header`), so a dispatch is one
-//!   all-to-all of fixed-size messages, with no count exchange and no allocation per call;
+//!   all-to-all into fixed receive messages, with no count exchange and no allocation per call;
+//!   where the communicator takes bounded receives (`has_bounded_all_to_all`) a message sends
+//!   only its header and records, else it is sent whole;
 //! - the combine returns one row per record (`decode_options::partial_sums`, the default: the
 //!   weights travel with the records, each device sums its choices' outputs and the source sums
 //!   them by device) or per (token, expert) pair (the source sums them in choice order): both
@@ -102,6 +104,7 @@ class decode_exchange {
     // This rank's own messages carry their header only: the records' rows stay in the caller's
     // tokens and the returned rows in the pool (see `deliver_records`, `unpack_combine`).
     dispatch_ = phase_layout::of(records_layout_.dispatch_bytes, D, own());
+    received_.assign(D, 0);
     combine_ = phase_layout::of(records_layout_.combine_bytes, D, own());
     const auto sizes = records_layout_.buffers_for(D, k, !options_.gathered_inputs);
     // The send buffer also holds the pool's inputs (`expert_in`); the receive buffer the pool's
@@ -224,6 +227,9 @@ class decode_exchange {
   using arrival = detail::decode_arrivals::arrival;
 
   using phase_layout = detail::decode_phase;
+  // Whether a dispatch sends only its messages' occupied part (`has_bounded_all_to_all`);
+  // elsewhere each message is sent whole.
+  static constexpr bool bounded = has_bounded_all_to_all<Comm>;
   // The index, in rows of T from the start of the receive buffer, of row r of peer d's combine.
   std::int64_t returned_row(std::size_t d, std::int64_t r) const noexcept {
     return combine_.row_of(d, r, options_.hidden * sizeof(T));
@@ -246,8 +252,14 @@ class decode_exchange {
     {
       const auto claim = claim_if_idle(s);
       run_inline_or_submit(s, std::move(pack_step));
-      weave::all_to_all_v(*comm_, s, mail_.send_buffer().data(), p.send_counts, p.send_displs,
-                          mail_.recv_buffer().data(), p.recv_counts, p.recv_displs, 1);
+      if constexpr (bounded)
+        if (&p == &dispatch_) // only the records: each receive has room for a full message
+          comm_->all_to_all_v_bounded(s, mail_.send_buffer().data(), p.send_counts, p.send_displs,
+                                      mail_.recv_buffer().data(), p.recv_counts, p.recv_displs,
+                                      std::span<std::int64_t>(received_), 1);
+      if (!bounded || &p != &dispatch_)
+        weave::all_to_all_v(*comm_, s, mail_.send_buffer().data(), p.send_counts, p.send_displs,
+                            mail_.recv_buffer().data(), p.recv_counts, p.recv_displs, 1);
       run_inline_or_submit(s, std::move(unpack_step));
       done = claim.all_ran_here();
     }
@@ -284,6 +296,9 @@ class decode_exchange {
 
   void pack_dispatch(std::span<const T> x, std::span<const std::int32_t> ids,
                      std::span<const float> weights) {
+    if constexpr (bounded) // a failed pack sends its headers alone
+      for (std::size_t d = 0; d < world(); ++d)
+        dispatch_.send_counts[d] = sizeof(decode_header);
     pack(
         [&] {
           const std::size_t H = options_.hidden, k = static_cast<std::size_t>(options_.k);
@@ -303,6 +318,10 @@ class decode_exchange {
           routes_.route(ids, weights, tokens, where_, own(), records_layout_, options_.partial_sums,
                         rows, wire_row(), [this](std::size_t d) { return sent(d, dispatch_); });
           for (std::size_t d = 0; d < world(); ++d) {
+            const auto n = static_cast<std::size_t>(routes_.records()[d]);
+            records_layout_.compact(sent(d, dispatch_), n); // the side table after the rows
+            if (bounded && d != own())
+              dispatch_.send_counts[d] = static_cast<std::int64_t>(records_layout_.sent_bytes(n));
             decode_header h;
             h.rows = routes_.records()[d];
             h.source = rank_;
@@ -323,6 +342,8 @@ class decode_exchange {
   void unpack_dispatch(std::uint64_t call) {
     try {
       check_headers(dispatch_, options_.max_tokens_per_rank);
+      if constexpr (bounded)
+        check_lengths();
       deliver_records();
     } catch (...) {
       failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
@@ -339,6 +360,25 @@ class decode_exchange {
                       options_.fp8_dispatch->blocks);
     }
     arrived_.store(call, std::memory_order_release);
+  }
+
+  // A bounded dispatch's messages: each as long as its header's records make it (a shorter one
+  // would leave the last call's bytes to be read as this one's).
+  void check_lengths() {
+    for (std::size_t d = 0; d < world(); ++d) {
+      if (d == own())
+        continue;
+      const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
+      if (received_[d] == static_cast<std::int64_t>(records_layout_.sent_bytes(n)))
+        continue;
+      const auto failure = std::make_exception_ptr(
+          error(errc::protocol,
+                detail::concat("decode_exchange: rank ", d, " sent a dispatch message of ",
+                               received_[d], " bytes for ", n, " records (",
+                               records_layout_.sent_bytes(n), " bytes)")));
+      abort_peers(*comm_, failure);
+      std::rethrow_exception(failure);
+    }
   }
 
   // Copies every received record's row to each local expert it names, each expert's rows
@@ -548,9 +588,10 @@ class decode_exchange {
   decode_options options_;
   int rank_ = 0;
   std::size_t pool_rows_ = 0, tokens_ = 0;
-  phase_layout dispatch_, combine_; // the two all-to-alls' messages
-  detail::decode_mailbox mail_;     // the messages (send: then the pool's inputs; receive: outputs)
-  std::size_t pool_out_row_ = 0;    // the pool's outputs' first row in the receive buffer
+  phase_layout dispatch_, combine_;    // the two all-to-alls' messages
+  std::vector<std::int64_t> received_; // a bounded dispatch: the bytes each peer sent
+  detail::decode_mailbox mail_;  // the messages (send: then the pool's inputs; receive: outputs)
+  std::size_t pool_out_row_ = 0; // the pool's outputs' first row in the receive buffer
   const std::byte* dispatch_rows_ = nullptr;    // the call's token rows (FP8: `token_wire_`)
   detail::decode_record_layout records_layout_; // the messages' wire format
   quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales

@@ -2,11 +2,14 @@
 //! The wire format of the host `decode_exchange`'s messages (`detail::decode_record_layout`).
 //!
 //! A dispatch message, one per (source rank, destination device), is a `decode_header` (its
-//! `rows`: the records that follow), room for `max_tokens_per_rank` token rows (the token's row
-//! on the wire: T, or its FP8 codes and scales), then the side table: per record,
-//! `choices = min(k, local experts)` int32 local slots in the token's choice order, -1 after
-//! the last, then with `decode_options::partial_sums` as many f32 gate weights; rounded up to
-//! 16 bytes. A combine message, one per (device, source), is a header and one row of T per
+//! `rows`: the n records that follow), their n token rows (the token's row on the wire: T, or its
+//! FP8 codes and scales), then their side table: per record, `choices = min(k, local experts)`
+//! int32 local slots in the token's choice order, -1 after the last, then with
+//! `decode_options::partial_sums` as many f32 gate weights per record. Its room is that of
+//! `max_tokens_per_rank` records (rounded up to 16 bytes): the sender writes the side table at
+//! the end of the room while it routes, then moves it after the n rows (`compact`), so that the
+//! occupied part is a prefix (`sent_bytes(n)`), all a bounded all-to-all sends. A combine
+//! message, one per (device, source), is a header and one row of T per
 //! (token, expert) pair the source dispatched there, in record order, choices in order within a
 //! record (with partial sums: one row per record); it is sent at its exact size.
 #pragma once
@@ -152,8 +155,9 @@ struct decode_record_layout {
   std::size_t combine_row = 0;    //!< bytes of a returned row (T)
   std::size_t records = 0;        //!< room per dispatch message: max_tokens_per_rank
   std::size_t choices = 0;        //!< local slots a record holds: min(k, local experts)
-  std::size_t side_at = 0;        //!< where a dispatch message's side table starts
-  std::size_t weights_at = 0;     //!< where its weights start (partial sums), else 0
+  std::size_t side_at = 0;        //!< where the side table is written (room for every record)
+  std::size_t weights_at = 0;     //!< where its weights are written (partial sums), else 0
+  std::size_t entry_bytes = 0;    //!< a record's side-table bytes (slots, and weights)
   std::size_t dispatch_bytes = 0; //!< a dispatch message (a multiple of 16)
   std::size_t combine_rows = 0;   //!< the most rows of a combine message: records, or pairs
   std::size_t combine_bytes = 0;  //!< the largest combine message (a multiple of 16)
@@ -173,6 +177,7 @@ struct decode_record_layout {
     const std::size_t entries = checked_mul(pairs, sizeof(std::int32_t), "side table");
     if (options.partial_sums)
       L.weights_at = checked_add(L.side_at, entries, "dispatch message");
+    L.entry_bytes = L.choices * sizeof(std::int32_t) * (options.partial_sums ? 2 : 1);
     L.dispatch_bytes = round_up16(
         checked_add(L.side_at, options.partial_sums ? 2 * entries : entries, "dispatch message"));
     L.combine_rows = options.partial_sums ? L.records : pairs;
@@ -234,6 +239,22 @@ struct decode_record_layout {
   std::byte* row(std::byte* message, std::size_t r) const noexcept {
     return message + sizeof(decode_header) + r * wire_row;
   }
+  //! Where the side table of a message of n records starts once compacted: after its n rows.
+  std::size_t table_at(std::size_t n) const noexcept {
+    return sizeof(decode_header) + n * wire_row;
+  }
+  //! The occupied part of a dispatch message of n records (a prefix of its room).
+  std::size_t sent_bytes(std::size_t n) const noexcept { return table_at(n) + n * entry_bytes; }
+  //! Moves the side table of a message of n records, written at `side_at` (and `weights_at`),
+  //! to just after its rows. A full message's is there already.
+  void compact(std::byte* message, std::size_t n) const noexcept {
+    const std::size_t slots = n * choices * sizeof(std::int32_t);
+    if (n == records || slots == 0)
+      return;
+    std::memmove(message + table_at(n), message + side_at, slots); // ends before weights_at
+    if (weights_at != 0)
+      std::memmove(message + table_at(n) + slots, message + weights_at, slots);
+  }
   //! Starts record r's choices: none yet (every entry -1).
   void clear_choices(std::byte* message, std::size_t r) const noexcept {
     const std::int32_t none = -1;
@@ -248,17 +269,21 @@ struct decode_record_layout {
   void put_weight(std::byte* message, std::size_t r, std::size_t c, float w) const noexcept {
     std::memcpy(message + weights_at + (r * choices + c) * sizeof(float), &w, sizeof w);
   }
-  float weight(const std::byte* message, std::size_t r, std::size_t c) const noexcept {
+  //! Record r's choice c's gate weight in a compacted message of n records.
+  float weight(const std::byte* message, std::size_t n, std::size_t r,
+               std::size_t c) const noexcept {
     float w = 0;
-    std::memcpy(&w, message + weights_at + (r * choices + c) * sizeof(float), sizeof w);
+    std::memcpy(&w, message + table_at(n) + (n * choices + r * choices + c) * sizeof(float),
+                sizeof w);
     return w;
   }
 
-  //! Reads record r's choices into `out` (room for `choices`; its first `count` are the valid
-  //! ones) and checks them with `read_record`.
-  record_read read_choices(const std::byte* message, std::size_t r, std::size_t local_experts,
-                           std::span<std::int32_t> out) const noexcept {
-    std::memcpy(out.data(), entry(message, r, 0), choices * sizeof(std::int32_t));
+  //! Reads record r's choices in a compacted message of n records into `out` (room for
+  //! `choices`; its first `count` are the valid ones) and checks them with `read_record`.
+  record_read read_choices(const std::byte* message, std::size_t n, std::size_t r,
+                           std::size_t local_experts, std::span<std::int32_t> out) const noexcept {
+    std::memcpy(out.data(), message + table_at(n) + r * choices * sizeof(std::int32_t),
+                choices * sizeof(std::int32_t));
     return read_record([&](std::int64_t c) { return out[static_cast<std::size_t>(c)]; },
                        static_cast<std::int64_t>(choices),
                        static_cast<std::int64_t>(local_experts));
@@ -269,9 +294,6 @@ struct decode_record_layout {
     return checked_add(bytes, std::size_t{15}, "message bytes") / 16 * 16;
   }
   std::byte* entry(std::byte* message, std::size_t r, std::size_t c) const noexcept {
-    return message + side_at + (r * choices + c) * sizeof(std::int32_t);
-  }
-  const std::byte* entry(const std::byte* message, std::size_t r, std::size_t c) const noexcept {
     return message + side_at + (r * choices + c) * sizeof(std::int32_t);
   }
 };
