@@ -78,6 +78,20 @@ class counting_comm {
     });
     c_->all_to_all_v(s, send, sc, sd, recv, rc, rd, unit);
   }
+  // The decode exchanges' dispatch: each message's occupied part (see decode.md, "Cost").
+  void all_to_all_v_bounded(weave::host_stream& s, const void* send,
+                            std::span<const std::int64_t> sc, std::span<const std::int64_t> sd,
+                            void* recv, std::span<const std::int64_t> rc,
+                            std::span<const std::int64_t> rd, std::span<std::int64_t> received,
+                            std::size_t unit) {
+    ++collectives;
+    s.submit([this, sc, unit] {
+      for (int p = 0; p < size(); ++p)
+        if (p != rank())
+          bytes += sc[static_cast<std::size_t>(p)] * static_cast<std::int64_t>(unit);
+    });
+    c_->all_to_all_v_bounded(s, send, sc, sd, recv, rc, rd, received, unit);
+  }
   void exchange_counts(weave::host_stream& s, std::span<const std::int64_t> in,
                        std::span<std::int64_t> out) {
     ++collectives;
@@ -247,7 +261,68 @@ void moe_decode_layer(benchmark::State& state) {
 
 } // namespace
 
+// Bytes one layer sends to other ranks per rank (rank 0), counted, at more ranks than the timed
+// runs: the decode layer's dispatch (its messages' occupied part, `all_to_all_v_bounded`) beside
+// what its fixed messages would move whole, and both layers' totals. One layer: the counts are
+// exact, the time is not the point.
+void decode_bytes_by_ranks(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0)), experts = static_cast<int>(state.range(1));
+  const auto tokens = static_cast<std::size_t>(state.range(2));
+  const std::size_t hidden = 256;
+  const auto where = weave::placement::contiguous(experts, n);
+  std::vector<rank_data> data;
+  std::mt19937 rng(7);
+  for (int r = 0; r < n; ++r)
+    data.push_back(moe_bench::random_tokens(tokens, hidden, experts, k, rng));
+  std::int64_t dispatch = 0, decode = 0, dynamic = 0, whole = 0;
+  for (auto _ : state) {
+    weave::local_world world(n);
+    world.run([&](weave::local_communicator& c) {
+      counting_comm comm(c);
+      auto& d = data[static_cast<std::size_t>(c.rank())];
+      weave::host_stream compute("compute"), stream("comm");
+      weave::decode_exchange<counting_comm, row_t> ex(comm, where, {k, hidden, tokens});
+      const auto b0 = comm.bytes.load();
+      auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
+      stream.synchronize();
+      const auto b1 = comm.bytes.load();
+      moe_bench::copy_decode_experts(h.experts(), false, hidden * sizeof(row_t));
+      ex.combine(h, d.y.elements(), stream);
+      stream.synchronize();
+      const auto b2 = comm.bytes.load();
+      weave::moe_options o;
+      o.k = k;
+      o.hidden = hidden;
+      o.element = weave::dtype::bf16;
+      o.max_tokens = tokens;
+      weave::moe_exchange<counting_comm> dyn(comm, where, o);
+      const auto b3 = comm.bytes.load();
+      dyn.forward(d.x.view(), d.ids, d.weights, d.y.view(), moe_bench::copy_experts, compute,
+                  stream);
+      compute.synchronize();
+      stream.synchronize();
+      if (c.rank() == 0) {
+        dispatch = b1 - b0;
+        decode = b2 - b0;
+        dynamic = comm.bytes.load() - b3;
+        whole = static_cast<std::int64_t>(ex.dispatch_bytes_per_peer()) * (n - 1);
+      }
+    });
+  }
+  state.counters["dispatch_bytes"] = static_cast<double>(dispatch);
+  state.counters["dispatch_bytes_whole"] = static_cast<double>(whole);
+  state.counters["decode_bytes_per_layer"] = static_cast<double>(decode);
+  state.counters["dynamic_bytes_per_layer"] = static_cast<double>(dynamic);
+}
+
 int main(int argc, char** argv) {
+  for (const int n : {2, 4, 8, 16, 32})
+    for (const int experts : {32, 256})
+      benchmark::RegisterBenchmark("decode_bytes_by_ranks", decode_bytes_by_ranks)
+          ->Args({n, experts, 64})
+          ->ArgNames({"ranks", "experts", "tokens"})
+          ->Iterations(1)
+          ->Unit(benchmark::kMillisecond);
   for (const int link_us : {5, 20})
     for (const int experts : {32, 256})
       for (const int hidden : {256, 2048})
