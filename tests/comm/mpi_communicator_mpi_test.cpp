@@ -66,6 +66,65 @@ std::vector<std::byte> local(const comm_test::a2a_case& c, int rank) {
   return mine;
 }
 
+// Rank 0 sends rank 1 8 bytes where rank 1 receives (or has room for) 4: `issue(comm, s, sent)`
+// enqueues the operation on `sent`'s buffers. Rank 1's receive is truncated: it fails with
+// errc::mpi naming `what` and MPI's text, and every peer learns it by the next barrier.
+template <class Issue>
+void check_truncated_receive(const char* what, Issue&& issue) {
+  // Open MPI reports errors inside its non-blocking collectives through MPI_COMM_WORLD's
+  // handler (see mpi_communicator): return them here, as the header documents.
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  {
+    weave::mpi_communicator comm(MPI_COMM_WORLD);
+    weave::host_stream s;
+    const int n = comm.size(), r = comm.rank();
+    auto layout = comm_test::uniform(n, 4, 8);
+    const std::vector<std::int64_t> room = layout.counts;
+    if (r == 0)
+      layout.counts[1] = 8;
+    auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));
+    auto recv = std::make_shared<std::vector<std::byte>>(send->size());
+    abandoned.keep(send);
+    abandoned.keep(recv);
+    struct {
+      const std::byte* send;
+      std::byte* recv;
+      const std::vector<std::int64_t>& counts;
+      const std::vector<std::int64_t>& displs;
+      const std::vector<std::int64_t>& room;
+    } sent{send->data(), recv->data(), layout.counts, layout.displs, room};
+    issue(comm, s, sent);
+    if (r == 1) {
+      try {
+        s.synchronize();
+        FAIL("a truncated receive went unnoticed");
+      } catch (const weave::error& e) {
+        CHECK(e.code() == weave::errc::mpi);
+        CHECK(e.message().find(what) != std::string::npos);
+        CHECK(e.message().find("MPI_ERR_TRUNCATE") != std::string::npos);
+      }
+      CHECK(comm.aborted()); // its peers may wait for it: it told them
+    } else {
+      try {
+        s.synchronize(); // completes, or learns of rank 1's failure: both are fine here
+      } catch (const weave::peer_error& e) {
+        CHECK(e.origin().rank == 1);
+        CHECK(e.origin().code == weave::errc::mpi);
+      }
+      comm.barrier(s); // rank 1's notice reaches every peer
+      try {
+        s.synchronize();
+        FAIL("rank 1's MPI error did not reach rank ", r);
+      } catch (const weave::peer_error& e) {
+        CHECK(e.origin().rank == 1);
+        CHECK(e.origin().code == weave::errc::mpi);
+      }
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+}
+
 } // namespace
 
 TEST_CASE("mpi_communicator equals MPI_Alltoallv, the reference and local_world") {
@@ -172,52 +231,13 @@ TEST_CASE("a bounded all-to-all fills each room with its block alone and reports
 
 TEST_CASE("a bounded all-to-all's block longer than its room fails its receiver, whose peers "
           "learn it") {
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  {
-    weave::mpi_communicator comm(MPI_COMM_WORLD);
-    weave::host_stream s;
-    const int n = comm.size(), r = comm.rank();
-    auto layout = comm_test::uniform(n, 4, 8);
-    std::vector<std::int64_t>& send_counts = layout.counts;
-    const std::vector<std::int64_t>& displs = layout.displs;
-    const std::vector<std::int64_t> room = send_counts;
-    if (r == 0)
-      send_counts[1] = 8; // rank 1 has room for 4
-    auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));
-    auto recv = std::make_shared<std::vector<std::byte>>(send->size());
-    auto received = std::make_shared<std::vector<std::int64_t>>(std::size_t(n));
-    abandoned.keep(send);
-    abandoned.keep(recv);
-    comm.all_to_all_v_bounded(s, send->data(), send_counts, displs, recv->data(), room, displs,
-                              *received);
-    if (r == 1) {
-      try {
-        s.synchronize();
-        FAIL("a block longer than its room went unnoticed");
-      } catch (const weave::error& e) {
-        CHECK(e.code() == weave::errc::mpi);
-        CHECK(e.message().find("all_to_all_v_bounded") != std::string::npos);
-        CHECK(e.message().find("MPI_ERR_TRUNCATE") != std::string::npos);
-      }
-      CHECK(comm.aborted());
-    } else {
-      try {
-        s.synchronize(); // completes, or learns of rank 1's failure: both are fine here
-      } catch (const weave::peer_error& e) {
-        CHECK(e.origin().rank == 1);
-      }
-      comm.barrier(s);
-      try {
-        s.synchronize();
-        FAIL("rank 1's failure did not reach rank ", r);
-      } catch (const weave::peer_error& e) {
-        CHECK(e.origin().rank == 1);
-        CHECK(e.origin().code == weave::errc::mpi);
-      }
-    }
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+  check_truncated_receive("all_to_all_v_bounded", [](weave::mpi_communicator& comm,
+                                                     weave::host_stream& s, const auto& sent) {
+    auto received = std::make_shared<std::vector<std::int64_t>>(std::size_t(comm.size()));
+    abandoned.keep(received);
+    comm.all_to_all_v_bounded(s, sent.send, sent.counts, sent.displs, sent.recv, sent.room,
+                              sent.displs, *received);
+  });
 }
 
 TEST_CASE("a rank whose own block's counts disagree fails with size_mismatch, its peers learn it") {
@@ -381,54 +401,10 @@ TEST_CASE("an abort reaches every peer at once, naming the rank, its code and it
 }
 
 TEST_CASE("MPI errors become errc::mpi naming the operation and MPI's text") {
-  // Open MPI reports errors inside its non-blocking collectives through MPI_COMM_WORLD's
-  // handler (see mpi_communicator): return them here, as the header documents.
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  {
-    weave::mpi_communicator comm(MPI_COMM_WORLD);
-    weave::host_stream s;
-    const int n = comm.size(), r = comm.rank();
-    // Rank 0 sends 8 bytes to rank 1, which expects 4: rank 1's receive is truncated.
-    auto layout = comm_test::uniform(n, 4, 8);
-    std::vector<std::int64_t>& send_counts = layout.counts;
-    const std::vector<std::int64_t>& displs = layout.displs;
-    const std::vector<std::int64_t> recv_counts = send_counts;
-    if (r == 0)
-      send_counts[1] = 8;
-    auto send = std::make_shared<std::vector<std::byte>>(std::size_t(8 * n));
-    auto recv = std::make_shared<std::vector<std::byte>>(send->size());
-    abandoned.keep(send);
-    abandoned.keep(recv);
-    comm.all_to_all_v(s, send->data(), send_counts, displs, recv->data(), recv_counts, displs);
-    if (r == 1) {
-      try {
-        s.synchronize();
-        FAIL("a truncated receive went unnoticed");
-      } catch (const weave::error& e) {
-        CHECK(e.code() == weave::errc::mpi);
-        CHECK(e.message().find("all_to_all_v") != std::string::npos);
-        CHECK(e.message().find("MPI_ERR_TRUNCATE") != std::string::npos);
-      }
-      CHECK(comm.aborted()); // its peers may wait for it: it told them
-    } else {
-      try {
-        s.synchronize(); // completes, or learns of rank 1's failure: both are fine here
-      } catch (const weave::peer_error& e) {
-        CHECK(e.origin().rank == 1);
-        CHECK(e.origin().code == weave::errc::mpi);
-      }
-      comm.barrier(s); // rank 1's notice reaches every peer
-      try {
-        s.synchronize();
-        FAIL("rank 1's MPI error did not reach rank ", r);
-      } catch (const weave::peer_error& e) {
-        CHECK(e.origin().rank == 1);
-        CHECK(e.origin().code == weave::errc::mpi);
-      }
-    }
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_ARE_FATAL);
+  check_truncated_receive("all_to_all_v", [](weave::mpi_communicator& comm, weave::host_stream& s,
+                                             const auto& sent) {
+    comm.all_to_all_v(s, sent.send, sent.counts, sent.displs, sent.recv, sent.room, sent.displs);
+  });
 }
 
 TEST_CASE("a real exchange of more than 2^31 bytes per peer (opt-in: WEAVE_COMM_LARGE_TEST=1)") {

@@ -52,13 +52,11 @@ TEST_CASE("decode_exchange with 128 slots per rank, most idle in a call, equals 
 
 namespace {
 
-// A local communicator with (`Bounded`) or without the bounded all-to-all; records, when it
-// runs, each bounded all-to-all's bytes per peer.
-template <bool Bounded>
-struct recording_comm {
+// A local communicator passed through: what the decode exchange needs but the bounded
+// all-to-all, which the wrappers below add (or not).
+struct forwarding_comm {
   using stream_type = weave::host_stream;
   local* inner = nullptr;
-  std::vector<std::vector<std::int64_t>>* sent = nullptr;
   int rank() const { return inner->rank(); }
   int size() const { return inner->size(); }
   void all_to_all_v(weave::host_stream& s, const void* send, std::span<const std::int64_t> sc,
@@ -66,6 +64,18 @@ struct recording_comm {
                     std::span<const std::int64_t> rd, std::size_t unit) {
     inner->all_to_all_v(s, send, sc, sd, recv, rc, rd, unit);
   }
+  void exchange_counts(weave::host_stream& s, std::span<const std::int64_t> in,
+                       std::span<std::int64_t> out) {
+    inner->exchange_counts(s, in, out);
+  }
+  void abort(const std::string& why) { inner->abort(why); }
+};
+
+// With (`Bounded`) or without the bounded all-to-all; records, when it runs, each bounded
+// all-to-all's bytes per peer.
+template <bool Bounded>
+struct recording_comm : forwarding_comm {
+  std::vector<std::vector<std::int64_t>>* sent = nullptr;
   void all_to_all_v_bounded(weave::host_stream& s, const void* send,
                             std::span<const std::int64_t> sc, std::span<const std::int64_t> sd,
                             void* recv, std::span<const std::int64_t> rc,
@@ -74,28 +84,14 @@ struct recording_comm {
     s.submit([this, sc] { sent->emplace_back(sc.begin(), sc.end()); });
     inner->all_to_all_v_bounded(s, send, sc, sd, recv, rc, rd, received, unit);
   }
-  void exchange_counts(weave::host_stream& s, std::span<const std::int64_t> in,
-                       std::span<std::int64_t> out) {
-    inner->exchange_counts(s, in, out);
-  }
-  void abort(const std::string& why) { inner->abort(why); }
 };
 static_assert(weave::has_bounded_all_to_all<recording_comm<true>> &&
               !weave::has_bounded_all_to_all<recording_comm<false>>);
 
-// A local communicator whose bounded all-to-all sends rank 1 one byte less of rank 0's message
-// than the layer asked for (what a rogue or broken peer might do).
-struct shortening_comm {
-  using stream_type = weave::host_stream;
-  local* inner = nullptr;
+// A bounded all-to-all that sends rank 1 one byte less of rank 0's message than the layer
+// asked for (what a rogue or broken peer might do).
+struct shortening_comm : forwarding_comm {
   std::vector<std::int64_t> counts; // the counts sent, set on the stream
-  int rank() const { return inner->rank(); }
-  int size() const { return inner->size(); }
-  void all_to_all_v(weave::host_stream& s, const void* send, std::span<const std::int64_t> sc,
-                    std::span<const std::int64_t> sd, void* recv, std::span<const std::int64_t> rc,
-                    std::span<const std::int64_t> rd, std::size_t unit) {
-    inner->all_to_all_v(s, send, sc, sd, recv, rc, rd, unit);
-  }
   void all_to_all_v_bounded(weave::host_stream& s, const void* send,
                             std::span<const std::int64_t> sc, std::span<const std::int64_t> sd,
                             void* recv, std::span<const std::int64_t> rc,
@@ -109,11 +105,6 @@ struct shortening_comm {
     });
     inner->all_to_all_v_bounded(s, send, counts, sd, recv, rc, rd, received, unit);
   }
-  void exchange_counts(weave::host_stream& s, std::span<const std::int64_t> in,
-                       std::span<std::int64_t> out) {
-    inner->exchange_counts(s, in, out);
-  }
-  void abort(const std::string& why) { inner->abort(why); }
 };
 
 } // namespace
@@ -127,9 +118,12 @@ TEST_CASE("decode_exchange's dispatch sends a peer its records alone over a boun
     weave::local_world world(ranks);
     world.run([&](local& c) {
       std::vector<std::vector<std::int64_t>> sent;
-      recording_comm<true> bounded{&c, &sent};
+      recording_comm<true> bounded;
+      bounded.inner = &c;
+      bounded.sent = &sent;
       decode_test::check_against_reference<float>(bounded, where, partial_sums);
-      recording_comm<false> whole{&c, nullptr};
+      recording_comm<false> whole;
+      whole.inner = &c;
       decode_test::check_against_reference<float>(whole, where, partial_sums);
       // The documented format, counted by brute force: a header, then per record (a token that
       // reaches the device) its row and min(k, local experts) slots (and as many weights).
@@ -169,7 +163,8 @@ TEST_CASE("decode_exchange: a dispatch message shorter than its header's records
           "rank, the receiver with protocol") {
   weave::local_world world(2);
   world.run_collect([&](local& c) {
-    shortening_comm comm{&c, {}};
+    shortening_comm comm;
+    comm.inner = &c;
     const auto where = weave::placement::contiguous(decode_test::experts, 2);
     weave::decode_exchange<shortening_comm, float> ex(comm, where, decode_test::options());
     weave::host_stream s("decode");

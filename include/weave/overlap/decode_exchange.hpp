@@ -252,19 +252,26 @@ class decode_exchange {
     {
       const auto claim = claim_if_idle(s);
       run_inline_or_submit(s, std::move(pack_step));
-      if constexpr (bounded)
-        if (&p == &dispatch_) // only the records: each receive has room for a full message
-          comm_->all_to_all_v_bounded(s, mail_.send_buffer().data(), p.send_counts, p.send_displs,
-                                      mail_.recv_buffer().data(), p.recv_counts, p.recv_displs,
-                                      std::span<std::int64_t>(received_), 1);
-      if (!bounded || &p != &dispatch_)
-        weave::all_to_all_v(*comm_, s, mail_.send_buffer().data(), p.send_counts, p.send_displs,
-                            mail_.recv_buffer().data(), p.recv_counts, p.recv_displs, 1);
+      exchange(s, p);
       run_inline_or_submit(s, std::move(unpack_step));
       done = claim.all_ran_here();
     }
     if (!done)
       record_unless_idle(s, last_);
+  }
+
+  // Phase p's all-to-all; a dispatch sends only its records where the communicator takes
+  // bounded receives (each receive keeps room for a full message).
+  void exchange(stream_type& s, const phase_layout& p) {
+    std::byte* const send = mail_.send_buffer().data();
+    std::byte* const recv = mail_.recv_buffer().data();
+    if constexpr (bounded)
+      if (&p == &dispatch_)
+        return comm_->all_to_all_v_bounded(s, send, p.send_counts, p.send_displs, recv,
+                                           p.recv_counts, p.recv_displs,
+                                           std::span<std::int64_t>(received_), 1);
+    weave::all_to_all_v(*comm_, s, send, p.send_counts, p.send_displs, recv, p.recv_counts,
+                        p.recv_displs, 1);
   }
 
   std::size_t spd() const noexcept { return static_cast<std::size_t>(where_.slots_per_device()); }
