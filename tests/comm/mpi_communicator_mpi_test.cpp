@@ -363,6 +363,108 @@ TEST_CASE("a peer that arrives after the timeout makes the waiting rank fail wit
   MPI_Barrier(MPI_COMM_WORLD); // the caller's communicator is unaffected
 }
 
+// Rank 0 times out in an operation its peers reach late: its messages stay posted (MPI cannot
+// cancel them), so a late rank's operation may complete against them. It then holds what rank
+// 0 sent (`check_data()`), never anything else, and the rank learns of rank 0's timeout by its
+// next operation at the latest; usually at this one (the notice is tested with its requests).
+// `issue(comm, s)` enqueues the operation, the same on every rank.
+template <class Issue, class Check>
+void check_late_rank(const std::string& op, Issue&& issue, Check&& check_data) {
+  using namespace std::chrono_literals;
+  CAPTURE(op);
+  weave::mpi_options options;
+  options.timeout = 100ms;
+  auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD, options);
+  abandoned.keep(comm); // rank 0's abandoned operation names the communicator's buffers
+  weave::host_stream s;
+  const auto timed_out = [](const weave::peer_error& e) {
+    CHECK(world_rank() != 0);
+    CHECK(e.origin().rank == 0);
+    CHECK(e.origin().code == weave::errc::timeout);
+  };
+  if (world_rank() != 0)
+    std::this_thread::sleep_for(600ms); // "never" arrive within rank 0's timeout
+  issue(*comm, s);
+  try {
+    s.synchronize();
+    REQUIRE(world_rank() != 0);
+    check_data(); // completed against rank 0's part: its data
+    comm->barrier(s);
+    try {
+      s.synchronize();
+      FAIL("rank ", world_rank(), " did not learn of rank 0's timeout in its ", op);
+    } catch (const weave::peer_error& e) {
+      timed_out(e);
+    }
+  } catch (const weave::peer_error& e) {
+    timed_out(e);
+  } catch (const weave::error& e) {
+    CHECK(world_rank() == 0);
+    CHECK(e.code() == weave::errc::timeout);
+  }
+  CHECK(comm->aborted());
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST_CASE("a late rank's operation that completes against a timed-out peer's holds its data, and "
+          "the rank learns of the timeout by its next operation") {
+  const auto n = static_cast<std::size_t>(world_size());
+  const auto r = static_cast<std::int64_t>(world_rank());
+  constexpr std::size_t k = 4; // words per peer: rank 0's sends leave before the peers arrive
+  auto send = std::make_shared<std::vector<std::int64_t>>(n * k);
+  auto recv = std::make_shared<std::vector<std::int64_t>>(n * k, -1);
+  auto received = std::make_shared<std::vector<std::int64_t>>(n, -1);
+  for (std::size_t j = 0; j < n * k; ++j) // to rank j / k: (this rank, j)
+    (*send)[j] = r * 1000 + static_cast<std::int64_t>(j);
+  abandoned.keep(send);
+  abandoned.keep(recv);
+  abandoned.keep(received);
+  const std::vector<std::int64_t> counts(n, k * 8);
+  std::vector<std::int64_t> displs(n);
+  for (std::size_t j = 0; j < n; ++j)
+    displs[j] = static_cast<std::int64_t>(j * k * 8);
+  const auto* from = reinterpret_cast<const std::byte*>(send->data());
+  auto* to = reinterpret_cast<std::byte*>(recv->data());
+  const auto blocks = [&] { // block j from rank j: (j, this rank's words)
+    for (std::size_t j = 0; j < n; ++j)
+      for (std::size_t w = 0; w < k; ++w)
+        CHECK((*recv)[j * k + w] == static_cast<std::int64_t>(j) * 1000 +
+                                        r * static_cast<std::int64_t>(k) +
+                                        static_cast<std::int64_t>(w));
+  };
+  check_late_rank(
+      "all_to_all_v",
+      [&](weave::mpi_communicator& c, weave::host_stream& s) {
+        c.all_to_all_v(s, from, counts, displs, to, counts, displs, 1);
+      },
+      blocks);
+  check_late_rank(
+      "tagged all_to_all_v",
+      [&](weave::mpi_communicator& c, weave::host_stream& s) {
+        c.all_to_all_v(s, from, counts, displs, to, counts, displs, 1,
+                       weave::call_tag::of(1, 1, weave::call_stage::dispatch, 0));
+      },
+      blocks);
+  check_late_rank(
+      "all_to_all_v_bounded",
+      [&](weave::mpi_communicator& c, weave::host_stream& s) {
+        c.all_to_all_v_bounded(s, from, counts, displs, to, counts, displs, *received, 1);
+      },
+      [&] {
+        blocks();
+        for (const std::int64_t length : *received)
+          CHECK(length == static_cast<std::int64_t>(k * 8));
+      });
+  check_late_rank(
+      "exchange_counts",
+      [&](weave::mpi_communicator& c, weave::host_stream& s) {
+        c.exchange_counts(s, std::span<const std::int64_t>(*send), std::span<std::int64_t>(*recv));
+      },
+      blocks);
+  check_late_rank(
+      "barrier", [](weave::mpi_communicator& c, weave::host_stream& s) { c.barrier(s); }, [] {});
+}
+
 TEST_CASE("an abort reaches every peer at once, naming the rank, its code and its message") {
   using namespace std::chrono_literals;
   weave::mpi_options options;

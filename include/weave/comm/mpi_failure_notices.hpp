@@ -4,8 +4,9 @@
 //!
 //! A duplicate of the caller's communicator carries nothing but failure notices (a
 //! `failure_record`'s wire form), so they can never match weave's traffic or the caller's. Every
-//! rank keeps a receive from any peer posted; a wait loop polls it with one `MPI_Test`, which is
-//! all the channel costs while nothing fails. A failing rank sends its notice to every peer once.
+//! rank keeps a receive from any peer posted; a wait tests it with the operation's own requests
+//! (`inbox`, one `MPI_Testsome`), so the channel costs nothing while nothing fails. A failing
+//! rank sends its notice to every peer once.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -98,10 +99,21 @@ class mpi_failure_notices {
     if (inbox_request_ == MPI_REQUEST_NULL ||
         MPI_Test(&inbox_request_, &arrived, &status) != MPI_SUCCESS || !arrived)
       return std::nullopt;
+    return received(status);
+  }
+
+  //! The posted receive, for a test of it together with other requests (`MPI_Testsome`: one
+  //! turn of MPI's progress engine serves all). The caller stores back what the test left
+  //! (`MPI_REQUEST_NULL` once a notice arrived: the channel stops listening) and reads that
+  //! notice with `received`.
+  MPI_Request& inbox() noexcept { return inbox_request_; }
+
+  //! The notice of a completed receive whose status is `status` (see `poll`).
+  failure_record received(const MPI_Status& status) const {
     const int sender = status.MPI_SOURCE;
     try {
       if (std::optional<failure_record> why = decode_failure(inbox_, sender, size_))
-        return why;
+        return *why;
       return failure_record{sender, errc::protocol, true, "a failure notice that names no failure"};
     } catch (const error& e) {
       return failure_record{sender, errc::protocol, true, e.message()};
