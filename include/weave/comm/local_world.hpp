@@ -69,15 +69,9 @@ class local_communicator {
                     std::span<const std::int64_t> recv_counts,
                     std::span<const std::int64_t> recv_displs, std::size_t unit = 1,
                     call_tag tag = {}) {
-    detail::local_post p = make(detail::local_op::all_to_all_v);
+    detail::local_post p = all_to_all_post(detail::local_op::all_to_all_v, send, send_counts,
+                                           send_displs, recv, recv_counts, recv_displs, unit);
     p.tag = tag;
-    p.send = static_cast<const std::byte*>(send);
-    p.recv = static_cast<std::byte*>(recv);
-    p.send_counts = send_counts;
-    p.send_displs = send_displs;
-    p.recv_counts = recv_counts;
-    p.recv_displs = recv_displs;
-    p.unit = unit;
     enqueue(s, p, [=] { return detail::moved_bytes(send_counts, recv_counts, unit); });
   }
 
@@ -91,15 +85,10 @@ class local_communicator {
                             std::span<const std::int64_t> recv_counts,
                             std::span<const std::int64_t> recv_displs,
                             std::span<std::int64_t> received, std::size_t unit = 1) {
-    detail::local_post p = make(detail::local_op::all_to_all_v_bounded);
-    p.send = static_cast<const std::byte*>(send);
-    p.recv = static_cast<std::byte*>(recv);
-    p.send_counts = send_counts;
-    p.send_displs = send_displs;
-    p.recv_counts = recv_counts;
-    p.recv_displs = recv_displs;
+    detail::local_post p =
+        all_to_all_post(detail::local_op::all_to_all_v_bounded, send, send_counts, send_displs,
+                        recv, recv_counts, recv_displs, unit);
     p.received = received;
-    p.unit = unit;
     enqueue(s, p, [=] { return detail::moved_bytes(send_counts, recv_counts, unit); });
   }
 
@@ -215,6 +204,23 @@ class local_communicator {
     detail::local_post p;
     p.order = next_order_.fetch_add(1, std::memory_order_relaxed) + 1;
     p.op = op;
+    return p;
+  }
+
+  // The post of an all-to-all (exact or bounded): what both send and receive.
+  detail::local_post all_to_all_post(detail::local_op op, const void* send,
+                                     std::span<const std::int64_t> send_counts,
+                                     std::span<const std::int64_t> send_displs, void* recv,
+                                     std::span<const std::int64_t> recv_counts,
+                                     std::span<const std::int64_t> recv_displs, std::size_t unit) {
+    detail::local_post p = make(op);
+    p.send = static_cast<const std::byte*>(send);
+    p.recv = static_cast<std::byte*>(recv);
+    p.send_counts = send_counts;
+    p.send_displs = send_displs;
+    p.recv_counts = recv_counts;
+    p.recv_displs = recv_displs;
+    p.unit = unit;
     return p;
   }
 

@@ -328,39 +328,33 @@ class local_world_state {
     };
     switch (post.op) {
     case local_op::all_to_all_v:
+    case local_op::all_to_all_v_bounded: { // bounded: a block up to its room, its length reported
+      const bool bounded = post.op == local_op::all_to_all_v_bounded;
+      const auto unit = static_cast<std::int64_t>(post.unit);
       for (int peer = 0; peer < size_; ++peer) {
         const auto p = static_cast<std::size_t>(peer);
         const local_post& from = posts_[p];
         const std::int64_t sent = from.send_counts[r] * static_cast<std::int64_t>(from.unit);
-        const std::int64_t expected = post.recv_counts[p] * static_cast<std::int64_t>(post.unit);
-        WEAVE_EXPECT(sent == expected, errc::size_mismatch, "all_to_all_v #", post.seq, ": rank ",
-                     peer, " sends ", sent, " bytes to rank ", rank, " but rank ", rank,
-                     " expects ", expected, " bytes from it");
-        if (sent > 0)
-          std::memcpy(post.recv + post.recv_displs[p] * static_cast<std::int64_t>(post.unit),
-                      from.send + from.send_displs[r] * static_cast<std::int64_t>(from.unit),
-                      static_cast<std::size_t>(sent));
-        arrive(peer, sent);
-      }
-      break;
-    case local_op::all_to_all_v_bounded: // a block up to its room; its length reported
-      for (int peer = 0; peer < size_; ++peer) {
-        const auto p = static_cast<std::size_t>(peer);
-        const local_post& from = posts_[p];
-        const std::int64_t sent = from.send_counts[r] * static_cast<std::int64_t>(from.unit);
-        const auto unit = static_cast<std::int64_t>(post.unit);
         const std::int64_t room = post.recv_counts[p] * unit;
-        WEAVE_EXPECT(sent <= room && sent % unit == 0, errc::size_mismatch,
-                     "all_to_all_v_bounded #", post.seq, ": rank ", peer, " sends ", sent,
-                     " bytes to rank ", rank, ", which has room for ", room, " in units of ", unit);
+        if (bounded)
+          WEAVE_EXPECT(sent <= room && sent % unit == 0, errc::size_mismatch,
+                       "all_to_all_v_bounded #", post.seq, ": rank ", peer, " sends ", sent,
+                       " bytes to rank ", rank, ", which has room for ", room, " in units of ",
+                       unit);
+        else
+          WEAVE_EXPECT(sent == room, errc::size_mismatch, "all_to_all_v #", post.seq, ": rank ",
+                       peer, " sends ", sent, " bytes to rank ", rank, " but rank ", rank,
+                       " expects ", room, " bytes from it");
         if (sent > 0)
           std::memcpy(post.recv + post.recv_displs[p] * unit,
                       from.send + from.send_displs[r] * static_cast<std::int64_t>(from.unit),
                       static_cast<std::size_t>(sent));
-        post.received[p] = sent / unit;
+        if (bounded)
+          post.received[p] = sent / unit;
         arrive(peer, sent);
       }
       break;
+    }
     case local_op::exchange_counts:
       for (int peer = 0; peer < size_; ++peer) {
         const auto p = static_cast<std::size_t>(peer);
