@@ -11,9 +11,10 @@
 // rank's own message a header as in weave; 4 decode with the default combine (`partial_sums`),
 // 5 its bytes floor, 6 the default combine with gathered inputs: the experts copy each row from
 // where it arrived, `decode_experts::input_rows`; 7 the raw-MPI decode reference, its output
-// checked once to equal the default decode layer's bitwise). `decode_side_by_side_mpi` runs the
-// dynamic exchange, the decode layer (default and gathered inputs) and the reference in turn
-// within each iteration and reports the ratios measured side by side.
+// checked once to equal the default decode layer's bitwise, as is its form with one block of
+// inputs per expert). `decode_side_by_side_mpi` runs the dynamic exchange, the decode layer
+// (default and gathered inputs) and the reference (both forms) in turn within each iteration
+// and reports the ratios measured side by side.
 #include <benchmark/benchmark.h>
 
 #include "../comm/mpi_bench.hpp"
@@ -133,7 +134,6 @@ void decode_layer_mpi(benchmark::State& state) {
       return std::span<std::uint16_t>(reinterpret_cast<std::uint16_t*>(v.data()), v.size());
     };
     const auto x = bits(d.x.elements()), y = bits(d.y.elements());
-    ref.run(x, d.ids, d.weights, y);
     { // the reference computes weave's layer bitwise (the same f32 sums in the same order)
       weave::host_matrix<row_t> expected(tokens, hidden);
       weave::decode_exchange<weave::mpi_communicator, row_t> ex(comm, where, o);
@@ -142,7 +142,12 @@ void decode_layer_mpi(benchmark::State& state) {
           stream, [xs = h.experts(), row] { moe_bench::copy_decode_experts(xs, false, row); });
       ex.combine(h, expected.elements(), stream);
       stream.synchronize();
-      int equal = std::memcmp(expected.data(), d.y.data(), y.size() * sizeof(row_t)) == 0;
+      raw_mpi_decode::layer blocks(MPI_COMM_WORLD, tokens, hidden, experts, k, true);
+      int equal = 1;
+      for (auto* r : {&blocks, &ref}) { // `ref`'s output stays in y
+        r->run(x, d.ids, d.weights, y);
+        equal &= std::memcmp(expected.data(), d.y.data(), y.size() * sizeof(row_t)) == 0;
+      }
       MPI_Allreduce(MPI_IN_PLACE, &equal, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); // all, or none
       if (!equal) {
         state.SkipWithError("the raw-MPI reference's output differs from weave's decode layer");
@@ -188,10 +193,12 @@ void decode_layer_mpi(benchmark::State& state) {
 }
 
 // The same layers side by side: each iteration runs the dynamic exchange, the default decode
-// layer, the decode layer with gathered inputs and the raw-MPI reference once each, in an order
-// that rotates with the iteration (each after a barrier, the slowest rank's time), so that a
-// change of the host's speed within the run hits all four alike. Counters: each one's median
-// and the medians of the per-iteration ratios. The iteration time is the gathered layer's.
+// layer, the decode layer with gathered inputs and the raw-MPI reference in its two forms (the
+// experts reading rows where they arrived, as the gathered layer's; and reading one block each,
+// as the default layer's) once each, in an order that rotates with the iteration (each after a
+// barrier, the slowest rank's time), so that a change of the host's speed within the run hits
+// all five alike. Counters: each one's median and the medians of the per-iteration ratios. The
+// iteration time is the gathered layer's.
 void decode_side_by_side_mpi(benchmark::State& state) {
   const auto tokens = static_cast<std::size_t>(state.range(0));
   const auto hidden = static_cast<std::size_t>(state.range(1));
@@ -209,7 +216,8 @@ void decode_side_by_side_mpi(benchmark::State& state) {
       gathered(comm, where, og);
   weave::moe_exchange<weave::mpi_communicator> dynamic(comm, where,
                                                        dynamic_options(tokens, hidden));
-  raw_mpi_decode::layer ref(MPI_COMM_WORLD, tokens, hidden, experts, k);
+  raw_mpi_decode::layer ref(MPI_COMM_WORLD, tokens, hidden, experts, k),
+      ref_blocks(MPI_COMM_WORLD, tokens, hidden, experts, k, true);
   const auto x = std::span<const std::uint16_t>(reinterpret_cast<const std::uint16_t*>(d.x.data()),
                                                 tokens * hidden);
   const auto y =
@@ -236,18 +244,22 @@ void decode_side_by_side_mpi(benchmark::State& state) {
     case 2:
       decode(gathered, true);
       break;
-    default:
+    case 3:
       ref.run(x, d.ids, d.weights, y);
+      break;
+    default:
+      ref_blocks.run(x, d.ids, d.weights, y);
     }
   };
-  std::vector<double> times[4];
+  constexpr int layers = 5;
+  std::vector<double> times[layers];
   for (int warm = 0; warm < 3; ++warm)
-    for (int which = 0; which < 4; ++which)
+    for (int which = 0; which < layers; ++which)
       slowest_rank_seconds([&] { layer(which); });
   int iteration = 0;
   for (auto _ : state) {
-    for (int i = 0; i < 4; ++i) {
-      const int which = (i + iteration) % 4;
+    for (int i = 0; i < layers; ++i) {
+      const int which = (i + iteration) % layers;
       times[which].push_back(slowest_rank_seconds([&] { layer(which); }));
     }
     state.SetIterationTime(times[2].back());
@@ -271,6 +283,9 @@ void decode_side_by_side_mpi(benchmark::State& state) {
   state.counters["dynamic_over_decode"] = ratio(0, 1);
   state.counters["gathered_over_reference"] = ratio(2, 3);
   state.counters["decode_over_reference"] = ratio(1, 3);
+  state.counters["blocks_reference_us"] = median(times[4]) * 1e6;
+  state.counters["decode_over_blocks_reference"] = ratio(1, 4);    // the same contract
+  state.counters["blocks_reference_over_reference"] = ratio(4, 3); // what the blocks cost
 }
 
 } // namespace

@@ -4,7 +4,10 @@
 //  - dispatch: one record per (token, device) its top-k reach, the token's row with its choices
 //    there (expert, weight), in fixed slots of `tokens` records per peer; one MPI_Alltoallv
 //    (a rank's block to itself is its record count only: its own tokens are read in place);
-//  - experts: each (record, choice) row copied to its own output row (the benchmark's experts);
+//  - experts: each (record, choice) row copied to its own output row (the benchmark's experts),
+//    read where it arrived or, with `expert_blocks`, first copied into one block of rows per
+//    local expert in (source, record) order, each expert then copying its block (the contract
+//    of weave's default decode layer, whose `input(l)` is such a block);
 //  - device sums: per record, the weighted sum of its experts' outputs in float, rounded to
 //    bf16 once (one row per (token, device), as weave's default combine);
 //  - combine: one MPI_Alltoallv of those rows, exactly the received records' (each side knows
@@ -37,10 +40,12 @@ inline std::uint16_t round_bf16(float f) { // round to nearest even (no NaN in t
 
 class layer {
  public:
-  layer(MPI_Comm comm, std::size_t tokens, std::size_t hidden, int experts, int k)
+  layer(MPI_Comm comm, std::size_t tokens, std::size_t hidden, int experts, int k,
+        bool expert_blocks = false)
       : tokens_(tokens)
       , hidden_(hidden)
-      , k_(k) {
+      , k_(k)
+      , expert_blocks_(expert_blocks) {
     MPI_Comm_dup(comm, &comm_);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -57,6 +62,11 @@ class layer {
       displs_[j] = static_cast<int>(j * per_peer_);
     const std::size_t pairs = n * tokens_ * static_cast<std::size_t>(std::min(k, per_device_));
     expert_out_.resize(pairs * hidden_);
+    if (expert_blocks_) {
+      expert_in_.resize(pairs * hidden_);
+      block_of_.resize(pairs);
+      block_start_.resize(static_cast<std::size_t>(per_device_) + 1);
+    }
     partial_.resize(n * tokens_ * hidden_); // per source, its records' rows
     returned_.resize(n * tokens_ * hidden_);
     acc_.resize(hidden_);
@@ -98,22 +108,15 @@ class layer {
       std::memcpy(send_.data() + d * per_peer_, &sent_[d], sizeof(std::int64_t));
     MPI_Alltoallv(send_.data(), counts_.data(), displs_.data(), MPI_BYTE, recv_.data(),
                   counts_.data(), displs_.data(), MPI_BYTE, comm_);
-    // Experts: every (record, choice) row to its own output row; then the device sums.
+    if (expert_blocks_)
+      run_expert_blocks(x, ids);
+    else
+      run_experts_in_place(x, ids);
+    // The device sums, reading each pair's output row.
     std::size_t pair = 0;
-    for (std::size_t s = 0; s < n; ++s) {
-      if (s == me) {
-        for (std::size_t t = 0; t < tokens_; ++t)
-          for (std::size_t j = 0; j < k; ++j)
-            if (device_of(ids[t * k + j]) == me)
-              std::memcpy(&expert_out_[pair++ * hidden_], &x[t * hidden_], hidden_ * 2);
-        continue;
-      }
-      for_each_record(s, [&](std::int64_t, const std::byte* r, std::int32_t m) {
-        for (std::int32_t c = 0; c < m; ++c)
-          std::memcpy(&expert_out_[pair++ * hidden_], r + header_bytes(), hidden_ * 2);
-      });
-    }
-    pair = 0;
+    const auto output = [&](std::size_t p) {
+      return &expert_out_[(expert_blocks_ ? block_of_[p] : p) * hidden_];
+    };
     for (std::size_t s = 0; s < n; ++s) {
       std::uint16_t* out = &partial_[s * tokens_ * hidden_];
       if (s == me) {
@@ -122,7 +125,7 @@ class layer {
           bool any = false;
           for (std::size_t j = 0; j < k; ++j)
             if (device_of(ids[t * k + j]) == me) {
-              accumulate(&expert_out_[pair++ * hidden_], weights[t * k + j]);
+              accumulate(output(pair++), weights[t * k + j]);
               any = true;
             }
           if (any)
@@ -135,7 +138,7 @@ class layer {
         for (std::int32_t c = 0; c < m; ++c) {
           float w = 0;
           std::memcpy(&w, r + 8 + 8 * static_cast<std::size_t>(c) + 4, 4);
-          accumulate(&expert_out_[pair++ * hidden_], w);
+          accumulate(output(pair++), w);
         }
         store(out + static_cast<std::size_t>(i) * hidden_);
       });
@@ -168,6 +171,61 @@ class layer {
   }
 
  private:
+  // Calls f(row, local expert) for every pair this rank's experts take, in (source, record,
+  // choice) order: a source's own tokens from `x`, the others' from their records.
+  template <class F>
+  void for_each_pair(std::span<const std::uint16_t> x, std::span<const std::int32_t> ids, F&& f) {
+    const auto me = static_cast<std::size_t>(rank_);
+    const auto k = static_cast<std::size_t>(k_);
+    const std::int32_t first = rank_ * per_device_;
+    for (std::size_t s = 0; s < static_cast<std::size_t>(size_); ++s) {
+      if (s == me) {
+        for (std::size_t t = 0; t < tokens_; ++t)
+          for (std::size_t j = 0; j < k; ++j)
+            if (device_of(ids[t * k + j]) == me)
+              f(&x[t * hidden_], ids[t * k + j] - first);
+        continue;
+      }
+      for_each_record(s, [&](std::int64_t, const std::byte* r, std::int32_t m) {
+        const auto* row = reinterpret_cast<const std::uint16_t*>(r + header_bytes());
+        for (std::int32_t c = 0; c < m; ++c) {
+          std::int32_t id = 0;
+          std::memcpy(&id, r + 8 + 8 * static_cast<std::size_t>(c), 4);
+          f(row, id - first);
+        }
+      });
+    }
+  }
+  // Experts: every (record, choice) row copied to its own output row.
+  void run_experts_in_place(std::span<const std::uint16_t> x, std::span<const std::int32_t> ids) {
+    std::size_t pair = 0;
+    for_each_pair(x, ids, [&](const std::uint16_t* row, std::int32_t) {
+      std::memcpy(&expert_out_[pair++ * hidden_], row, hidden_ * 2);
+    });
+  }
+  // Experts reading one block each: the rows copied into their expert's block (counted first),
+  // then each block copied to the outputs' block at the same rows.
+  void run_expert_blocks(std::span<const std::uint16_t> x, std::span<const std::int32_t> ids) {
+    std::fill(block_start_.begin(), block_start_.end(), 0);
+    for_each_pair(x, ids, [&](const std::uint16_t*, std::int32_t l) {
+      ++block_start_[static_cast<std::size_t>(l) + 1];
+    });
+    for (std::size_t l = 1; l < block_start_.size(); ++l)
+      block_start_[l] += block_start_[l - 1];
+    std::size_t pair = 0;
+    for_each_pair(x, ids, [&](const std::uint16_t* row, std::int32_t l) {
+      const std::size_t at = block_start_[static_cast<std::size_t>(l)]++;
+      block_of_[pair++] = at;
+      std::memcpy(&expert_in_[at * hidden_], row, hidden_ * 2);
+    });
+    std::size_t begin = 0; // block_start_[l] is now expert l's end
+    for (std::size_t l = 0; l + 1 < block_start_.size(); ++l) {
+      const std::size_t end = block_start_[l];
+      std::memcpy(&expert_out_[begin * hidden_], &expert_in_[begin * hidden_],
+                  (end - begin) * hidden_ * 2);
+      begin = end;
+    }
+  }
   std::size_t header_bytes() const { return (8 + 8 * static_cast<std::size_t>(k_) + 15) / 16 * 16; }
   std::size_t device_of(std::int32_t id) const {
     return static_cast<std::size_t>(id / per_device_);
@@ -219,9 +277,11 @@ class layer {
   int rank_ = 0, size_ = 1, per_device_ = 1;
   std::size_t tokens_, hidden_, record_ = 0, per_peer_ = 0;
   int k_;
+  bool expert_blocks_;
   std::vector<std::byte> send_, recv_;
   std::vector<int> counts_, displs_, back_send_, back_recv_, back_send_displs_, back_recv_displs_;
-  std::vector<std::uint16_t> expert_out_, partial_, returned_;
+  std::vector<std::uint16_t> expert_in_, expert_out_, partial_, returned_;
+  std::vector<std::size_t> block_of_, block_start_; // each pair's row in the blocks; per expert
   std::vector<float> acc_;
   std::vector<choice> choices_;
   std::vector<int> reached_;
