@@ -282,6 +282,44 @@ TEST_CASE("decode_exchange gives input_rows with gathered inputs only, input wit
   });
 }
 
+TEST_CASE("decode_exchange gives an expert fed one row that row, a peer's read where it arrived "
+          "and this rank's copied, call after call") {
+  // One token per rank, k = 2 (one expert on each rank): in call c rank r's token goes to slot
+  // (r + c) % 2 of both ranks, so every fed slot gets one row, from this rank or its peer in
+  // turn. The caller's x is overwritten once the dispatch ran: the default layer does not
+  // borrow it, so an expert still reads the token's values.
+  weave::local_world world(2);
+  world.run([&](local& c) {
+    weave::decode_options o{2, 4, 1};
+    weave::decode_exchange<local, float> ex(c, weave::placement::contiguous(4, 2), o);
+    weave::host_stream s("decode");
+    for (int call = 0; call < 6; ++call) {
+      CAPTURE(call);
+      const float value = static_cast<float>(c.rank() * 10 + call);
+      std::vector<float> x(4, value), w(2, 0.5f), y(4);
+      const int slot = (c.rank() + call) % 2;
+      const std::vector<std::int32_t> ids{slot, 2 + slot};
+      auto h = ex.dispatch(x, ids, w, s);
+      s.synchronize();
+      std::fill(x.begin(), x.end(), -1.0f);
+      const auto xs = h.experts();
+      for (int l = 0; l < 2; ++l) {
+        CAPTURE(l);
+        const int source = ((l - call) % 2 + 2) % 2;
+        REQUIRE(xs.rows(l) == 1);
+        CHECK(xs.rows(l, source) == 1);
+        const float want = static_cast<float>(source * 10 + call);
+        CHECK(std::vector<float>(xs.input(l).begin(), xs.input(l).end()) ==
+              std::vector<float>(4, want));
+        std::copy_n(xs.input(l).data(), 4, xs.output(l).data());
+      }
+      ex.combine(h, std::span<float>(y), s);
+      s.synchronize();
+      CHECK(y == std::vector<float>(4, value)); // 0.5 * x + 0.5 * x
+    }
+  });
+}
+
 // The decode layer's default combine sums as the dynamic moe_exchange does: the same tokens,
 // routing and experts give the dynamic exchange's output bitwise (a model served by moe_exchange
 // for prefill and decode_exchange for decoding computes one function), including -1 ids, ranks

@@ -40,11 +40,11 @@
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
-#include "weave/core/retain.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
 #include "weave/overlap/decode_arrivals.hpp"
 #include "weave/overlap/decode_handle.hpp"
+#include "weave/overlap/decode_input_rows.hpp"
 #include "weave/overlap/decode_mailbox.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/decode_records.hpp"
@@ -115,7 +115,11 @@ class decode_exchange {
     routes_ = detail::decode_routes(D, M, k);
     arrivals_ = detail::decode_arrivals(D, spd, records_layout_, options_.partial_sums);
     pool_rows_ = sizes.pool_rows; // every local expert's rows, each expert's together
-    gathered_.assign(options_.gathered_inputs ? pool_rows_ : 0, nullptr);
+    using input_mode = typename detail::decode_input_rows<T>::mode;
+    inputs_ = detail::decode_input_rows<T>(options_.gathered_inputs ? input_mode::gathered
+                                           : options_.fp8_dispatch  ? input_mode::copied
+                                                                    : input_mode::blocks,
+                                           pool_rows_, spd);
     if (options_.fp8_dispatch) {
       wire_ = quantized_row_layout::of(options_.hidden, options_.fp8_dispatch->blocks.block);
       token_wire_.assign(checked_mul(options_.max_tokens_per_rank, wire_.stride, "wire bytes"),
@@ -138,10 +142,8 @@ class decode_exchange {
           comm_->abort("a decode_exchange was destroyed between a dispatch and its combine");
     detail::wait_at_end(last_);
     life_->alive.store(false, std::memory_order_release);
-    if (abandoned(abandoned_)) { // MPI may still write into them (until MPI_Finalize)
-      detail::retain_value_until_exit(std::move(mail_.send_buffer()));
-      detail::retain_value_until_exit(std::move(mail_.recv_buffer()));
-    }
+    if (abandoned(abandoned_)) // MPI may still write into the messages (until MPI_Finalize)
+      mail_.retain_until_exit();
   }
 
   const decode_options& options() const noexcept { return options_; }
@@ -349,8 +351,10 @@ class decode_exchange {
   void unpack_dispatch(std::uint64_t call) {
     try {
       check_headers(dispatch_, options_.max_tokens_per_rank);
-      if constexpr (bounded)
-        check_lengths();
+      if constexpr (bounded) // each message as long as its header's records make it
+        mail_.check_lengths(
+            *comm_, dispatch_, received_,
+            [this](std::size_t n) { return records_layout_.sent_bytes(n); }, "decode_exchange");
       deliver_records();
     } catch (...) {
       failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
@@ -369,27 +373,9 @@ class decode_exchange {
     arrived_.store(call, std::memory_order_release);
   }
 
-  // A bounded dispatch's messages: each as long as its header's records make it (a shorter one
-  // would leave the last call's bytes to be read as this one's).
-  void check_lengths() {
-    for (std::size_t d = 0; d < world(); ++d) {
-      if (d == own())
-        continue;
-      const auto n = static_cast<std::size_t>(header(d, dispatch_).rows);
-      if (received_[d] == static_cast<std::int64_t>(records_layout_.sent_bytes(n)))
-        continue;
-      const auto failure = std::make_exception_ptr(
-          error(errc::protocol,
-                detail::concat("decode_exchange: rank ", d, " sent a dispatch message of ",
-                               received_[d], " bytes for ", n, " records (",
-                               records_layout_.sent_bytes(n), " bytes)")));
-      abort_peers(*comm_, failure);
-      std::rethrow_exception(failure);
-    }
-  }
-
   // Copies every received record's row to each local expert it names, each expert's rows
-  // together in (source, record) order, and notes where each pair's row went for the combine.
+  // together in (source, record) order (`decode_input_rows`: a block of one row a peer sent is
+  // read where it arrived), and notes where each pair's row went for the combine.
   // First the side tables (checked: one no sender writes, with no choice, a slot outside
   // [0, spd), a slot twice or a choice after the end, is a protocol error, and the peers, which
   // may wait in the combine, are told), then the rows.
@@ -416,10 +402,9 @@ class decode_exchange {
         const auto r = static_cast<std::size_t>(a.record);
         const std::byte* from = d == own() ? dispatch_rows_ + routes_.own_token(r) * row
                                            : records_layout_.row(message, r);
-        if (options_.gathered_inputs) // the expert reads the row where it is
-          gathered_[arrivals_.pool_row(a)] = reinterpret_cast<const T*>(from);
-        else
-          std::memcpy(in + arrivals_.pool_row(a) * row, from, row);
+        const auto slot = static_cast<std::size_t>(a.slot);
+        inputs_.place(in, arrivals_.pool_row(a), slot, arrivals_.slots().rows(slot), from, row,
+                      d == own());
       }
     }
   }
@@ -541,17 +526,13 @@ class decode_exchange {
                  errc::invalid_state,
                  "decode_exchange: an FP8 dispatch without dequantized_inputs delivers codes and "
                  "scales only (input_codes, input_scales)");
-    WEAVE_EXPECT(!options_.gathered_inputs, errc::invalid_state,
-                 "decode_exchange: with gathered_inputs the experts read input_rows (the rows "
-                 "are not copied into one block)");
     const auto n = static_cast<std::size_t>(received_rows(l));
-    return {expert_in() + first_row(l) * options_.hidden, n * options_.hidden};
+    return inputs_.block(expert_in(), static_cast<std::size_t>(l), first_row(l), n,
+                         options_.hidden);
   }
   std::span<const T* const> expert_input_rows(int l) const {
-    WEAVE_EXPECT(options_.gathered_inputs, errc::invalid_state,
-                 "decode_exchange: input_rows needs decode_options::gathered_inputs (read input)");
     const auto n = static_cast<std::size_t>(received_rows(l));
-    return {gathered_.data() + first_row(l), n};
+    return inputs_.gathered(first_row(l), n);
   }
   std::pair<const_token_view, const_token_view> expert_wire(int l) const {
     WEAVE_EXPECT(options_.fp8_dispatch.has_value(), errc::invalid_state,
@@ -604,7 +585,7 @@ class decode_exchange {
   quantized_row_layout wire_;                   // FP8 dispatch: a row's codes, then its scales
   std::vector<std::byte> token_wire_;           // FP8 dispatch: the call's tokens quantised
   std::vector<std::byte> expert_wire_;          // FP8 dispatch: the pool's wire rows
-  std::vector<const T*> gathered_;              // gathered inputs: each pool row where it is
+  detail::decode_input_rows<T> inputs_;         // where the experts' input rows are
   detail::decode_routes routes_;                // where this rank's pairs went
   detail::decode_arrivals arrivals_;            // where the pairs received went
   std::span<const float> weights_;              // the call's gate weights

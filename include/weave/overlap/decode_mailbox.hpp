@@ -9,6 +9,7 @@
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
+#include "weave/core/retain.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/decode_records.hpp"
 
@@ -16,7 +17,9 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 WEAVE_NAMESPACE_BEGIN
@@ -34,6 +37,12 @@ class decode_mailbox {
   std::vector<std::byte>& recv_buffer() noexcept { return recv_; }
   const std::vector<std::byte>& send_buffer() const noexcept { return send_; }
   const std::vector<std::byte>& recv_buffer() const noexcept { return recv_; }
+  // Keeps both buffers until the process exits (a communicator abandoned its operations: MPI
+  // may still write into them until MPI_Finalize).
+  void retain_until_exit() {
+    retain_value_until_exit(std::move(send_));
+    retain_value_until_exit(std::move(recv_));
+  }
 
   // The message to peer d in the send buffer, and the one from peer d in the receive buffer.
   std::byte* sent(std::size_t d, const decode_phase& p) noexcept {
@@ -89,6 +98,27 @@ class decode_mailbox {
     if (!verdict.told)
       abort_peers(comm, verdict.failure);
     std::rethrow_exception(verdict.failure);
+  }
+
+  // A bounded dispatch's messages (phase `p`): each as long as `bytes_of(rows)` for its header's
+  // rows (`received[d]`: the bytes peer d sent); a shorter one would leave the last call's bytes
+  // to be read as this one's. Otherwise errc::protocol, and the peers are told (`comm` aborted).
+  template <class Comm, class BytesOf>
+  void check_lengths(Comm& comm, const decode_phase& p, std::span<const std::int64_t> received,
+                     BytesOf&& bytes_of, const char* who) {
+    for (std::size_t d = 0; d < received.size(); ++d) {
+      if (d == static_cast<std::size_t>(rank_))
+        continue;
+      const auto rows = static_cast<std::size_t>(header(d, p).rows);
+      const auto expected = static_cast<std::int64_t>(bytes_of(rows));
+      if (received[d] == expected)
+        continue;
+      const auto failure = std::make_exception_ptr(error(
+          errc::protocol, concat(who, ": rank ", d, " sent a dispatch message of ", received[d],
+                                 " bytes for ", rows, " records (", expected, " bytes)")));
+      abort_peers(comm, failure);
+      std::rethrow_exception(failure);
+    }
   }
 
  private:
