@@ -10,6 +10,7 @@
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
+#include <weave/overlap/decode_input_rows.hpp>
 #include <weave/overlap/decode_records.hpp>
 #include <weave/overlap/decode_slot_counts.hpp>
 #include <weave/overlap/moe_exchange.hpp>
@@ -442,6 +443,66 @@ TEST_CASE("decode_slot_counts equals a brute-force count call after call, also a
         }
       }
       CHECK(std::vector<int>(counts.busy().begin(), counts.busy().end()) == busy);
+    }
+  }
+}
+
+TEST_CASE("decode_input_rows gives each slot its rows as a brute-force list, call after call, "
+          "a peer's single row in place and every other row copied") {
+  // Random calls of pairs (slot, source row, own or not) placed in pool order; a slot's block
+  // must hold its rows' values in order, and a block of one row a peer sent must be that row
+  // itself (no copy), one of this rank's own a copy in the pool.
+  using rows_t = weave::detail::decode_input_rows<float>;
+  constexpr std::size_t slots = 6, hidden = 3, pool_rows = 40, sources = 12;
+  for (const auto how : {rows_t::mode::copied, rows_t::mode::blocks, rows_t::mode::gathered}) {
+    CAPTURE(static_cast<int>(how));
+    rows_t inputs(how, pool_rows, slots);
+    std::vector<float> pool(pool_rows * hidden), source(sources * hidden);
+    std::mt19937 rng(7);
+    for (int call = 0; call < 60; ++call) {
+      CAPTURE(call);
+      for (float& v : source) // every call's rows differ: a stale pointer reads other values
+        v = static_cast<float>(rng() % 1000);
+      // Each slot's rows: indices into `source`; rows 0-5 are this rank's own tokens.
+      std::vector<std::vector<std::size_t>> expected(slots);
+      const std::size_t pairs = rng() % (call % 3 == 0 ? 3 : pool_rows);
+      for (std::size_t p = 0; p < pairs; ++p)
+        expected[rng() % slots].push_back(rng() % sources);
+      std::vector<std::size_t> first(slots, 0);
+      for (std::size_t l = 1; l < slots; ++l)
+        first[l] = first[l - 1] + expected[l - 1].size();
+      for (std::size_t l = 0; l < slots; ++l)
+        for (std::size_t i = 0; i < expected[l].size(); ++i) {
+          const std::size_t r = expected[l][i];
+          inputs.place(reinterpret_cast<std::byte*>(pool.data()), first[l] + i, l,
+                       static_cast<std::int64_t>(expected[l].size()),
+                       reinterpret_cast<const std::byte*>(source.data() + r * hidden),
+                       hidden * sizeof(float), r < 6);
+        }
+      for (std::size_t l = 0; l < slots; ++l) {
+        CAPTURE(l);
+        const std::size_t n = expected[l].size();
+        std::vector<float> want;
+        for (const std::size_t r : expected[l])
+          want.insert(want.end(), source.begin() + static_cast<std::ptrdiff_t>(r * hidden),
+                      source.begin() + static_cast<std::ptrdiff_t>((r + 1) * hidden));
+        if (how == rows_t::mode::gathered) {
+          CHECK(moe_test::error_code_of([&] {
+                  (void)inputs.block(pool.data(), l, first[l], n, hidden);
+                }) == weave::errc::invalid_state);
+          const auto rows = inputs.gathered(first[l], n);
+          REQUIRE(rows.size() == n);
+          for (std::size_t i = 0; i < n; ++i)
+            CHECK(rows[i] == source.data() + expected[l][i] * hidden);
+          continue;
+        }
+        CHECK(moe_test::error_code_of([&] { (void)inputs.gathered(first[l], n); }) ==
+              weave::errc::invalid_state);
+        const auto block = inputs.block(pool.data(), l, first[l], n, hidden);
+        CHECK(std::vector<float>(block.begin(), block.end()) == want);
+        const bool in_place = how == rows_t::mode::blocks && n == 1 && expected[l][0] >= 6;
+        CHECK((block.data() == source.data() + (n == 1 ? expected[l][0] : 0) * hidden) == in_place);
+      }
     }
   }
 }
