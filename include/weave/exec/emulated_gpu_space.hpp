@@ -40,9 +40,11 @@ namespace detail {
 // The host allocations `emulated_gpu_space` treats as pinned: start -> bytes.
 class emulated_pinned_registry {
  public:
+  // Never destroyed: host mirrors kept until exit (an aborted layer's, retained while MPI may
+  // still write into its buffers) leave the registry during static destruction.
   static emulated_pinned_registry& get() {
-    static emulated_pinned_registry r;
-    return r;
+    static auto* const r = new emulated_pinned_registry;
+    return *r;
   }
   void add(const void* p, std::size_t bytes) {
     std::lock_guard lock(mutex_);
@@ -75,6 +77,8 @@ class emulated_pinned_registry {
 struct emulated_gpu_space : host_space {
   //! False: host code runs at enqueue time, as with CUDA.
   static constexpr bool runs_later = false;
+  //! False: algorithms take the GPU's forms of their steps (one index per thread), as on CUDA.
+  static constexpr bool serial = false;
 
   //! Copies into host memory `dst`: a task when `dst` is pinned (`allocate_host`); otherwise
   //! blocks until the stream ran everything before it, then copies (refused while capturing).

@@ -177,6 +177,7 @@ class host_stream {
       return false;
     }
     if (!current_failure()) {
+      const running_guard running(this);
       try {
         task();
       } catch (...) {
@@ -219,6 +220,7 @@ class host_stream {
     }
     {
       F claimed = std::move(task); // released before the stream is idle again, as on the worker
+      const running_guard running(this);
       run_always(claimed);
     }
     if (!held)
@@ -369,6 +371,11 @@ class host_stream {
     return pending_ == 0;
   }
 
+  //! True when the calling thread is running one of this stream's tasks (on the worker, or
+  //! inline): work it enqueues on the stream from there is at the stream's current point, so
+  //! `host_space` runs it at once rather than behind the tasks queued since.
+  bool runs_here() const noexcept { return running_ == this; }
+
   const std::string& name() const noexcept { return name_; }
 
   //! Begins checking CUDA's stream-capture rules on this stream and the streams that join it
@@ -418,6 +425,20 @@ class host_stream {
   }
 
  private:
+  // Marks the calling thread as running a task of `s` (see `runs_here`) while it lives.
+  class running_guard {
+   public:
+    explicit running_guard(const host_stream* s) noexcept
+        : previous_(std::exchange(running_, s)) {}
+    running_guard(const running_guard&) = delete;
+    running_guard& operator=(const running_guard&) = delete;
+    ~running_guard() { running_ = previous_; }
+
+   private:
+    const host_stream* previous_;
+  };
+  static inline thread_local const host_stream* running_ = nullptr;
+
   struct entry {
     unique_task task;
     bool is_marker; // events and waits run even on a failed stream, so nothing deadlocks
@@ -564,6 +585,7 @@ class host_stream {
       const bool skip = failure_ && !next.is_marker;
       lock.unlock();
       if (!skip) {
+        const running_guard running(this);
         try {
           next.task();
         } catch (...) {

@@ -89,6 +89,16 @@ concept execution_space = requires {
   S::exclusive_scan(s, count, const_cast<std::int64_t*>(count), n, p, std::size_t{0});
 };
 
+//! True for a space whose steps visit their indices in order on one thread (`host_space::serial`):
+//! an algorithm may then hand a step a group of indices at once (see `host_space`).
+template <class S>
+inline constexpr bool serial_space = [] {
+  if constexpr (requires { S::serial; })
+    return static_cast<bool>(S::serial);
+  else
+    return false;
+}();
+
 //! Enqueues on `s` the copy of the error word `word` (memory of the space) into `*host` and
 //! its clearing; `*host` is valid once the caller synchronizes the stream.
 template <execution_space Space>
