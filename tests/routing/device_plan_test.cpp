@@ -1,11 +1,14 @@
-// The device dispatch plan's steps (shared with the CUDA kernels of `cuda_dispatch_plan`), run
-// on host streams by `host_space`, against the host `dispatch_plan` they must equal exactly.
+// The device plans' steps (shared with the CUDA kernels of `cuda_dispatch_plan`), run on host
+// streams in `host_space` (the serial forms of the steps: a row's entries in one pass, counting
+// sorts) and in `emulated_gpu_space` (the GPU's forms: one index per step call), against the host
+// `dispatch_plan`, `expert_plan` and `capacity_filter` they must equal exactly.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
 #include "random_choices.hpp"
 #include "routing_reference.hpp"
 
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/routing/capacity.hpp>
 #include <weave/routing/device_capacity.hpp>
@@ -28,17 +31,18 @@
 using weave_test::random_choices;
 using weave_test::random_keep;
 using workspace = weave_test::aligned_buffer;
+using host_plan = weave::device_dispatch_plan<weave::host_space>;
 
 namespace {
-
-using host_plan = weave::device_dispatch_plan<weave::host_space>;
 
 template <class T>
 std::vector<T> vec(std::span<const T> s) {
   return {s.begin(), s.end()};
 }
 
-void expect_equal(const weave::dispatch_plan& host, const host_plan& dev, weave::host_stream& s) {
+template <class Space>
+void expect_equal(const weave::dispatch_plan& host, const weave::device_dispatch_plan<Space>& dev,
+                  weave::host_stream& s) {
   s.synchronize();
   const std::int64_t rows = host.rows();
   REQUIRE(dev.read_rows(s) == rows);
@@ -55,7 +59,9 @@ void expect_equal(const weave::dispatch_plan& host, const host_plan& dev, weave:
 
 } // namespace
 
-TEST_CASE("device dispatch plan steps equal the host plan on random placements and choices") {
+TEST_CASE_TEMPLATE(
+    "device dispatch plan steps equal the host plan on random placements and choices", Space,
+    weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(11);
   weave::host_stream s("plan");
   // `wide`: more choices per token than the steps keep in thread-local arrays (their other path).
@@ -81,7 +87,7 @@ TEST_CASE("device dispatch plan steps equal the host plan on random placements a
         weave::dispatch_plan host(p, k, source);
         host.build(ids, w, keep, offset);
 
-        host_plan dev(p, k, source, T + rng() % 100);
+        weave::device_dispatch_plan<Space> dev(p, k, source, T + rng() % 100);
         workspace ws(dev.workspace_size());
         dev.initialize(ws.ptr, ws.size, s);
         dev.build(s, ids, w, keep, offset);
@@ -154,7 +160,9 @@ std::vector<weave::route_entry> random_routes(std::mt19937& rng, int L, int k,
 
 } // namespace
 
-TEST_CASE("device expert plan steps equal the host expert plan, compact and with padded slots") {
+TEST_CASE_TEMPLATE("device expert plan steps equal the host expert plan, compact and with padded "
+                   "slots",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(23);
   weave::host_stream s("expert plan");
   for (int trial = 0; trial < 12; ++trial) {
@@ -187,7 +195,7 @@ TEST_CASE("device expert plan steps equal the host expert plan, compact and with
         std::copy_n(routes.begin() + static_cast<std::ptrdiff_t>(x * kk), kk,
                     buffer.begin() +
                         static_cast<std::ptrdiff_t>(where[x]) * static_cast<std::ptrdiff_t>(kk));
-      weave::device_expert_plan<weave::host_space> dev(L, k, D, max_rows);
+      weave::device_expert_plan<Space> dev(L, k, D, max_rows);
       workspace ws(dev.workspace_size());
       dev.initialize(ws.ptr, ws.size, s);
       dev.build(s, buffer, counts.data(), displs.data());
@@ -239,7 +247,9 @@ TEST_CASE("device expert plan flags bad entries") {
   CHECK_THROWS_AS(weave::device_expert_plan<weave::host_space>(0, 2, 1, 2), weave::error);
 }
 
-TEST_CASE("device capacity filter equals the host filter for every order, factor and rounding") {
+TEST_CASE_TEMPLATE("device capacity filter equals the host filter for every order, factor and "
+                   "rounding",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(31);
   weave::host_stream s("capacity");
   for (int trial = 0; trial < 60; ++trial) {
@@ -275,7 +285,7 @@ TEST_CASE("device capacity filter equals the host filter for every order, factor
     std::vector<std::uint8_t> want(ids.size());
     const std::int64_t want_dropped = host.decide(ids, priority, want);
 
-    weave::device_capacity_filter<weave::host_space> dev(E, k, T + rng() % 10, policy);
+    weave::device_capacity_filter<Space> dev(E, k, T + rng() % 10, policy);
     workspace ws(dev.workspace_size());
     dev.initialize(ws.ptr, ws.size, s);
     std::vector<std::uint8_t> got(ids.size(), 0xEE);
@@ -301,7 +311,9 @@ TEST_CASE("device capacity filter equals the host filter for every order, factor
                   weave::error);
 }
 
-TEST_CASE("device capacity filter admits chunk by chunk what it decides for the whole batch") {
+TEST_CASE_TEMPLATE("device capacity filter admits chunk by chunk what it decides for the whole "
+                   "batch",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(41);
   weave::host_stream s("capacity");
   for (int trial = 0; trial < 20; ++trial) {
@@ -313,7 +325,7 @@ TEST_CASE("device capacity filter admits chunk by chunk what it decides for the 
     random_choices(rng, T, E, k, ids, w);
     const weave::capacity_policy policy{std::array{0.0, 0.5, 1.0, 1.5}[rng() % 4],
                                         weave::drop_order::position};
-    weave::device_capacity_filter<weave::host_space> dev(E, k, T, policy);
+    weave::device_capacity_filter<Space> dev(E, k, T, policy);
     workspace ws(dev.workspace_size());
     dev.initialize(ws.ptr, ws.size, s);
     std::vector<std::uint8_t> whole(ids.size()), chunked(ids.size(), 0xEE);

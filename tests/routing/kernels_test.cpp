@@ -6,6 +6,7 @@
 #include "scalar_kernels.hpp"
 
 #include <weave/core/host_matrix.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/routing/host_row_moves.hpp>
 #include <weave/routing/kernels_async.hpp>
@@ -263,6 +264,33 @@ void check_layout_moves(std::size_t tokens, std::size_t cols, std::mt19937& rng)
                        scaled ? r.experts.epd_weight() : std::span<const float>{});
     CAPTURE(scaled);
     CHECK(same_bits(epd, want_epd));
+    // `layout_move` in each space: host_space scatters through the inverse map (counted over the
+    // source rows), the emulated GPU gathers (counted over the destination rows); both give the
+    // gather's rows, and leave the rows past the counts untouched.
+    const std::int64_t source_count = static_cast<std::int64_t>(rows),
+                       dest_count = static_cast<std::int64_t>(epd_rows);
+    for (const bool serial : {true, false}) {
+      weave::host_matrix<T> moved(epd_rows + 3, cols);
+      for (auto& v : moved.elements())
+        v = T(7.0f);
+      weave::host_stream st("layout_move");
+      const auto move = [&]<class Space>(Space*) {
+        weave::layout_move<Space>(st, sfd.view(), moved.view(), r.experts.epd_row_source().data(),
+                                  scaled ? r.experts.epd_weight().data() : nullptr, &dest_count,
+                                  r.experts.row_epd().data(), k,
+                                  scaled ? r.experts.row_weight().data() : nullptr, &source_count);
+      };
+      if (serial)
+        move(static_cast<weave::host_space*>(nullptr));
+      else
+        move(static_cast<weave::emulated_gpu_space*>(nullptr));
+      st.synchronize();
+      CAPTURE(serial);
+      for (std::size_t i = 0; i < epd_rows; ++i)
+        REQUIRE(std::memcmp(moved.row(i).data(), want_epd.row(i).data(), cols * sizeof(T)) == 0);
+      for (std::size_t i = epd_rows; i < epd_rows + 3; ++i)
+        REQUIRE(static_cast<float>(moved(i, 0)) == 7.0f);
+    }
   }
   // The merges back, against the scalar kernels.
   const auto epd_out = special_rows<T>(epd_rows, cols, rng);

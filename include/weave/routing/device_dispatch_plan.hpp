@@ -233,6 +233,35 @@ struct plan_rows_step {
   }
 };
 
+// The same per SFD row r < rows, for serial spaces: one pass over the token's pairs fills the
+// row's k slots in order (k reads per row, where a thread per slot rescans them: k^2).
+struct plan_row_step {
+  const std::uint32_t* keys;
+  const std::int32_t* values;
+  int k;
+  const std::int32_t *pair_device, *pair_local;
+  const float* weights;
+  std::int64_t *row_token, *token_rows;
+  route_entry* routes;
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t r) const {
+    const std::int64_t v = values[r];
+    const std::int64_t t = v / k;
+    const auto d = static_cast<std::int32_t>(keys[r]);
+    row_token[r] = t;
+    token_rows[v] = r;
+    route_entry* out = routes + r * k;
+    int e = 0;
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t p = t * k + j;
+      if (pair_device[p] == d)
+        out[e++] = route_entry{pair_local[p], weights[p]};
+    }
+    for (; e < k; ++e)
+      out[e] = route_entry{};
+  }
+};
+
 // Route slots of the rows (rows * k), for the step above: rows = offsets[D].
 struct plan_route_slots_step {
   const std::int64_t* rows;
@@ -373,11 +402,18 @@ class device_dispatch_plan {
       return;
     Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, n, detail::key_bits(D_),
                       temp_, temp_bytes_);
-    Space::for_each(stream, 1, detail::plan_route_slots_step{offsets_ + D_, k_, route_slots_});
-    Space::for_each_counted(stream, route_slots_, n * k_,
-                            detail::plan_rows_step{keys_out_, values_out_, k_, pair_device_,
-                                                   pair_local_, weights.data(), row_token_,
-                                                   token_rows_, routes_});
+    if constexpr (serial_space<Space>) {
+      Space::for_each_counted(stream, offsets_ + D_, n,
+                              detail::plan_row_step{keys_out_, values_out_, k_, pair_device_,
+                                                    pair_local_, weights.data(), row_token_,
+                                                    token_rows_, routes_});
+    } else {
+      Space::for_each(stream, 1, detail::plan_route_slots_step{offsets_ + D_, k_, route_slots_});
+      Space::for_each_counted(stream, route_slots_, n * k_,
+                              detail::plan_rows_step{keys_out_, values_out_, k_, pair_device_,
+                                                     pair_local_, weights.data(), row_token_,
+                                                     token_rows_, routes_});
+    }
   }
 
   int k() const noexcept { return k_; }
@@ -402,6 +438,9 @@ class device_dispatch_plan {
   std::span<const route_entry> row_routes() const noexcept {
     return {routes_, pairs() * static_cast<std::size_t>(k_)};
   }
+  //! `row_routes().data()` without reading the last build's size: for a thread that sends the
+  //! entries while another may be building the plan in stream order (host streams).
+  const route_entry* route_entries() const noexcept { return routes_; }
   //! Routed logical expert of each pair; -1 where none or dropped.
   std::span<const std::int32_t> kept_experts() const noexcept { return {kept_, pairs()}; }
   //! Destination device of each pair; -1 where none or dropped.

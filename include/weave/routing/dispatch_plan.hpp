@@ -67,9 +67,9 @@ inline void check_pair(std::span<const std::int32_t> ids, std::span<const float>
 // checked by the caller) as `dispatch_plan::build` does, without building a plan: a token at a
 // time, its ids looked for twice only where a 64-bucket mask of the token's ids says they may
 // repeat (a decode layer's one token of k = 8 took about 300 instructions pair by pair), and
-// `check_pair` for the error of a token that fails.
+// `check_pair` for the error of a token that fails (its number counted from `token_offset`).
 inline void check_routing(std::span<const std::int32_t> ids, std::span<const float> weights,
-                          std::size_t k, int E) {
+                          std::size_t k, int E, std::size_t token_offset = 0) {
   for (std::size_t first = 0; first < ids.size(); first += k) {
     const std::int32_t* id = ids.data() + first;
     const float* w = weights.data() + first;
@@ -89,7 +89,7 @@ inline void check_routing(std::span<const std::int32_t> ids, std::span<const flo
     if (!ok) [[unlikely]]
       for (std::size_t p = first; p < first + k; ++p)
         if (ids[p] != -1)
-          check_pair(ids, weights, p, k, E, 0);
+          check_pair(ids, weights, p, k, E, token_offset);
   }
 }
 

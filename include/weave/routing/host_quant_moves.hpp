@@ -27,7 +27,7 @@ struct quant_moves<host_space> {
     WEAVE_EXPECT(index != nullptr || src.rows() >= dst.rows(), errc::size_mismatch,
                  "quant_moves::quantize: ", src.rows(), " source rows for ", dst.rows(),
                  " destination rows without an index");
-    s.submit([=] {
+    host_space::enqueue(s, [=] {
       const std::size_t n = detail::counted_rows(count, dst.rows());
       detail::visit_fp8(dst.element_type(), "quant_moves::quantize", [&]<class Fp8>(Fp8*) {
         detail::visit_float(src.element_type(), "quant_moves::quantize", [&]<class T>(T*) {
@@ -56,7 +56,7 @@ struct quant_moves<host_space> {
     WEAVE_EXPECT(index != nullptr || src.rows() >= dst.rows(), errc::size_mismatch,
                  "quant_moves::dequantize: ", src.rows(), " source rows for ", dst.rows(),
                  " destination rows without an index");
-    s.submit([=] {
+    host_space::enqueue(s, [=] {
       const std::size_t n = detail::counted_rows(count, dst.rows());
       detail::visit_fp8(src.element_type(), "quant_moves::dequantize", [&]<class Fp8>(Fp8*) {
         detail::visit_float(dst.element_type(), "quant_moves::dequantize", [&]<class T>(T*) {

@@ -1,7 +1,8 @@
 //! \file
 //! `row_moves<host_space>`: the row primitives of `weave/routing/row_moves.hpp` as host-stream
-//! tasks, with the host kernels' arithmetic (results equal `gather_rows` / `merge_rows`
-//! bitwise, and `dot` sums in column order as `moe_exchange`'s backward does).
+//! tasks (run at once within a task of the stream, as `host_space` steps are), with the host
+//! kernels' arithmetic (results equal `gather_rows` / `merge_rows` bitwise; `dot` sums in column
+//! order), and the scatter form of the layout moves (`layout_move`).
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -28,8 +29,22 @@ struct row_moves<host_space> {
     detail::check_host(src, dst, "row_moves::gather");
     if (scale != nullptr)
       detail::visit_float(src.element_type(), "gate-scaled gather", [](auto*) {});
-    s.submit([=] {
+    host_space::enqueue(s, [=] {
       detail::gather_rows_host(src, dst, index, scale, detail::counted_rows(count, dst.rows()));
+    });
+  }
+
+  static void scatter(host_stream& s, const_token_view src, token_view dst,
+                      const std::int64_t* index, int k, const float* scale,
+                      const std::int64_t* count) {
+    detail::check_rows(src, dst, "row_moves::scatter");
+    detail::check_host(src, dst, "row_moves::scatter");
+    WEAVE_EXPECT(k >= 1, errc::invalid_argument, "row_moves::scatter with k = ", k);
+    if (scale != nullptr)
+      detail::visit_float(src.element_type(), "gate-scaled scatter", [](auto*) {});
+    host_space::enqueue(s, [=] {
+      detail::scatter_rows_host(src, dst, index, static_cast<std::size_t>(k), scale,
+                                detail::counted_rows(count, src.rows()));
     });
   }
 
@@ -39,7 +54,7 @@ struct row_moves<host_space> {
     detail::check_host(src, dst, "row_moves::merge");
     WEAVE_EXPECT(k >= 1, errc::invalid_argument, "row_moves::merge with k = ", k);
     detail::visit_float(src.element_type(), "merge", [](auto*) {});
-    s.submit([=] {
+    host_space::enqueue(s, [=] {
       detail::merge_rows_host(src, dst, index, static_cast<std::size_t>(k), weight,
                               detail::counted_rows(count, dst.rows()), skip_empty);
     });
@@ -50,7 +65,7 @@ struct row_moves<host_space> {
     WEAVE_EXPECT(a.cols() == b.cols() && a.element_type() == b.element_type(), errc::size_mismatch,
                  "row_moves::dot of rows of ", a.cols(), " ", a.element_type(), " and ", b.cols(),
                  " ", b.element_type());
-    s.submit([=] {
+    host_space::enqueue(s, [=] {
       const std::size_t n = detail::counted_rows(count, std::min(a.rows(), b.rows()));
       for (std::size_t i = 0; i < n; ++i) {
         float acc = 0.0f;
