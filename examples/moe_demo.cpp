@@ -223,7 +223,7 @@ measured run_rank(Comm& comm, const settings& s, const weave::placement& where, 
   if (trace)
     weave::add_to_trace(*trace, layer.pipeline(), comm.rank(), origin);
   return {timings[timings.size() / 2], timings.front().makespan_ms, timings.back().makespan_ms,
-          layer.stats()};
+          layer.stats(compute)};
 }
 //! [generic]
 

@@ -517,7 +517,7 @@ void BM_exchange(benchmark::State& state) {
         forward(st);
     });
     ex.check_errors(weave::cuda_stream_ref(s.compute));
-    const weave::moe_stats stats = ex.read_stats(weave::cuda_stream_ref(s.compute));
+    const weave::moe_stats stats = ex.stats(weave::cuda_stream_ref(s.compute));
     state.counters["rows_sent"] = static_cast<double>(stats.sent_rows);
     state.counters["naive_rows"] = static_cast<double>(stats.naive_rows());
     if (exec)
@@ -669,8 +669,7 @@ void BM_exchange_world(benchmark::State& state) {
     std::sort(seconds.begin(), seconds.end());
     state.SetIterationTime(seconds[seconds.size() / 2]);
   }
-  const weave::moe_stats stats =
-      ranks[0].ex->read_stats(weave::cuda_stream_ref(ranks[0].s->compute));
+  const weave::moe_stats stats = ranks[0].ex->stats(weave::cuda_stream_ref(ranks[0].s->compute));
   state.counters["rows_sent"] = static_cast<double>(stats.sent_rows);
   state.counters["naive_rows"] = static_cast<double>(stats.naive_rows());
   state.counters["tokens/s"] =

@@ -65,7 +65,7 @@ void dispatch_on_link(benchmark::State& state, wire mode) {
       if (r == 0 && i > 0)
         seconds.push_back(std::chrono::duration<double>(end - begin).count());
       if (r == 0 && i == 0)
-        stats = ex.stats(h);
+        stats = ex.stats(h, compute);
     }
   });
   std::size_t i = 0;

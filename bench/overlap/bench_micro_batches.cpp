@@ -583,7 +583,7 @@ class micro_batch_ranks {
       if (!calibrated_ && r == 0) {
         // Experts of a micro-batch's layer cost its dispatch + combine link time; the
         // around-ops of a block cost as much as its experts.
-        const weave::moe_stats st = ex.stats();
+        const weave::moe_stats st = ex.stats(compute);
         const double remote = static_cast<double>(st.sent_rows - st.local_rows) / (ranks - 1);
         const double link_s =
             2.0 * remote * static_cast<double>(st.row_bytes) / link_bytes_per_second;

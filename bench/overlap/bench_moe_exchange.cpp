@@ -125,7 +125,7 @@ class layer_ranks {
       stream.synchronize();
       if (!calibrated && r == 0) {
         // Dispatch + combine link time: the busiest peer's rows, each way, over the link.
-        const auto& st = ex.stats();
+        const weave::moe_stats st = ex.stats(compute);
         const double remote = static_cast<double>(st.sent_rows - st.local_rows) / (ranks - 1);
         const double link_s =
             2.0 * remote * static_cast<double>(st.row_bytes) / link_bytes_per_second;

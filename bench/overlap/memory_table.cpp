@@ -1,12 +1,12 @@
-// weave-memory: the bytes an MoE layer's exchange holds per rank at a model's shape, before
-// (every buffer sized for the worst case at construction, as host streams still do) and after
-// (the CUDA path's dynamic shapes size the receive side from each call's counts), beside the
-// bytes of the rows a call really uses. The layers are built for real over an in-process world
-// of `--ranks` ranks (their workspace queries are the layers' own); what a call receives comes
-// from uniformly random top-k routing of `--tokens` tokens per rank, counted exactly, and the
-// sizes a call allocates for it are the layer's own (`receive_bytes_for`, `grown`). Prints a
-// markdown table (one row per layer kind); `--help` lists the options and their ranges, and a
-// bad option ends it with one line on stderr and status 2.
+// weave-memory: the bytes an MoE layer's exchange holds per rank at a model's shape after a
+// call, on host streams (the received rows sized for every peer sending every token, the expert
+// rows from each call's counts) and on the CUDA path (the whole receive side sized from each
+// call's counts), beside the bytes of the rows a call really uses. The layers are built for real
+// over an in-process world of `--ranks` ranks (their workspace queries are the layers' own); what a
+// call receives comes from uniformly random top-k routing of `--tokens` tokens per rank, counted
+// exactly, and the sizes a call allocates for it are the layer's own (`receive_bytes_for`,
+// `grown`). Prints a markdown table (one row per layer kind); `--help` lists the options and their
+// ranges, and a bad option ends it with one line on stderr and status 2.
 #include "command_line.hpp"
 
 #include <weave/comm/local_world.hpp>
@@ -14,9 +14,7 @@
 #include <weave/exec/host_space.hpp>
 #include <weave/overlap/decode_exchange.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
-#include <weave/overlap/device_exchange.hpp>
-#include <weave/routing/host_quant_moves.hpp>
-#include <weave/routing/host_row_moves.hpp>
+#include <weave/overlap/moe_exchange.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -138,7 +136,7 @@ int run(int argc, char** argv) {
   const std::size_t row = s.hidden * 2;
   const auto where = weave::placement::contiguous(s.experts, s.ranks);
   struct row_out {
-    std::size_t before = 0, after = 0, fixed = 0, used = 0, sent = 0;
+    std::size_t host = 0, after = 0, fixed = 0, used = 0, sent = 0;
   };
   std::vector<row_out> dynamic(static_cast<std::size_t>(s.ranks)),
       with_backward(static_cast<std::size_t>(s.ranks)), fixed(static_cast<std::size_t>(s.ranks)),
@@ -151,12 +149,12 @@ int run(int argc, char** argv) {
     for (const bool grads : {false, true}) {
       weave::moe_options d = o;
       d.save_for_backward = grads;
-      weave::basic_device_exchange<weave::host_space, weave::local_communicator> before(comm, where,
-                                                                                        d);
-      weave::basic_device_exchange<weave::emulated_gpu_space, weave::local_communicator> after(
+      weave::basic_moe_exchange<weave::host_space, weave::local_communicator> on_host(comm, where,
+                                                                                      d);
+      weave::basic_moe_exchange<weave::emulated_gpu_space, weave::local_communicator> after(
           comm, where, d);
       row_out& out = grads ? with_backward[r] : dynamic[r];
-      out.before = before.workspace_size();
+      out.host = on_host.workspace_size();
       out.after = after.workspace_size();
       // not rows: the workspace less what a chunk sends and gets back (2 row buffers per chunk)
       out.fixed =
@@ -166,12 +164,14 @@ int run(int argc, char** argv) {
         const std::size_t rows = std::max<std::size_t>(t.rows[r][c], 1);
         const std::size_t epd = std::max<std::size_t>(t.pairs[r][c], 1);
         out.after += after.receive_bytes_for(after.grown(rows), after.grown(epd));
+        out.host += on_host.receive_bytes_for(0, on_host.grown(epd)); // its expert rows
         most_epd = std::max(most_epd, epd);
         // send + returned, recv + back, expert inputs + outputs (+ the backward's two)
         out.used += (2 * t.sent[r][c] + 2 * t.rows[r][c] + 2 * t.pairs[r][c]) * row;
       }
       if (grads) {
         out.after += after.backward_bytes_for(after.grown(most_epd));
+        out.host += on_host.backward_bytes_for(on_host.grown(most_epd));
         out.used += 2 * most_epd * row;
       }
     }
@@ -180,8 +180,8 @@ int run(int argc, char** argv) {
       st.static_shape = true;
       if (capped)
         st.capacity = {1.25, weave::drop_order::position, weave::capacity_rounding::ceil};
-      weave::basic_device_exchange<weave::emulated_gpu_space, weave::local_communicator> ex(
-          comm, where, st);
+      weave::basic_moe_exchange<weave::emulated_gpu_space, weave::local_communicator> ex(comm,
+                                                                                         where, st);
       row_out& out = capped ? fixed_capped[r] : fixed[r];
       out.after = ex.workspace_size();
       out.sent = ex.send_rows_capacity() * static_cast<std::size_t>(s.chunks) * row;
@@ -218,12 +218,12 @@ int run(int argc, char** argv) {
               s.name.c_str(), s.hidden, s.experts, s.k, s.ranks, s.tokens, s.chunks,
               s.chunks == 1 ? "" : "s",
               s.capacity > 0.0 ? (", capacity " + std::to_string(s.capacity)).c_str() : "");
-  std::printf("| layer (the rank holding most) | before: workspace | after: held after a call | "
-              "rows the call used | after / used | after, not rows |\n"
+  std::printf("| layer (the rank holding most) | host streams: held after a call | CUDA: held "
+              "after a call | rows the call used | CUDA / used | CUDA, not rows |\n"
               "|---|---|---|---|---|---|\n");
   for (const auto& [what, v] :
        {std::pair{"dynamic forward", dyn}, std::pair{"dynamic + save_for_backward", bwd}})
-    std::printf("| %s | %s | %s | %s | %.2f | %s |\n", what, size(v.before).c_str(),
+    std::printf("| %s | %s | %s | %s | %.2f | %s |\n", what, size(v.host).c_str(),
                 size(v.after).c_str(), size(v.used).c_str(), ratio(v.after, v.used),
                 size(v.fixed).c_str());
   for (const auto& [what, v] :

@@ -8,10 +8,8 @@
 #include <weave/comm/local_world.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
-#include <weave/overlap/device_exchange.hpp>
+#include <weave/overlap/moe_exchange.hpp>
 #include <weave/overlap/pipeline_timing.hpp>
-#include <weave/routing/host_quant_moves.hpp>
-#include <weave/routing/host_row_moves.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -23,7 +21,7 @@
 namespace {
 
 using space = weave::emulated_gpu_space;
-using exchange = weave::basic_device_exchange<space, weave::local_communicator>;
+using exchange = weave::basic_moe_exchange<space, weave::local_communicator>;
 
 constexpr int ranks = 4, experts = 16, k = 2, iterations = 11;
 constexpr std::size_t hidden = 2048, tokens = 256;
@@ -69,7 +67,7 @@ result run(bool fixed, int chunks) {
     for (int i = 0; i < iterations; ++i) {
       ex.forward(
           x.view(), ids, w, y.view(),
-          [&](const weave::device_expert_batch<space>& b) {
+          [&](const weave::basic_expert_batch<space>& b) {
             b.stream.submit([sleep] { std::this_thread::sleep_for(sleep); });
           },
           compute, comm_stream);

@@ -1,7 +1,7 @@
 //! \file
-//! Overlap layer: the MoE exchange (host and device) with its handles (dispatch, combine and
-//! their backward, several calls in flight), its chunked pipeline and stage timings; the
-//! low-latency decode exchanges (host and device).
+//! Overlap layer: the MoE exchange (one class template over every execution space) with its
+//! handles (dispatch, combine and their backward, several calls in flight), its chunked pipeline
+//! and stage timings; the low-latency decode exchanges (host and device).
 //! The Lancet-style planner (graph model, partition planner, dW scheduler, schedules, their
 //! simulator and executor) lives in `weave/plan.hpp`, namespace `weave::plan`.
 #pragma once
@@ -10,14 +10,9 @@
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
 #include "weave/overlap/device_decode_exchange.hpp"
-#include "weave/overlap/device_decode_steps.hpp"
-#include "weave/overlap/device_exchange.hpp"
-#include "weave/overlap/device_exchange_steps.hpp"
 #include "weave/overlap/expert_state_moves.hpp"
 #include "weave/overlap/moe_exchange.hpp"
-#include "weave/overlap/moe_exchange_base.hpp"
 #include "weave/overlap/moe_handle.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/overlap/pipeline.hpp"
 #include "weave/overlap/pipeline_timing.hpp"
-#include "weave/overlap/row_buffer.hpp"

@@ -110,9 +110,8 @@ layer_result run_layer(Comm& comm, const weave::placement& where, const weave::m
   ex.backward(
       in.x.view(), r.dx.view(), r.dw,
       [&](const weave::expert_grad_batch& b) { experts.backward<float>(b); }, compute, stream);
-  compute.synchronize();
-  stream.synchronize();
-  r.stats = ex.stats();
+  ex.synchronize(compute, stream);
+  r.stats = ex.stats(compute);
   return r;
 }
 

@@ -156,8 +156,7 @@ int main(int argc, char** argv) {
       }
       ex.forward(weave::make_token_view(x, a.hidden), ids, weights,
                  weave::make_token_view(y, a.hidden), expert, compute, stream);
-      compute.synchronize();
-      stream.synchronize();
+      ex.synchronize(compute, stream); // the one wait that reports a failure's root cause
       for (std::size_t i = 0; i < y.size(); ++i)
         if (!(std::fabs(y[i] - want[i]) <= 1e-5f * (1.0f + std::fabs(want[i])))) {
           record(a, rank, "wrong", layers,

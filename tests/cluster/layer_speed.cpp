@@ -231,8 +231,7 @@ int main(int argc, char** argv) {
             weave::make_token_view(x, std::size_t(hidden)), ids, weights,
             weave::make_token_view(y, std::size_t(hidden)),
             [&](const weave::expert_batch& b) { computing ? spin(b) : copy(b); }, compute, stream);
-        compute.synchronize();
-        stream.synchronize();
+        ex->synchronize(compute, stream);
       };
     };
     const double comm_us = time_us(iters, moe_layer(1, false));

@@ -183,8 +183,7 @@ int run(int argc, char** argv) {
     const auto step = [&] {
       ex.forward(weave::make_token_view(x, std::size_t(hidden)), ids, weights,
                  weave::make_token_view(y, std::size_t(hidden)), experts, compute, stream);
-      compute.synchronize();
-      stream.synchronize();
+      ex.synchronize(compute, stream);
     };
     step(); // warm-up: connections, buffers
     const auto wire = measure(s, step);

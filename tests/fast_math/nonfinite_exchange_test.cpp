@@ -1,8 +1,10 @@
-// The exchanges' checks of non-finite values over a two-rank local_world: a NaN or infinite gate
-// weight, or (FP8 dispatch) a token holding a NaN or an infinity, on one rank fails the call on
-// every rank with the documented typed errors, in `moe_exchange`, the device exchange on host
-// streams, and both decode exchanges; finite extremes never fail; a NaN activation reaches the
-// output as a NaN. Built with -ffast-math (test_fast_math) and without
+// The exchanges' checks of non-finite values over a two-rank local_world, in the MoE exchange (its
+// cases written once and run in host_space and in emulated_gpu_space) and both decode exchanges:
+// a NaN or infinite gate weight on one rank fails the call on every rank with the documented
+// typed errors; a token holding a NaN or an infinity in an FP8 dispatch fails every rank of the
+// decode exchanges, while the MoE exchange, in every space as on the GPU, sends its blocks as NaN
+// and reports it on its rank only, the peer's outputs unaffected; finite extremes never fail; a
+// NaN activation reaches the output as a NaN. Built with -ffast-math (test_fast_math) and without
 // (test_fast_math_reference): the same expectations hold in both.
 #include <doctest/doctest.h>
 
@@ -11,11 +13,11 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/core/host_matrix.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/decode_exchange.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
-#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
@@ -39,8 +41,6 @@ constexpr int ranks = 2, experts = 4, k = 2;
 constexpr std::size_t tokens = 6, hidden = 256; // two FP8 blocks of 128
 
 using comm_type = weave::local_communicator;
-using host_exchange = weave::moe_exchange<comm_type>;
-using device_exchange = weave::basic_device_exchange<weave::host_space, comm_type>;
 using host_decode_layer = weave::decode_exchange<comm_type, float>;
 using device_decode_layer =
     weave::basic_device_decode_exchange<weave::host_space, comm_type, float>;
@@ -91,22 +91,49 @@ weave::decode_options decode_options_of(bool fp8) {
   return o;
 }
 
-// Copies every input row to its output row (capacity rows; the unused ones are not read).
+// Copies every input row to its output row (on the device: the capacity's rows, the unused ones
+// are not read).
 void identity(const weave::const_token_view& in, const weave::token_view& out) {
   for (std::size_t i = 0; i < in.rows(); ++i)
     std::memcpy(out.row(i), in.row(i), in.row_bytes());
 }
 
-enum class layer { host, device, host_decode, device_decode };
-constexpr layer every_layer[] = {layer::host, layer::device, layer::host_decode,
+// One forward of the MoE exchange in `Space`, the experts the identity (in stream order: the
+// callback's task on host streams, a task it enqueues where host code runs at enqueue time), and
+// the one wait that reports a failure's root cause.
+template <class Space>
+void moe_forward(comm_type& comm, const weave::moe_options& o, const rank_input& in,
+                 weave::host_matrix<float>& y, weave::host_stream& compute,
+                 weave::host_stream& comm_stream) {
+  const auto where = weave::placement::contiguous(experts, ranks);
+  weave::basic_moe_exchange<Space, comm_type> ex(comm, where, o);
+  weave_test::aligned_buffer ws(ex.workspace_size());
+  ex.initialize(ws.ptr, ws.size, compute);
+  ex.forward(
+      in.x.view(), in.ids, in.weights, y.view(),
+      [](const weave::basic_expert_batch<Space>& b) {
+        weave::host_space::enqueue(b.stream, [b] { identity(b.input, b.output); });
+      },
+      compute, comm_stream);
+  ex.synchronize(compute, comm_stream);
+}
+
+enum class layer { moe_host, moe_emulated_gpu, host_decode, device_decode };
+constexpr layer every_layer[] = {layer::moe_host, layer::moe_emulated_gpu, layer::host_decode,
                                  layer::device_decode};
+// The MoE exchange in each space.
+constexpr layer moe_layers[] = {layer::moe_host, layer::moe_emulated_gpu};
+
+bool is_moe(layer l) {
+  return l == layer::moe_host || l == layer::moe_emulated_gpu;
+}
 
 const char* name_of(layer l) {
   switch (l) {
-  case layer::host:
-    return "moe_exchange";
-  case layer::device:
-    return "device exchange";
+  case layer::moe_host:
+    return "moe_exchange in host_space";
+  case layer::moe_emulated_gpu:
+    return "moe_exchange in emulated_gpu_space";
   case layer::host_decode:
     return "decode_exchange";
   default:
@@ -136,30 +163,14 @@ call_result call(layer which, bool fp8, Poison&& poison, weave::capacity_policy 
     weave::host_stream compute("compute"), comm_stream("comm");
     out.got[r] = outcome_of([&] {
       switch (which) {
-      case layer::host: {
-        host_exchange ex(comm, where, moe_options_of(fp8, capacity));
-        ex.forward(
-            in.x.view(), in.ids, in.weights, y.view(),
-            [](const weave::expert_batch& b) { identity(b.input, b.output); }, compute,
-            comm_stream);
-        compute.synchronize();
-        comm_stream.synchronize();
+      case layer::moe_host:
+        moe_forward<weave::host_space>(comm, moe_options_of(fp8, capacity), in, y, compute,
+                                       comm_stream);
         break;
-      }
-      case layer::device: {
-        device_exchange ex(comm, where, moe_options_of(fp8, capacity));
-        weave_test::aligned_buffer ws(ex.workspace_size());
-        ex.initialize(ws.ptr, ws.size, compute);
-        ex.forward(
-            in.x.view(), in.ids, in.weights, y.view(),
-            [](const weave::device_expert_batch<weave::host_space>& b) {
-              identity(b.input, b.output);
-            },
-            compute, comm_stream);
-        ex.synchronize(compute, comm_stream);
-        ex.check_errors(compute);
+      case layer::moe_emulated_gpu:
+        moe_forward<weave::emulated_gpu_space>(comm, moe_options_of(fp8, capacity), in, y, compute,
+                                               comm_stream);
         break;
-      }
       case layer::host_decode: {
         host_decode_layer ex(comm, where, decode_options_of(fp8));
         auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, compute);
@@ -215,7 +226,7 @@ TEST_CASE("non-finite: a NaN or infinite gate weight fails every rank of every e
       check_fail_stop(r, errc::invalid_argument, "weight");
     }
   // Prioritized capacity ranks tokens by their weights before the plan checks them.
-  for (const layer which : {layer::host, layer::device})
+  for (const layer which : moe_layers)
     for (const auto order :
          {weave::drop_order::batch_prioritized, weave::drop_order::priority_token_major})
       for (const auto& s : f32_nonfinite) {
@@ -244,17 +255,27 @@ TEST_CASE("non-finite: an FP8 dispatch of a NaN or infinite token fails every ra
       INFO("layer: ", std::string(name_of(which)));
       INFO("value: ", std::string(s.name));
       const auto r = call(which, true, [&](rank_input& in) { in.x(4, 200) = value(s); });
-      if (which != layer::device) {
+      if (!is_moe(which)) {
         check_fail_stop(r, errc::invalid_argument, "NaN or an infinity");
         continue;
       }
-      // The device exchange sends the token's block as NaN and reports it on the sender; the
-      // peer's outputs are unaffected.
+      // The MoE exchange sends the token's block as NaN and reports it on the sender, naming the
+      // token; the peer's outputs are unaffected.
       INFO("rank 1: ", r.got[1].message);
       CHECK(r.got[1].code == errc::invalid_argument);
+      CHECK(r.got[1].message.find("token 4 ") != std::string::npos);
+      CHECK(r.got[1].message.find("NaN or an infinity") != std::string::npos);
       CHECK(r.got[0].code == errc{});
       for (std::size_t c = 0; c < hidden; ++c)
         CHECK(nan_bits(bits(r.y[1](4, c))) == (c >= 128));
+      const auto clean = call(which, true, [](rank_input&) {});
+      REQUIRE(clean.got[0].code == errc{});
+      REQUIRE(clean.got[1].code == errc{});
+      for (std::size_t rank = 0; rank < ranks; ++rank)
+        for (std::size_t t = 0; t < tokens; ++t)
+          if (rank == 0 || t != 4)
+            CHECK(std::memcmp(r.y[rank].row(t).data(), clean.y[rank].row(t).data(),
+                              hidden * sizeof(float)) == 0);
     }
   for (const layer which : every_layer)
     for (const auto& s : f32_extremes) {

@@ -1,9 +1,9 @@
 // What a count exchange receives (per peer: its counts, then its status): the host status
-// exchange's decision (`peer_failure_in` over `decode_failure`), the device exchange's
+// exchange's decision (`peer_failure_in` over `decode_failure`), the MoE exchange's
 // (`device_counts_with_status`: per peer also the call's tag; failure records or device flags,
 // in host_space and with cuda_space's control flow in emulated_gpu_space; a tag other than this
 // rank's is `errc::call_mismatch`, whatever else the block holds), and the receive layout planned
-// from the counts (`receive_displacements`, what moe_exchange and the device exchange sum). Any
+// from the counts (`receive_displacements`, what the MoE exchange sums). Any
 // block is decided (healthy, a peer's failure naming a rank of the world, or `errc::protocol`) and
 // any counts are laid out within the bound or refused, without overflow.
 #include "fuzz_support.hpp"
@@ -58,7 +58,7 @@ void check_decision(const std::exception_ptr& failure, int ranks, int self, bool
   }
 }
 
-// The device exchange's flags: each known bit names an error.
+// The MoE exchange's flags: each known bit names an error.
 weave::failure_record describe_flags(int rank, std::uint32_t flags) {
   return weave::record_of_call(rank, [&] {
     WEAVE_EXPECT((flags & 0xFFFFu) == 0, weave::errc::out_of_range, "plan flags ", flags);
@@ -67,7 +67,7 @@ weave::failure_record describe_flags(int rank, std::uint32_t flags) {
 }
 constexpr std::uint32_t known_flags = 1 | 2 | 4 | 1u << 16;
 
-// The device exchange's decision on `block` (laid out with tags), checked against the tags:
+// The MoE exchange's decision on `block` (laid out with tags), checked against the tags:
 // a mismatch exactly when this rank's tag is set and a peer's differs.
 template <class Space>
 std::exception_ptr device_decision(const std::vector<std::int64_t>& block, int ranks, int self,
@@ -127,7 +127,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                                              static_cast<std::size_t>(width),
                                                          weave::failure_words),
             r, ranks));
-  // The device exchange's, on the stream (peers only) and with CUDA's control flow (own too):
+  // The MoE exchange's, on the stream (peers only) and with CUDA's control flow (own too):
   // the same block with each peer's call tag after its counts (mostly this rank's, so that the
   // statuses are decided too).
   const std::int64_t own_tag = in.ConsumeBool() ? 0 : in.ConsumeIntegral<std::int64_t>();

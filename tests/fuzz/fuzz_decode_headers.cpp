@@ -9,7 +9,7 @@
 
 #include <fuzzer/FuzzedDataProvider.h>
 #include <weave/overlap/decode_options.hpp>
-#include <weave/overlap/device_decode_steps.hpp>
+#include <weave/overlap/detail/device_decode_steps.hpp>
 
 #include <cstddef>
 #include <cstdint>

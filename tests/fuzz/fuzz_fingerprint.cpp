@@ -7,7 +7,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 #include <weave/comm/agreement.hpp>
 #include <weave/core/dtype.hpp>
-#include <weave/overlap/layer_agreement.hpp>
+#include <weave/overlap/detail/layer_agreement.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -1,8 +1,9 @@
 // cuda_moe_exchange on one GPU: several ranks through cuda_local_world and one rank through NCCL,
-// against the host moe_exchange on the same inputs (forward outputs and input gradients
-// bitwise, gate gradients to rounding: the device sums a row's products in warp order), every
-// chunking bitwise identical to one chunk, dynamic and static shapes, a static-shape layer
-// captured in a CUDA graph and replayed, and flagged bad input. Reports skipped without a GPU.
+// against the dense double-precision reference and the same layer on host streams (forward
+// outputs and input gradients bitwise, gate gradients to rounding: the device sums a row's
+// products in warp order), every chunking bitwise identical to one chunk, dynamic and static
+// shapes, a static-shape layer captured in a CUDA graph and replayed, and flagged bad input.
+// Reports skipped without a GPU.
 #include <doctest/doctest.h>
 
 #include "cuda_buffers.hpp"
@@ -26,6 +27,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using weave_test::dev;
@@ -166,11 +168,11 @@ rank_output run_rank(Comm& comm, const weave::placement& where, weave::moe_optio
     std::memcpy(out.dx.data(), dxh.data(), out.dx.size());
   }
   out.dw = to_host(dw.cspan());
-  out.stats = ex.read_stats(compute.ref());
+  out.stats = ex.stats(compute.ref());
   return out;
 }
 
-// The host moe_exchange on the same problem: the reference.
+// The same layer on host streams (`moe_exchange`, host_space) on the same problem.
 template <class T>
 std::vector<rank_output> run_host(int ranks, const weave::placement& where, weave::moe_options o,
                                   const std::vector<moe_test::rank_input<T>>& in,
@@ -192,13 +194,20 @@ std::vector<rank_output> run_host(int ranks, const weave::placement& where, weav
         in[r].x.view(), dx.view(), out[r].dw,
         [&](const weave::expert_grad_batch& b) { experts.template backward<T>(b); }, compute,
         comm_stream);
-    compute.synchronize();
-    comm_stream.synchronize();
+    ex.synchronize(compute, comm_stream);
     out[r].y = bytes_of(y);
     out[r].dx = bytes_of(dx);
-    out[r].stats = ex.stats();
+    out[r].stats = ex.stats(compute);
   });
   return out;
+}
+
+template <class T>
+weave::host_matrix<T> matrix_of(const std::vector<std::byte>& bytes, std::size_t hidden) {
+  weave::host_matrix<T> m(bytes.size() / (hidden * sizeof(T)), hidden);
+  if (!bytes.empty())
+    std::memcpy(m.data(), bytes.data(), bytes.size());
+  return m;
 }
 
 template <class T>
@@ -235,6 +244,12 @@ void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
     });
     for (std::size_t r = 0; r < got.size(); ++r) {
       CAPTURE(r);
+      if (!fp8) { // the dense double-precision reference (an FP8 dispatch rounds its inputs)
+        const auto y = matrix_of<T>(got[r].y, hidden), dx = matrix_of<T>(got[r].dx, hidden);
+        moe_test::check_rank_against_dense(static_cast<int>(r), where, k, experts_count, capacity,
+                                           in[r], experts, y, &dx, &got[r].dw, got[r].stats,
+                                           std::is_same_v<T, float> ? 1e-4 : 3e-2);
+      }
       CHECK(got[r].y == want[r].y);
       CHECK(got[r].dx == want[r].dx);
       for (std::size_t i = 0; i < got[r].dw.size(); ++i)
@@ -253,7 +268,8 @@ void check_local_world(int ranks, int experts_count, int k, std::size_t hidden,
 
 } // namespace
 
-TEST_CASE("cuda_moe_exchange over cuda_local_world equals the host moe_exchange") {
+TEST_CASE("cuda_moe_exchange over cuda_local_world equals the dense reference and the host "
+          "layer") {
   for (const bool fixed : {false, true}) {
     CAPTURE(fixed);
     check_local_world<float>(1, 4, 2, 16, {33}, {}, fixed);
@@ -268,8 +284,8 @@ TEST_CASE("cuda_moe_exchange over cuda_local_world equals the host moe_exchange"
   }
 }
 
-TEST_CASE("cuda_moe_exchange's FP8 dispatch equals the host moe_exchange's") {
-  // The experts read the dequantised rows; the host exchange's FP8 dispatch is itself checked
+TEST_CASE("cuda_moe_exchange's FP8 dispatch equals the host layer's") {
+  // The experts read the dequantised rows; the host layer's FP8 dispatch is itself checked
   // against a brute-force reference (fp8_dispatch_test.cpp).
   for (const bool fixed : {false, true}) {
     CAPTURE(fixed);
@@ -472,7 +488,7 @@ TEST_CASE("cuda_moe_exchange without tags: two handles' combines in another orde
       o.static_shape = fixed;
       o.strict_call_order = m.strict;
       try {
-        weave::basic_device_exchange<weave::cuda_space, untagged_cuda_comm> ex(
+        weave::basic_moe_exchange<weave::cuda_space, untagged_cuda_comm> ex(
             comm, weave::placement::contiguous(4, ranks), o);
         dev<std::byte> ws(ex.workspace_size());
         ex.initialize(ws.ptr, ws.size, compute.ref());

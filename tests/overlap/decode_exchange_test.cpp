@@ -10,9 +10,9 @@
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/decode_input_rows.hpp>
-#include <weave/overlap/decode_records.hpp>
-#include <weave/overlap/decode_slot_counts.hpp>
+#include <weave/overlap/detail/decode_input_rows.hpp>
+#include <weave/overlap/detail/decode_records.hpp>
+#include <weave/overlap/detail/decode_slot_counts.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 
 #include <algorithm>
@@ -349,8 +349,7 @@ void check_decode_equals_dynamic(int ranks, const weave::placement& where, int k
     dynamic.forward(
         mine.x.view(), mine.ids, mine.weights, y_dynamic.view(),
         [&](const weave::expert_batch& b) { f.template operator()<T>(b); }, compute, comm_stream);
-    compute.synchronize();
-    comm_stream.synchronize();
+    dynamic.synchronize(compute, comm_stream);
     const std::vector<T> want(y_dynamic.elements().begin(), y_dynamic.elements().end());
     weave::decode_options o{k, hidden, 32};
     weave::decode_exchange<local, T> decode(c, where, o);

@@ -1,9 +1,12 @@
 // The examples of docs/exchange.md, compiled and checked: one MoE layer, forward and backward,
 // pipelined in 2 chunks on 4 in-process ranks, through the callback form and through handles
-// with two micro-batches in flight, against a per-token reference computed here.
+// with two micro-batches in flight, against a per-token reference computed here; each example
+// written once and run in `host_space` and in `emulated_gpu_space`.
 #include <doctest/doctest.h>
 
 #include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 
@@ -77,19 +80,19 @@ void check_reference(const std::vector<rank_data>& data) {
     }
 }
 
-// The experts of every chunk of a handle's phase, each chunk a task on the compute stream:
-// forward (`grad = false`) or backward.
+// The experts of every chunk of a handle's phase, each chunk a task on the compute stream that
+// reads the chunk's rows when it runs: forward (`grad = false`) or backward.
 template <class Layer, class Handle>
 void compute_experts(Layer& layer, Handle& h, weave::host_stream& compute, bool grad) {
   for (const auto chunk : layer.chunks(h))
     compute.submit([chunk, grad] {
       if (grad) {
-        const weave::expert_grad_batch b = chunk.experts_grad();
+        const auto b = chunk.experts_grad();
         for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
           scale_rows(b.grad_output, b.grad_input, b.expert_offsets[l], b.expert_offsets[l + 1],
                      static_cast<float>(b.experts[l] + 1));
       } else {
-        const weave::expert_batch b = chunk.experts();
+        const auto b = chunk.experts();
         for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
           scale_rows(b.input, b.output, b.expert_offsets[l], b.expert_offsets[l + 1],
                      static_cast<float>(b.experts[l] + 1));
@@ -99,7 +102,8 @@ void compute_experts(Layer& layer, Handle& h, weave::host_stream& compute, bool 
 
 } // namespace
 
-TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer") {
+TEST_CASE_TEMPLATE("docs/exchange.md example: forward and backward of a pipelined layer", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   std::vector<rank_data> data = make_data(7);
 
   weave::local_world world(ranks);
@@ -118,32 +122,38 @@ TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer")
     o.chunks = 2;          // pipeline degree
     o.capacity = {};       // dropless; e.g. {1.25, weave::drop_order::batch_prioritized}
     o.save_for_backward = true;
-    weave::moe_exchange<weave::local_communicator> layer(
+    weave::basic_moe_exchange<Space, weave::local_communicator> layer(
         comm, weave::placement::contiguous(experts, comm.size()), o);
 
     weave::host_stream compute("compute"), comm_stream("comm");
-    // Runs on compute's thread once per chunk: local slot l owns the rows
-    // [expert_offsets[l], expert_offsets[l + 1]) of the EPD layout (a grouped GEMM's groups).
+    // Once per chunk: local slot l owns the rows [expert_offsets[l], expert_offsets[l + 1]) of
+    // the EPD layout (a grouped GEMM's groups). The work goes on b.stream: on host streams the
+    // callback runs in that stream, so it runs at once; where host code runs at enqueue time
+    // (CUDA, emulated_gpu_space), when the stream gets there.
     layer.forward(
         x, d.ids, d.weights, y,
-        [](const weave::expert_batch& b) {
-          for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
-            scale_rows(b.input, b.output, b.expert_offsets[l], b.expert_offsets[l + 1],
-                       static_cast<float>(b.experts[l] + 1));
+        [](const weave::basic_expert_batch<Space>& b) {
+          weave::host_space::enqueue(b.stream, [b] {
+            for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
+              scale_rows(b.input, b.output, b.expert_offsets[l], b.expert_offsets[l + 1],
+                         static_cast<float>(b.experts[l] + 1));
+          });
         },
         compute, comm_stream);
     // The backward gets dL/d(expert output), already gate-scaled, and writes dL/d(expert input).
     layer.backward(
         dy, dx, d.dw,
-        [](const weave::expert_grad_batch& b) {
-          for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
-            scale_rows(b.grad_output, b.grad_input, b.expert_offsets[l], b.expert_offsets[l + 1],
-                       static_cast<float>(b.experts[l] + 1));
+        [](const weave::basic_expert_grad_batch<Space>& b) {
+          weave::host_space::enqueue(b.stream, [b] {
+            for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
+              scale_rows(b.grad_output, b.grad_input, b.expert_offsets[l], b.expert_offsets[l + 1],
+                         static_cast<float>(b.experts[l] + 1));
+          });
         },
         compute, comm_stream);
-    compute.synchronize(); // both calls were only enqueued until here
-    comm_stream.synchronize();
-    const weave::moe_stats stats = layer.stats(); // rows sent, copies per token, drops
+    // Both calls were only enqueued until here: wait, and learn the root cause of any failure.
+    layer.synchronize(compute, comm_stream);
+    const weave::moe_stats stats = layer.stats(compute); // rows sent, copies per token, drops
     //! [layer]
     CHECK(stats.routed_pairs == static_cast<std::int64_t>(tokens * k));
     CHECK(stats.dropped_pairs == 0);
@@ -153,7 +163,8 @@ TEST_CASE("docs/exchange.md example: forward and backward of a pipelined layer")
   check_reference(data);
 }
 
-TEST_CASE("docs/exchange.md example: handles, two micro-batches in flight") {
+TEST_CASE_TEMPLATE("docs/exchange.md example: handles, two micro-batches in flight", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   std::vector<rank_data> first = make_data(7), second = make_data(8);
   weave::local_world world(ranks);
   world.run([&](weave::local_communicator& comm) {
@@ -167,7 +178,7 @@ TEST_CASE("docs/exchange.md example: handles, two micro-batches in flight") {
     o.save_for_backward = true;
     //! [handles]
     o.max_in_flight = 2; // two calls alive at once
-    weave::moe_exchange<weave::local_communicator> layer(
+    weave::basic_moe_exchange<Space, weave::local_communicator> layer(
         comm, weave::placement::contiguous(experts, comm.size()), o);
     weave::host_stream compute("compute"), comm_stream("comm");
     const auto rows = [](std::vector<float>& v) { return weave::make_token_view(v, hidden); };
@@ -186,10 +197,10 @@ TEST_CASE("docs/exchange.md example: handles, two micro-batches in flight") {
     compute_experts(layer, hb, compute, /*grad=*/true);
     layer.dispatch_backward(ha, rows(a.dx), a.dw, compute, comm_stream);
     layer.dispatch_backward(hb, rows(b.dx), b.dw, compute, comm_stream);
-    compute.synchronize(); // everything was only enqueued until here
-    comm_stream.synchronize();
+    layer.synchronize(compute, comm_stream); // everything was only enqueued until here
     //! [handles]
-    CHECK(layer.stats(ha).routed_pairs == static_cast<std::int64_t>(tokens * k));
+    CHECK(layer.stats(ha, compute).routed_pairs == static_cast<std::int64_t>(tokens * k));
+    CHECK(layer.stats(hb, compute).routed_pairs == static_cast<std::int64_t>(tokens * k));
   });
   check_reference(first);
   check_reference(second);

@@ -1,11 +1,14 @@
-// Buffers sized to need: where host code runs at enqueue time (cuda_space; emulated_gpu_space
-// here), a dynamic-shape device exchange sizes each chunk's receive side from the counts it has
-// just received, grow-only, through the stream allocator it was given. Checked against a naive
-// count of what each rank receives (rows: one per (token, device); expert rows: one per
-// (token, expert)): what the allocator hands out equals the layer's own sizing of exactly those
-// counts, nothing is allocated by a call that receives no more, growth frees the old block in
-// stream order, trim and destruction give everything back, and every call stays bitwise equal
-// to moe_exchange.
+// Buffers sized to need: with dynamic shapes the MoE exchange sizes what each chunk receives
+// from the counts of each call, grow-only, through the stream allocator it was given. Where host
+// code runs at enqueue time (cuda_space; emulated_gpu_space here) the host sizes a chunk's whole
+// receive side once it has the chunk's counts, at the call; in host_space the task that opens a
+// chunk sizes its expert rows (the received rows live in the workspace), in the stream. Each case
+// written once for both spaces and checked against a naive count of what each rank receives
+// (rows: one per (token, device); expert rows: one per (token, expert)): what the allocator hands
+// out equals the layer's own sizing of exactly those counts, nothing is allocated by a call that
+// receives no more, growth frees the old block in stream order, trim and destruction give
+// everything back, and every call equals the dense reference (and bitwise the unchunked call in
+// host_space). Static shapes allocate nothing at call time.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
@@ -13,8 +16,8 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/exec/stream_allocator.hpp>
-#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
@@ -26,24 +29,27 @@
 
 namespace {
 
-using space = weave::emulated_gpu_space;
-using exchange = weave::basic_device_exchange<space, weave::local_communicator>;
+template <class Space>
+using exchange = weave::basic_moe_exchange<Space, weave::local_communicator>;
 
 constexpr int ranks = 4, experts = 16, k = 4, chunks = 2;
 constexpr std::size_t hidden = 16, tokens = 40;
 
+// What a layer's allocator handed out and took back (in host_space from the compute stream's
+// thread, hence atomics).
+template <class Space>
 struct ledger {
   std::atomic<std::size_t> allocated{0}, freed{0}, allocations{0}, ordered_frees{0};
-  weave::stream_allocator<space> allocator() {
+  weave::stream_allocator<Space> allocator() {
     return {[this](std::size_t bytes, weave::host_stream& s) {
               allocated += bytes;
               ++allocations;
-              return space::allocate_async(bytes, s);
+              return Space::allocate_async(bytes, s);
             },
             [this](void* p, std::size_t bytes, weave::host_stream* s) {
               freed += bytes;
               ordered_frees += s != nullptr ? 1 : 0;
-              space::free_async(p, bytes, s);
+              Space::free_async(p, bytes, s);
             }};
   }
 };
@@ -94,12 +100,17 @@ weave::moe_options options() {
 
 } // namespace
 
-TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stream-ordered") {
+TEST_CASE_TEMPLATE("dynamic shapes size what a chunk receives from the counts, grow-only, "
+                   "stream-ordered",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // At call time (CUDA's control flow) a chunk's receive side is sized for its rows and expert
+  // rows, at least one of each; in the stream (host_space) its expert rows only, when it has any.
+  constexpr bool at_call = !Space::runs_later;
   const auto where = weave::placement::contiguous(experts, ranks);
   const moe_test::linear_experts f(experts, hidden, 11);
   const std::vector<std::vector<moe_test::rank_input<float>>> calls = {
       routing(1, false), routing(1, false), routing(2, true), routing(3, false)};
-  // moe_exchange's outputs of every call, the reference.
+  // The unchunked call's outputs in host_space: every chunking and space gives the same bits.
   std::vector<std::vector<weave::host_matrix<float>>> want(
       calls.size(), std::vector<weave::host_matrix<float>>(ranks));
   {
@@ -108,27 +119,27 @@ TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stre
       const auto r = static_cast<std::size_t>(comm.rank());
       weave::moe_options o = options();
       o.chunks = 1;
-      weave::moe_exchange<weave::local_communicator> ex(comm, where, o);
+      exchange<weave::host_space> ex(comm, where, o);
       weave::host_stream compute("compute"), comm_stream("comm");
       for (std::size_t i = 0; i < calls.size(); ++i) {
         weave::host_matrix<float> y(tokens, hidden);
         ex.forward(
             calls[i][r].x.view(), calls[i][r].ids, calls[i][r].weights, y.view(),
-            [&](const weave::expert_batch& b) { f.operator()<float>(b); }, compute, comm_stream);
-        compute.synchronize();
-        comm_stream.synchronize();
+            [&](const weave::expert_batch& b) { moe_test::run_experts<float>(f, b); }, compute,
+            comm_stream);
+        ex.synchronize(compute, comm_stream);
         want[i][r] = std::move(y);
       }
     });
   }
-  std::vector<ledger> ledgers(ranks);
+  std::vector<ledger<Space>> ledgers(ranks);
   weave::local_world world(ranks);
   world.run([&](weave::local_communicator& comm) {
     const int me = comm.rank();
     const auto r = static_cast<std::size_t>(me);
-    ledger& led = ledgers[r];
+    ledger<Space>& led = ledgers[r];
     {
-      exchange ex(comm, where, options());
+      exchange<Space> ex(comm, where, options());
       weave_test::aligned_buffer ws(ex.workspace_size());
       weave::host_stream compute("compute"), comm_stream("comm");
       ex.initialize(ws.ptr, ws.size, compute, led.allocator());
@@ -143,14 +154,17 @@ TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stre
         std::size_t grows = 0;
         for (int c = 0; c < chunks; ++c) {
           auto [rows, pairs] = received(calls[i], me, c);
-          rows = std::max<std::size_t>(rows, 1);
-          pairs = std::max<std::size_t>(pairs, 1);
+          if (at_call) {
+            rows = std::max<std::size_t>(rows, 1);
+            pairs = std::max<std::size_t>(pairs, 1);
+          }
           const auto cc = static_cast<std::size_t>(c);
-          if (rows > cap_rows[cc] || pairs > cap_epd[cc]) {
+          if ((at_call && rows > cap_rows[cc]) || pairs > cap_epd[cc]) {
             ++grows;
-            expect_held -= cap_rows[cc] == 0 ? 0 : ex.receive_bytes_for(cap_rows[cc], cap_epd[cc]);
-            cap_rows[cc] = rows > cap_rows[cc] ? exchange::grown(rows) : cap_rows[cc];
-            cap_epd[cc] = pairs > cap_epd[cc] ? exchange::grown(pairs) : cap_epd[cc];
+            expect_held -= cap_epd[cc] == 0 ? 0 : ex.receive_bytes_for(cap_rows[cc], cap_epd[cc]);
+            if (at_call)
+              cap_rows[cc] = rows > cap_rows[cc] ? exchange<Space>::grown(rows) : cap_rows[cc];
+            cap_epd[cc] = pairs > cap_epd[cc] ? exchange<Space>::grown(pairs) : cap_epd[cc];
             expect_held += ex.receive_bytes_for(cap_rows[cc], cap_epd[cc]);
           }
         }
@@ -159,25 +173,23 @@ TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stre
         const auto& in = calls[i][r];
         ex.forward(
             in.x.view(), in.ids, in.weights, y.view(),
-            [&](const weave::device_expert_batch<space>& b) {
-              b.stream.submit([&f, b] {
-                f.operator()<float>(
-                    {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
-              });
-            },
+            [&](const weave::basic_expert_batch<Space>& b) { moe_test::run_experts<float>(f, b); },
             compute, comm_stream);
+        if constexpr (at_call) // the host sized every chunk before the forward returned
+          CHECK(led.allocations - before == grows);
+        ex.synchronize(compute, comm_stream); // in host_space the tasks sized them
         const std::size_t forward_allocations = led.allocations - before;
         CHECK(forward_allocations == grows);
         ex.backward(
             in.x.view(), dx.view(), dw,
-            [&](const weave::device_expert_grad_batch<space>& b) {
-              b.stream.submit([&f, b] {
-                f.backward<float>({b.chunk, b.device, b.expert_offsets, b.experts, b.saved_input,
-                                   b.grad_output, b.grad_input});
-              });
+            [&](const weave::basic_expert_grad_batch<Space>& b) {
+              moe_test::run_experts<float>(f, b);
             },
             compute, comm_stream);
         ex.synchronize(compute, comm_stream);
+        const auto stats = ex.stats(compute);
+        moe_test::check_rank_against_dense(me, where, k, experts, {}, in, f, y, &dx, &dw, stats,
+                                           1e-4);
         CHECK(moe_test::bitwise_equal(y, want[i][r]));
         const auto m = ex.memory();
         std::size_t grads = 0, most_epd = 0;
@@ -186,7 +198,6 @@ TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stre
         grads = m.held - expect_held; // the backward's buffers: at least this call's EPD rows
         CHECK(grads >= ex.backward_bytes_for(most_epd));
         CHECK(m.held >= expect_held);
-        const auto stats = ex.read_stats(compute);
         CHECK(static_cast<std::size_t>(stats.received_rows) ==
               received(calls[i], me, 0).first + received(calls[i], me, 1).first);
         CHECK(static_cast<std::size_t>(stats.expert_rows) ==
@@ -203,14 +214,11 @@ TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stre
       std::vector<float> dw(tokens * k);
       ex.forward(
           calls[0][r].x.view(), calls[0][r].ids, calls[0][r].weights, y.view(),
-          [&](const weave::device_expert_batch<space>& b) {
-            b.stream.submit([&f, b] {
-              f.operator()<float>(
-                  {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
-            });
-          },
+          [&](const weave::basic_expert_batch<Space>& b) { moe_test::run_experts<float>(f, b); },
           compute, comm_stream);
       ex.synchronize(compute, comm_stream);
+      moe_test::check_rank_against_dense<float>(me, where, k, experts, {}, calls[0][r], f, y,
+                                                nullptr, nullptr, ex.stats(compute), 1e-4);
       CHECK(moe_test::bitwise_equal(y, want[0][r]));
       CHECK(ex.memory().held > 0);
     }
@@ -218,14 +226,15 @@ TEST_CASE("dynamic shapes size the receive side from the counts, grow-only, stre
   });
 }
 
-TEST_CASE("static shapes and host streams allocate nothing at call time") {
+TEST_CASE_TEMPLATE("static shapes allocate nothing at call time", Space, weave::host_space,
+                   weave::emulated_gpu_space) {
   const auto where = weave::placement::contiguous(experts, ranks);
   weave::local_world world(ranks);
   world.run([&](weave::local_communicator& comm) {
-    ledger led;
+    ledger<Space> led;
     weave::moe_options o = options();
     o.static_shape = true;
-    exchange ex(comm, where, o);
+    exchange<Space> ex(comm, where, o);
     weave_test::aligned_buffer ws(ex.workspace_size());
     weave::host_stream compute("compute"), comm_stream("comm");
     ex.initialize(ws.ptr, ws.size, compute, led.allocator());
@@ -233,7 +242,7 @@ TEST_CASE("static shapes and host streams allocate nothing at call time") {
     const auto in = moe_test::random_input<float>(tokens, hidden, experts, k, rng);
     weave::host_matrix<float> y(tokens, hidden);
     ex.forward(
-        in.x.view(), in.ids, in.weights, y.view(), [](const weave::device_expert_batch<space>&) {},
+        in.x.view(), in.ids, in.weights, y.view(), [](const weave::basic_expert_batch<Space>&) {},
         compute, comm_stream);
     ex.synchronize(compute, comm_stream);
     CHECK(led.allocations == 0);

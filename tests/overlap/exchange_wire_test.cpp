@@ -1,19 +1,18 @@
 // The counts a peer announces are checked one by one before the receive is laid out from them
-// (moe_exchange, and the device exchange in host_space and emulated_gpu_space), and a status no
-// rank writes is refused: a negative count or INT64_MAX rows fail the call with a typed error
-// naming the sender (no signed overflow, no wrapped sum passing the bound), and the peer, which
-// saw nothing wrong, fails at once instead of waiting. Rank 1 of a 2-rank local_world sends its
-// first chunk's count exchange altered through a corrupting communicator.
+// (the MoE exchange in host_space and in emulated_gpu_space), and a status no rank writes is
+// refused: a negative count or INT64_MAX rows fail the call with a typed error naming the sender
+// (no signed overflow, no wrapped sum passing the bound), and the peer, which saw nothing wrong,
+// fails at once instead of waiting. With static shapes a step checks each count against the
+// static slot before it is read. Rank 1 of a 2-rank local_world sends its first chunk's count
+// exchange altered through a corrupting communicator.
 #include <doctest/doctest.h>
 
-#include "aligned_buffer.hpp"
 #include "corrupting_communicator.hpp"
 #include "moe_test_support.hpp"
 
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
-#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
@@ -23,7 +22,6 @@
 #include <limits>
 #include <random>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 using namespace std::chrono_literals;
@@ -49,8 +47,9 @@ ending ending_of(F&& f) {
   return {};
 }
 
-// One forward per rank (`Space` void: moe_exchange) on 2 ranks; rank 1's first chunk count
-// exchange to rank 0 has `word` (0: the count; then a second count or the status) set to `value`.
+// One forward per rank of the exchange in `Space` on 2 ranks; rank 1's first chunk count
+// exchange to rank 0 has `word` (0: the count; then a second count, the call's tag or the status)
+// set to `value`.
 template <class Space>
 std::vector<ending> forward_with(std::size_t word, std::int64_t value, bool fixed = false) {
   weave::local_world world(2, {20s, {}});
@@ -75,40 +74,22 @@ std::vector<ending> forward_with(std::size_t word, std::int64_t value, bool fixe
     weave::host_stream compute("compute"), comm_stream("comm");
     const auto where = weave::placement::contiguous(8, 2);
     got[static_cast<std::size_t>(r)] = ending_of([&] {
-      if constexpr (std::is_void_v<Space>) {
-        weave::moe_exchange<corrupting_communicator> ex(comm, where, o);
+      weave::basic_moe_exchange<Space, corrupting_communicator> ex(comm, where, o);
+      try {
         ex.forward(
             in.x.view(), in.ids, in.weights, y.view(),
-            [&](const weave::expert_batch& b) { experts.operator()<float>(b); }, compute,
-            comm_stream);
-        ex.synchronize(compute, comm_stream);
-      } else {
-        weave::basic_device_exchange<Space, corrupting_communicator> ex(comm, where, o);
-        weave_test::aligned_buffer ws(ex.workspace_size());
-        ex.initialize(ws.ptr, ws.size, compute);
+            [&](const weave::basic_expert_batch<Space>& b) {
+              moe_test::run_experts<float>(experts, b);
+            },
+            compute, comm_stream);
+      } catch (...) { // where the host reads the counts, the call itself fails: let it drain
         try {
-          ex.forward(
-              in.x.view(), in.ids, in.weights, y.view(),
-              [&](const weave::device_expert_batch<Space>& b) {
-                const auto run = [&experts, b] {
-                  experts.operator()<float>(
-                      {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output});
-                };
-                if constexpr (Space::runs_later)
-                  run();
-                else
-                  b.stream.submit(run);
-              },
-              compute, comm_stream);
+          ex.synchronize(compute, comm_stream);
         } catch (...) {
-          try {
-            ex.synchronize(compute, comm_stream);
-          } catch (...) {
-          }
-          throw;
         }
-        ex.synchronize(compute, comm_stream);
+        throw;
       }
+      ex.synchronize(compute, comm_stream);
     });
   });
   return got;
@@ -128,12 +109,10 @@ void check_bad_counts() {
     CHECK(got[1].code == weave::errc::peer_failure); // rank 0 aborted: nobody waits
     CHECK(got[1].origin == 0);
   }
-  // A status word without a rank: refused, naming rank 1, and rank 1 learns it at once. (The
-  // device exchange sizes its receive at the call with CUDA's control flow: two counts per peer;
-  // its blocks carry the call's tag after the counts.)
-  std::size_t status_word = 1;
-  if constexpr (!std::is_void_v<Space>)
-    status_word = Space::runs_later ? 2 : 3;
+  // A status word without a rank: refused, naming rank 1, and rank 1 learns it at once. (Each
+  // block carries the call's tag after the counts; where host code runs at enqueue time the
+  // receive is sized at the call, with CUDA's control flow: two counts per peer.)
+  const std::size_t status_word = Space::runs_later ? 2 : 3;
   const auto got =
       forward_with<Space>(status_word, static_cast<std::int64_t>(weave::errc::out_of_range));
   CHECK(got[0].code == weave::errc::protocol);
@@ -146,18 +125,14 @@ void check_bad_counts() {
 
 } // namespace
 
-TEST_CASE("moe_exchange checks each announced count before summing, and refuses bad statuses") {
-  check_bad_counts<void>();
-}
-
-TEST_CASE_TEMPLATE("the device exchange checks each announced count before summing, and refuses "
-                   "bad statuses",
+TEST_CASE_TEMPLATE("the exchange checks each announced count before summing, and refuses bad "
+                   "statuses",
                    Space, weave::host_space, weave::emulated_gpu_space) {
   check_bad_counts<Space>();
 }
 
-TEST_CASE_TEMPLATE("the device exchange with static shapes checks each announced count on the "
-                   "device before it is read",
+TEST_CASE_TEMPLATE("the exchange with static shapes checks each announced count in memory of the "
+                   "space before it is read",
                    Space, weave::host_space, weave::emulated_gpu_space) {
   // No host reads the counts with static shapes: a step checks them against the static slot
   // (12 rows here: max_tokens x k), and check_errors reports one outside it.

@@ -1,21 +1,22 @@
-// The fault matrix, written once for every communicator (local_world threads, MPI processes)
-// and every layer (moe_exchange; the device exchange on host streams, dynamic and static
-// shapes): one rank (the culprit) injects a fault; every rank must end the case with a typed
-// error of the right code (the culprit its own, its peers a peer_error naming the culprit, its
-// code and its message, or every rank the same config_mismatch), within 30 s although every
-// timeout is 60 s (so nothing was left to a timeout), and no rank may return numbers. After a
-// fault that every rank learnt at the same count exchange, the layer must still compute the
-// dense reference; after one that aborted the communicator, it must report itself unusable and
-// fail at once. Healthy cases (a rank with no tokens, "no expert" ids) must equal the reference.
+// The fault matrix, written once for every communicator (local_world threads, MPI processes),
+// every execution space CI has (host streams; the CUDA path's control flow emulated on them) and
+// both shapes (dynamic, static): one rank (the culprit) injects a fault; every rank must end the
+// case with a typed error of the right code (the culprit its own, its peers a peer_error naming
+// the culprit, its code and its message, or every rank the same config_mismatch), within 30 s
+// although every timeout is 60 s (so nothing was left to a timeout), and no rank may return
+// numbers. After a fault that every rank learnt at the same count exchange, the layer must still
+// compute the dense reference; after one that aborted the communicator, it must report itself
+// unusable and fail at once. Healthy cases (a rank with no tokens, "no expert" ids) must equal
+// the reference.
 #pragma once
 
 #include "aligned_buffer.hpp"
 #include "moe_test_support.hpp"
 
 #include <weave/core/failure.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/placement/policies.hpp>
 #include <weave/routing/host_quant_moves.hpp>
@@ -35,6 +36,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace fault_matrix {
@@ -159,73 +161,28 @@ inline weave::moe_options options(bool fixed) {
   return o;
 }
 
-// A layer under test: the host exchange, or the device exchange's algorithm on host streams.
-template <class Comm>
-struct host_layer {
-  static constexpr const char* name = "moe_exchange";
-  weave::moe_exchange<Comm> ex;
-  host_layer(Comm& comm, const weave::placement& where, const weave::moe_options& o)
-      : ex(comm, where, o) {}
-  template <class Experts>
-  void forward(const moe_test::rank_input<float>& in, std::span<const std::int32_t> ids,
-               weave::host_matrix<float>& y, Experts&& experts, weave::host_stream& compute,
-               weave::host_stream& comm) {
-    ex.forward(
-        in.x.view(), ids, in.weights, y.view(),
-        [experts](const weave::expert_batch& b) { experts(b); }, compute, comm);
-  }
-  template <class Experts>
-  void backward(weave::const_token_view dy, weave::host_matrix<float>& dx, std::vector<float>& dw,
-                Experts&& experts, weave::host_stream& compute, weave::host_stream& comm) {
-    ex.backward(
-        dy, dx.view(), dw, [experts](const weave::expert_grad_batch& b) { experts(b); }, compute,
-        comm);
-  }
-  weave::moe_stats stats(weave::host_stream&) { return ex.stats(); }
-};
+// The layer under test, named for the messages.
+template <class Space>
+std::string layer_name(bool fixed) {
+  return std::string(std::is_same_v<Space, weave::host_space> ? "host_space" : "emulated GPU") +
+         (fixed ? ", static shapes" : ", dynamic shapes");
+}
 
-template <class Comm, bool Fixed>
-struct device_layer {
-  static constexpr const char* name = Fixed ? "device exchange, static" : "device exchange";
-  using exchange = weave::basic_device_exchange<weave::host_space, Comm>;
-  exchange ex;
-  weave_test::aligned_buffer ws;
-  device_layer(Comm& comm, const weave::placement& where, weave::moe_options o)
-      : ex(comm, where, (o.static_shape = Fixed, o))
-      , ws(ex.workspace_size()) {
+// One rank's layer in `Space`, given a workspace poisoned with 0xFF bytes (nothing may read what
+// it did not write) before its first call. The workspace is declared first, so that it outlives
+// the exchange (whose destructor waits for the work it queued); an aborted MPI layer is kept
+// whole (see `run_case`).
+template <class Space, class Comm>
+struct layer {
+  std::unique_ptr<weave_test::aligned_buffer> ws;
+  weave::basic_moe_exchange<Space, Comm> ex;
+  layer(Comm& comm, const weave::placement& where, const weave::moe_options& o)
+      : ex(comm, where, o) {
+    ws = std::make_unique<weave_test::aligned_buffer>(ex.workspace_size());
     weave::host_stream s("init");
-    ex.initialize(ws.ptr, ws.size, s);
+    ex.initialize(ws->ptr, ws->size, s);
   }
-  template <class Experts>
-  void forward(const moe_test::rank_input<float>& in, std::span<const std::int32_t> ids,
-               weave::host_matrix<float>& y, Experts&& experts, weave::host_stream& compute,
-               weave::host_stream& comm) {
-    ex.forward(
-        in.x.view(), ids, in.weights, y.view(),
-        [experts](const weave::device_expert_batch<weave::host_space>& b) {
-          experts(weave::expert_batch{b.chunk, b.device, b.expert_offsets, b.experts, b.input,
-                                      b.output});
-        },
-        compute, comm);
-  }
-  template <class Experts>
-  void backward(weave::const_token_view dy, weave::host_matrix<float>& dx, std::vector<float>& dw,
-                Experts&& experts, weave::host_stream& compute, weave::host_stream& comm) {
-    ex.backward(
-        dy, dx.view(), dw,
-        [experts](const weave::device_expert_grad_batch<weave::host_space>& b) {
-          experts(weave::expert_grad_batch{b.chunk, b.device, b.expert_offsets, b.experts,
-                                           b.saved_input, b.grad_output, b.grad_input});
-        },
-        compute, comm);
-  }
-  weave::moe_stats stats(weave::host_stream& s) { return ex.read_stats(s); }
 };
-
-template <class C>
-using device_dynamic = device_layer<C, false>;
-template <class C>
-using device_static = device_layer<C, true>;
 
 // One rank's input: random distinct top-k ids over E experts (with -1 holes), the fault's
 // poison on the culprit.
@@ -318,7 +275,7 @@ class watchdog {
 // Checks one rank's end of a case against the expectation.
 inline void check(const outcome& o, fault f, int rank, int culprit) {
   const expected want = expectation(f);
-  INFO("fault ", name(f), ", rank ", rank, " (culprit ", culprit, "): ", o.message);
+  INFO("fault ", std::string(name(f)), ", rank ", rank, " (culprit ", culprit, "): ", o.message);
   CHECK(o.took < deadline);
   if (!want.fails) {
     CHECK_FALSE(o.failed);
@@ -349,15 +306,16 @@ inline void check(const outcome& o, fault f, int rank, int culprit) {
   CHECK(!o.origin->message.empty());
 }
 
-// One rank's part of a case: build the layer, run forward and backward with the fault, wait
-// once, check the outcome, then check what the layer can still do. `Keep` holds what an aborted
-// MPI layer must keep alive (see mpi_communicator): it gets the layer after an abort.
-template <template <class> class Layer, class Comm, class Keep>
-void run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
+// One rank's part of a case: build the layer in `Space` (static shapes if `fixed`), run forward
+// and backward with the fault, wait once, check the outcome, then check what the layer can still
+// do. `Keep` holds what an aborted MPI layer must keep alive (see mpi_communicator): it gets the
+// layer after an abort.
+template <class Space, class Comm, class Keep>
+void run_case(Comm& comm, fault f, int culprit, bool fixed, Keep&& keep) {
   const int rank = comm.rank(), ranks = comm.size();
   const bool me = rank == culprit;
   const int E = experts_per_rank * ranks;
-  weave::moe_options o = options(false);
+  weave::moe_options o = options(fixed);
   weave::placement where = weave::placement::contiguous(E, ranks);
   if (me && f == fault::placement) // the same experts and devices, another slot table
     where = weave::place_round_robin(E, weave::topology::flat(ranks));
@@ -371,22 +329,41 @@ void run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
   const moe_test::linear_experts dense(E, hidden, 5);
   const auto start = std::chrono::steady_clock::now();
   std::exception_ptr failure;
-  std::unique_ptr<Layer<Comm>> layer;
+  std::unique_ptr<layer<Space, Comm>> l;
   weave::host_stream compute("compute"), stream("comm");
   weave::host_matrix<float> y(in.x.rows(), hidden), dx(in.x.rows(), hidden);
   std::vector<float> dw(in.ids.size());
-  const auto forward_experts = [&dense, me, f](const weave::expert_batch& b) {
+  // The callbacks throw themselves (in host_space in a task of the compute stream, in the
+  // emulated GPU at enqueue time, as a CUDA caller's host code would); the experts' compute is a
+  // step of the batch's stream.
+  const auto forward_experts = [&dense, me, f](const weave::basic_expert_batch<Space>& b) {
     if (me && f == fault::throw_forward_experts && b.chunk == 1)
       throw std::runtime_error(exploded);
-    dense.operator()<float>(b);
+    moe_test::run_experts<float>(dense, b);
   };
-  const auto backward_experts = [&dense, me, f](const weave::expert_grad_batch& b) {
+  const auto backward_experts = [&dense, me, f](const weave::basic_expert_grad_batch<Space>& b) {
     if (me && f == fault::throw_backward_experts && b.chunk == 1)
       throw std::runtime_error(exploded);
-    dense.backward<float>(b);
+    moe_test::run_experts<float>(dense, b);
   };
+  const auto forward = [&](const moe_test::rank_input<float>& x, std::span<const std::int32_t> ids,
+                           weave::host_matrix<float>& out) {
+    l->ex.forward(x.x.view(), ids, x.weights, out.view(), forward_experts, compute, stream);
+  };
+  const auto backward = [&](weave::const_token_view dy, weave::host_matrix<float>& grad_x,
+                            std::vector<float>& grad_w) {
+    l->ex.backward(dy, grad_x.view(), grad_w, backward_experts, compute, stream);
+  };
+  // With static shapes where host code runs at enqueue time (the CUDA control flow), a forward
+  // rejected at the culprit's call reaches its peers only through the flags `synchronize` reads
+  // (no host reads the counts): they would go on to the backward, whose collectives the culprit
+  // (its forward threw, so it has no backward to issue) never joins, and wait out their timeout.
+  // So there every rank waits for the forward before it issues the backward, as such a caller
+  // must.
+  const bool wait_after_forward =
+      !Space::runs_later && fixed && (f == fault::too_many_tokens || f == fault::wrong_id_count);
   try {
-    layer = std::make_unique<Layer<Comm>>(comm, where, o);
+    l = std::make_unique<layer<Space, Comm>>(comm, where, o);
     try {
       auto ids = std::span<const std::int32_t>(in.ids);
       if (me && f == fault::wrong_id_count)
@@ -396,21 +373,23 @@ void run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
         std::vector<std::int32_t> more(in.ids);
         more.resize((tokens + 1) * k, 0);
         moe_test::rank_input<float> big{std::move(many), more, std::vector<float>(more.size(), 1)};
-        layer->forward(big, big.ids, many_y, forward_experts, compute, stream);
+        forward(big, big.ids, many_y);
       } else {
-        layer->forward(in, ids, y, forward_experts, compute, stream);
+        forward(in, ids, y);
       }
+      if (wait_after_forward)
+        l->ex.synchronize(compute, stream);
       if (me && f == fault::backward_tokens) {
         weave::host_matrix<float> fewer(in.x.rows() - 1, hidden);
-        layer->backward(fewer.view(), dx, dw, backward_experts, compute, stream);
+        backward(fewer.view(), dx, dw);
       } else {
-        layer->backward(in.x.view(), dx, dw, backward_experts, compute, stream);
+        backward(in.x.view(), dx, dw);
       }
     } catch (...) {
       failure = std::current_exception(); // thrown at the call: the streams still finish
     }
     try {
-      layer->ex.synchronize(compute, stream);
+      l->ex.synchronize(compute, stream);
     } catch (...) {
       failure = failure ? failure : std::current_exception();
     }
@@ -423,36 +402,40 @@ void run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
   const expected want = expectation(f);
   if (!want.fails) {
     moe_test::check_rank_against_dense(rank, where, k, E, {}, in, dense, y, &dx, &dw,
-                                       layer->stats(compute), 1e-4);
+                                       l->ex.stats(compute), 1e-4);
     return;
   }
-  if (!layer)
+  if (!l)
     return;           // construction failed on every rank
   if (want.in_band) { // every rank stopped at the same exchange: the layer works on
-    CHECK(layer->ex.usable());
+    CHECK(l->ex.usable());
     const auto clean = input_of(rank, ranks, fault::none, false);
     weave::host_matrix<float> y2(clean.x.rows(), hidden), dx2(clean.x.rows(), hidden);
     std::vector<float> dw2(clean.ids.size());
-    layer->forward(clean, clean.ids, y2, forward_experts, compute, stream);
-    layer->backward(clean.x.view(), dx2, dw2, backward_experts, compute, stream);
-    REQUIRE_NOTHROW(layer->ex.synchronize(compute, stream));
+    forward(clean, clean.ids, y2);
+    backward(clean.x.view(), dx2, dw2);
+    REQUIRE_NOTHROW(l->ex.synchronize(compute, stream));
     moe_test::check_rank_against_dense(rank, where, k, E, {}, clean, dense, y2, &dx2, &dw2,
-                                       layer->stats(compute), 1e-4);
+                                       l->ex.stats(compute), 1e-4);
     return;
   }
   // The communicator was aborted: the layer says so, and a new call fails at once.
-  CHECK_FALSE(layer->ex.usable());
+  CHECK_FALSE(l->ex.usable());
   const auto again = std::chrono::steady_clock::now();
   std::exception_ptr later;
   try {
-    layer->forward(in, in.ids, y, forward_experts, compute, stream);
-    layer->ex.synchronize(compute, stream);
+    forward(in, in.ids, y);
   } catch (...) {
     later = std::current_exception();
   }
+  try { // a call that threw may have enqueued work first (the emulated GPU's host code)
+    l->ex.synchronize(compute, stream);
+  } catch (...) {
+    later = later ? later : std::current_exception();
+  }
   CHECK(outcome_of(later).failed);
   CHECK(std::chrono::steady_clock::now() - again < deadline);
-  keep(std::move(layer));
+  keep(std::move(l));
 }
 
 } // namespace fault_matrix

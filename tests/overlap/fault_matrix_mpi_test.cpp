@@ -1,12 +1,13 @@
-// The fault matrix (fault_matrix.hpp) under mpirun -np 2 and -np 4: moe_exchange and the device
-// exchange on host streams, dynamic and static shapes, over a fresh mpi_communicator per case;
-// the culprit is the last rank.
+// The fault matrix (fault_matrix.hpp) under mpirun -np 2 and -np 4: the MoE exchange in every
+// execution space CI has (host_space, emulated_gpu_space), dynamic and static shapes, over a
+// fresh mpi_communicator per case; the culprit is the last rank.
 #include <doctest/doctest.h>
 
 #include "fault_matrix.hpp"
 #include "mpi_session.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 
 #include <memory>
 #include <vector>
@@ -19,18 +20,19 @@ weave_test::kept_until_finalize graveyard;
 
 const weave_test::mpi_session session;
 
-template <template <class> class Layer>
-void run_matrix() {
+template <class Space>
+void run_matrix(bool fixed) {
   int ranks = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   for (const fault_matrix::fault f : fault_matrix::all_faults) {
-    CAPTURE(fault_matrix::name(f));
-    fault_matrix::watchdog dog(std::string(Layer<weave::mpi_communicator>::name) + ", " +
+    const std::string what = fault_matrix::name(f);
+    CAPTURE(what);
+    fault_matrix::watchdog dog(fault_matrix::layer_name<Space>(fixed) + ", " +
                                fault_matrix::name(f));
     weave::mpi_options options;
     options.timeout = fault_matrix::timeout;
     auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD, options);
-    fault_matrix::run_case<Layer>(*comm, f, ranks - 1, [&](auto&& layer) {
+    fault_matrix::run_case<Space>(*comm, f, ranks - 1, fixed, [&](auto&& layer) {
       graveyard.keep(std::shared_ptr<void>(std::move(layer)));
       graveyard.keep(comm);
     });
@@ -40,14 +42,12 @@ void run_matrix() {
 
 } // namespace
 
-TEST_CASE("fault matrix: moe_exchange over MPI") {
-  run_matrix<fault_matrix::host_layer>();
-}
-
-TEST_CASE("fault matrix: device exchange (host streams, dynamic shapes) over MPI") {
-  run_matrix<fault_matrix::device_dynamic>();
-}
-
-TEST_CASE("fault matrix: device exchange (host streams, static shapes) over MPI") {
-  run_matrix<fault_matrix::device_static>();
+TEST_CASE_TEMPLATE("fault matrix: the MoE exchange over MPI", Space, weave::host_space,
+                   weave::emulated_gpu_space) {
+  SUBCASE("dynamic shapes") {
+    run_matrix<Space>(false);
+  }
+  SUBCASE("static shapes") {
+    run_matrix<Space>(true);
+  }
 }

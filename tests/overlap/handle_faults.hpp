@@ -1,11 +1,11 @@
 // The handle API's failure cases beside the fault matrix, written once for any host-stream
-// communicator (the local_world test runs them on threads, the MPI test on processes) and for
-// the host exchange and the device exchange (host_space, and emulated_gpu_space, which runs the
-// CUDA path's control flow): call order broken (one rank iterates two handles' chunks in the
-// other order, with equal and with different message sizes), the layer destroyed in flight,
-// after its streams were synchronized, or before its handles, combine twice uncaught, and
-// recovery after an in-band failure with two handles in flight. Each function is one rank's side
-// and returns what that rank saw; the culprit is the rank given.
+// communicator (the local_world test runs them on threads, the MPI test on processes) and every
+// execution space CI has (host_space; emulated_gpu_space, which runs the CUDA path's control
+// flow): call order broken (one rank iterates two handles' chunks in the other order, with equal
+// and with different message sizes), the layer destroyed in flight, after its streams were
+// synchronized, or before its handles, combine twice uncaught, and recovery after an in-band
+// failure with two handles in flight. Each function is one rank's side and returns what that rank
+// saw; the culprit is the rank given.
 #pragma once
 
 #include "aligned_buffer.hpp"
@@ -15,7 +15,6 @@
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
@@ -68,24 +67,20 @@ inline const char* name(fault f) {
   return "?";
 }
 
-enum class kind { host, device, emulated };
-
-inline const char* name(kind k) {
-  return k == kind::host     ? "moe_exchange"
-         : k == kind::device ? "device exchange (host_space)"
-                             : "device exchange (emulated GPU)";
+// The space under test, named for the messages.
+template <class Space>
+const char* space_name() {
+  return std::is_same_v<Space, weave::host_space> ? "host_space" : "emulated GPU";
 }
 
 constexpr int experts_per_rank = 2, k = 2, chunks = 2;
 constexpr std::size_t hidden = 8, tokens = 12;
 
-// One rank's layer of a kind, with its workspace.
-template <class Comm, kind K>
+// One rank's layer in `Space`, given a workspace poisoned with 0xFF bytes (nothing may read what
+// it did not write) before its first call.
+template <class Comm, class Space>
 struct layer {
-  using space =
-      std::conditional_t<K == kind::emulated, weave::emulated_gpu_space, weave::host_space>;
-  using exchange = std::conditional_t<K == kind::host, weave::moe_exchange<Comm>,
-                                      weave::basic_device_exchange<space, Comm>>;
+  using exchange = weave::basic_moe_exchange<Space, Comm>;
   // Shared: after an abort under MPI an abandoned collective may still write into the layer's
   // buffers until MPI_Finalize, so the cases keep the workspace alive (`keep`).
   std::shared_ptr<weave_test::aligned_buffer> ws; // declared first: destroyed after the layer
@@ -95,10 +90,8 @@ struct layer {
       : layer(comm, s, options(static_shape)) {}
   layer(Comm& comm, weave::host_stream& s, const weave::moe_options& o)
       : ex(comm, weave::placement::contiguous(experts_per_rank * comm.size(), comm.size()), o) {
-    if constexpr (K != kind::host) {
-      ws = std::make_shared<weave_test::aligned_buffer>(ex.workspace_size());
-      ex.initialize(ws->ptr, ws->size, s);
-    }
+    ws = std::make_shared<weave_test::aligned_buffer>(ex.workspace_size());
+    ex.initialize(ws->ptr, ws->size, s);
   }
   static weave::moe_options options(bool static_shape) {
     weave::moe_options o;
@@ -200,11 +193,11 @@ inline bool doubled(const moe_test::rank_input<float>& in, const weave::host_mat
   return right;
 }
 
-// One rank's side of fault `f` on a layer of kind `K` over `comm`; `keep(layer)` takes layers
+// One rank's side of fault `f` on a layer in `Space` over `comm`; `keep(layer)` takes layers
 // that must outlive the case (MPI may still write into an abandoned collective's buffers).
-template <kind K, class Comm, class Keep>
+template <class Space, class Comm, class Keep>
 outcome run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
-  using layer_t = layer<Comm, K>;
+  using layer_t = layer<Comm, Space>;
   using handle = typename layer_t::exchange::handle;
   const int rank = comm.rank(), ranks = comm.size();
   const bool guilty = rank == culprit;
@@ -285,6 +278,7 @@ outcome run_case(Comm& comm, fault f, int culprit, Keep&& keep) {
           moe_test::error_code_of([&] { (void)h2.phase(); }) == weave::errc::invalid_state;
       // The layer goes on: its next call works without releasing the stale handles first.
       CHECK(ex.usable());
+      CHECK(ex.handles_in_flight() == 0); // the failed calls released their slots
       auto h3 = ex.dispatch(a.x, a.ids, a.weights, *compute, *stream);
       experts(ex, h3, *compute);
       ex.combine(h3, ya, *compute, *stream);

@@ -1,14 +1,15 @@
-// The handle API's failure cases (handle_faults.hpp) under mpirun -np 2 and -np 4, for the host
-// exchange and the device exchange on host streams, each over a fresh mpi_communicator with the
-// default timeout (10 minutes): every rank ends with a typed error naming the cause within
-// seconds, or computes the right result; MPI never aborts the job (a mismatched call is found in
-// the header that precedes its data, so nothing is truncated).
+// The handle API's failure cases (handle_faults.hpp) under mpirun -np 2 and -np 4, for the MoE
+// exchange in every execution space CI has (host_space, emulated_gpu_space), each over a fresh
+// mpi_communicator with the default timeout (10 minutes): every rank ends with a typed error
+// naming the cause within seconds, or computes the right result; MPI never aborts the job (a
+// mismatched call is found in the header that precedes its data, so nothing is truncated).
 #include <doctest/doctest.h>
 
 #include "handle_faults.hpp"
 #include "mpi_session.hpp"
 
 #include <weave/comm/mpi_communicator.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 
 #include <memory>
 #include <string>
@@ -23,22 +24,21 @@ weave_test::kept_until_finalize graveyard;
 const weave_test::mpi_session session;
 
 using handle_faults::fault;
-using handle_faults::kind;
 
-template <kind K>
+template <class Space>
 void run_all() {
   int ranks = 0, rank = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const int culprit = ranks - 1;
   for (const fault f : handle_faults::all_faults) {
-    const std::string layer = handle_faults::name(K), what = handle_faults::name(f);
+    const std::string layer = handle_faults::space_name<Space>(), what = handle_faults::name(f);
     CAPTURE(layer);
     CAPTURE(what);
     auto comm = std::make_shared<weave::mpi_communicator>(MPI_COMM_WORLD);
     graveyard.keep(comm);
-    const auto o = handle_faults::run_case<K>(*comm, f, culprit,
-                                              [](std::shared_ptr<void> p) { graveyard.keep(p); });
+    const auto o = handle_faults::run_case<Space>(
+        *comm, f, culprit, [](std::shared_ptr<void> p) { graveyard.keep(p); });
     MPI_Barrier(MPI_COMM_WORLD); // every rank finished the case
     const bool guilty = rank == culprit;
     CHECK(o.seconds < 5.0); // the communicator's timeout is 10 minutes
@@ -77,10 +77,7 @@ void run_all() {
 
 } // namespace
 
-TEST_CASE("handle faults: moe_exchange over MPI") {
-  run_all<kind::host>();
-}
-
-TEST_CASE("handle faults: device exchange (host_space) over MPI") {
-  run_all<kind::device>();
+TEST_CASE_TEMPLATE("handle faults: the MoE exchange over MPI", Space, weave::host_space,
+                   weave::emulated_gpu_space) {
+  run_all<Space>();
 }

@@ -2,7 +2,10 @@
 // on 2 in-process ranks, rank 1 feeding a bad expert id in step 1. Every rank's step 1 fails
 // (rank 1 its own out_of_range, rank 0 a peer_error naming rank 1), the failed calls' handles go
 // stale and free their slots, and step 2 runs without releasing them and equals y = 2x times
-// each token's kept weights.
+// each token's kept weights. On host streams (`moe_exchange`) only: the snippet names its handle
+// type `decltype(layer)::handle`, which a test templated over the space makes a dependent name
+// (clang 14 wants `typename` there); handle_faults.hpp's recovery case runs the same scenario in
+// every space.
 #include <doctest/doctest.h>
 
 #include <weave/comm/local_world.hpp>

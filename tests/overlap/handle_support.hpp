@@ -1,15 +1,15 @@
-// Shared pieces of the handle-API tests, written once for both exchanges (the host
-// `moe_exchange` and the device exchange on host streams): a layer wrapper that hides the
-// workspace, the caller's expert compute on a chunk, and micro-batch schedules (1F1B) run with
-// handles or with the callback form.
+// Shared pieces of the handle-API tests, written once for every execution space of the exchange
+// (`host_space`, `emulated_gpu_space`): a layer wrapper with a poisoned workspace, the caller's
+// expert compute on a chunk, and micro-batch schedules (1F1B) run with handles or with the
+// callback form.
 #pragma once
 
 #include "aligned_buffer.hpp"
 #include "moe_test_support.hpp"
 
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
-#include <weave/overlap/device_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
@@ -21,21 +21,6 @@
 
 namespace handle_test {
 
-inline weave::expert_batch as_host_batch(const weave::expert_batch& b) {
-  return b;
-}
-inline weave::expert_batch as_host_batch(const weave::device_expert_batch<weave::host_space>& b) {
-  return {b.chunk, b.device, b.expert_offsets, b.experts, b.input, b.output};
-}
-inline weave::expert_grad_batch as_host_batch(const weave::expert_grad_batch& b) {
-  return b;
-}
-inline weave::expert_grad_batch
-as_host_batch(const weave::device_expert_grad_batch<weave::host_space>& b) {
-  return {b.chunk,       b.device,      b.expert_offsets, b.experts,
-          b.saved_input, b.grad_output, b.grad_input};
-}
-
 // Waits for both streams, ignoring their failures (on an error path).
 inline void drain(weave::host_stream& a, weave::host_stream& b) {
   for (weave::host_stream* s : {&a, &b}) {
@@ -46,28 +31,24 @@ inline void drain(weave::host_stream& a, weave::host_stream& b) {
   }
 }
 
-// One rank's exchange of either kind, ready to use.
-template <class Comm, bool Device>
+// One rank's exchange in `Space`, given a workspace poisoned with 0xFF bytes (nothing may read
+// what it did not write) before its first call.
+template <class Comm, class Space = weave::host_space>
 struct layer {
-  using exchange = std::conditional_t<Device, weave::basic_device_exchange<weave::host_space, Comm>,
-                                      weave::moe_exchange<Comm>>;
+  using exchange = weave::basic_moe_exchange<Space, Comm>;
+  std::unique_ptr<weave_test::aligned_buffer>
+      ws; // before `ex`: it outlives the work `ex` waits for
   exchange ex;
-  std::unique_ptr<weave_test::aligned_buffer> ws;
 
   layer(Comm& comm, const weave::placement& where, const weave::moe_options& o,
         weave::host_stream& stream)
       : ex(comm, where, o) {
-    if constexpr (Device) {
-      ws = std::make_unique<weave_test::aligned_buffer>(ex.workspace_size());
-      ex.initialize(ws->ptr, ws->size, stream);
-    }
+    ws = std::make_unique<weave_test::aligned_buffer>(ex.workspace_size());
+    ex.initialize(ws->ptr, ws->size, stream);
   }
 
   weave::moe_stats stats(const typename exchange::handle& h, weave::host_stream& compute) {
-    if constexpr (Device)
-      return ex.read_stats(h, compute);
-    else
-      return ex.stats(h);
+    return ex.stats(h, compute);
   }
 };
 
@@ -80,9 +61,9 @@ void compute_experts(Exchange& ex, typename Exchange::handle& h,
   for (const auto chunk : ex.chunks(h))
     compute.submit([chunk, &lin, backward] {
       if (backward)
-        lin.backward<float>(as_host_batch(chunk.experts_grad()));
+        lin.backward<float>(chunk.experts_grad());
       else
-        lin.operator()<float>(as_host_batch(chunk.experts()));
+        lin.operator()<float>(chunk.experts());
     });
 }
 
@@ -130,7 +111,7 @@ std::vector<mb_result> run_schedule(Layer& l, const std::vector<moe_test::rank_i
       l.ex.combine_backward(handles[i], in.x, compute, comm);
       compute_experts(l.ex, handles[i], lin, compute, /*backward=*/true);
       l.ex.dispatch_backward(handles[i], r.dx, r.dw, compute, comm);
-      // Its statistics, then its slot back (the host exchange gives them once the forward ran).
+      // Its statistics (given once its forward ran), then its slot back.
       compute.synchronize();
       comm.synchronize();
       r.stats = l.stats(handles[i], compute);
@@ -156,16 +137,13 @@ std::vector<mb_result> run_one_by_one(Layer& l, const std::vector<moe_test::rank
     r.dw.assign(in.ids.size(), -1.0f);
     l.ex.forward(
         in.x.view(), in.ids, in.weights, r.y.view(),
-        [&](const auto& b) { lin.operator()<float>(as_host_batch(b)); }, compute, comm);
+        [&](const auto& b) { moe_test::run_experts<float>(lin, b); }, compute, comm);
     l.ex.backward(
         in.x.view(), r.dx.view(), r.dw,
-        [&](const auto& b) { lin.backward<float>(as_host_batch(b)); }, compute, comm);
+        [&](const auto& b) { moe_test::run_experts<float>(lin, b); }, compute, comm);
     compute.synchronize();
     comm.synchronize();
-    if constexpr (requires { l.ex.read_stats(compute); })
-      r.stats = l.ex.read_stats(compute);
-    else
-      r.stats = l.ex.stats();
+    r.stats = l.ex.stats(compute);
   }
   return out;
 }

@@ -1,12 +1,13 @@
 // Where the device algorithms block the host, they block in the communicator's watched wait:
 // with a communicator that fails as NCCL does (an operation whose peer never arrives waits for
 // good; only `synchronize` gives up, after its watch, and aborts), a rank whose peer never shows
-// up ends with a typed error within the watch, not after the world's own (long) timeout. Run in
-// emulated_gpu_space, which blocks the host where cuda_space does: a copy into pageable host
-// memory (a host mirror that is not pinned) would wait for the stuck operation outside the
-// watch. Every host read of the device exchange and of the device decode exchange is covered:
-// layer construction (the agreement), a dynamic chunk's count exchange, check_errors and
-// read_stats, the decode layer's check_errors.
+// up ends with a typed error within the watch, not after the world's own (long) timeout. The MoE
+// exchange's cases are written once and run in host_space and in emulated_gpu_space, which
+// blocks the host where cuda_space does: a copy into pageable host memory (a host mirror that is
+// not pinned) would wait for the stuck operation outside the watch. Every host read of the MoE
+// exchange and of the device decode exchange (emulated_gpu_space) is covered: layer
+// construction (the agreement), a dynamic chunk's count exchange, check_errors and stats, the
+// decode layer's check_errors.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
@@ -15,8 +16,9 @@
 
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/overlap/device_decode_exchange.hpp>
-#include <weave/overlap/device_exchange.hpp>
+#include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
@@ -31,9 +33,10 @@ using weave_test::watched_communicator;
 
 namespace {
 
-using space = weave::emulated_gpu_space;
-using exchange = weave::basic_device_exchange<space, watched_communicator>;
-using decode = weave::basic_device_decode_exchange<space, watched_communicator, float>;
+template <class Space>
+using exchange = weave::basic_moe_exchange<Space, watched_communicator>;
+using decode =
+    weave::basic_device_decode_exchange<weave::emulated_gpu_space, watched_communicator, float>;
 
 constexpr auto watch = 300ms;
 constexpr auto world_timeout = 30s; // what a wait outside the watch would take
@@ -91,6 +94,7 @@ void expect_watched(const std::pair<weave::errc, std::chrono::steady_clock::dura
   CHECK(got.second < bound);
 }
 
+template <class Space>
 struct layer {
   layer(watched_communicator& comm, weave::host_stream& s, bool fixed)
       : ex(comm, weave::placement::contiguous(4, 2), options(fixed))
@@ -101,10 +105,10 @@ struct layer {
   }
   void forward(weave::host_stream& compute, weave::host_stream& comm) {
     ex.forward(
-        in.x.view(), in.ids, in.weights, y.view(), [](const weave::device_expert_batch<space>&) {},
+        in.x.view(), in.ids, in.weights, y.view(), [](const weave::basic_expert_batch<Space>&) {},
         compute, comm);
   }
-  exchange ex;
+  exchange<Space> ex;
   weave_test::aligned_buffer ws;
   moe_test::rank_input<float> in;
   weave::host_matrix<float> y{12, 8};
@@ -112,43 +116,49 @@ struct layer {
 
 } // namespace
 
-TEST_CASE("a peer that never constructs the layer: the agreement ends in the watched wait") {
+TEST_CASE_TEMPLATE("a peer that never constructs the layer: the agreement ends in the watched wait",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   const auto got =
       stuck_peer([](watched_communicator&, weave::host_stream&,
                     weave::host_stream&) { return std::make_unique<int>(0); },
                  [](watched_communicator& comm, weave::host_stream&, weave::host_stream&, int&) {
-                   exchange ex(comm, weave::placement::contiguous(4, 2), options(false));
+                   exchange<Space> ex(comm, weave::placement::contiguous(4, 2), options(false));
                  });
   expect_watched(got);
 }
 
-TEST_CASE("a peer that never calls: a dynamic chunk's count exchange ends in the watched wait") {
+TEST_CASE_TEMPLATE("a peer that never calls: a dynamic chunk's count exchange ends in the watched "
+                   "wait",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   const auto got = stuck_peer(
       [](watched_communicator& comm, weave::host_stream& compute, weave::host_stream&) {
-        return std::make_unique<layer>(comm, compute, false);
+        return std::make_unique<layer<Space>>(comm, compute, false);
       },
-      [](watched_communicator&, weave::host_stream& compute, weave::host_stream& comm, layer& l) {
+      [](watched_communicator&, weave::host_stream& compute, weave::host_stream& comm,
+         layer<Space>& l) {
         l.forward(compute, comm);
         l.ex.synchronize(compute, comm);
       });
   expect_watched(got);
 }
 
-TEST_CASE("a peer that never calls: check_errors and read_stats end in the watched wait") {
+TEST_CASE_TEMPLATE("a peer that never calls: check_errors and stats end in the watched wait", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   for (const bool stats : {false, true}) {
     CAPTURE(stats);
-    const auto got =
-        stuck_peer([](watched_communicator& comm, weave::host_stream& compute,
-                      weave::host_stream&) { return std::make_unique<layer>(comm, compute, true); },
-                   [stats](watched_communicator&, weave::host_stream& compute,
-                           weave::host_stream& comm, layer& l) {
-                     l.forward(compute, comm); // static shapes: enqueues without a host wait
-                     compute.wait(comm.record());
-                     if (stats)
-                       (void)l.ex.read_stats(compute);
-                     else
-                       l.ex.check_errors(compute);
-                   });
+    const auto got = stuck_peer(
+        [](watched_communicator& comm, weave::host_stream& compute, weave::host_stream&) {
+          return std::make_unique<layer<Space>>(comm, compute, true);
+        },
+        [stats](watched_communicator&, weave::host_stream& compute, weave::host_stream& comm,
+                layer<Space>& l) {
+          l.forward(compute, comm); // static shapes: enqueues without a host wait
+          compute.wait(comm.record());
+          if (stats)
+            (void)l.ex.stats(compute);
+          else
+            l.ex.check_errors(compute);
+        });
     expect_watched(got);
   }
 }

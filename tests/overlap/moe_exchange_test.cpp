@@ -1,11 +1,13 @@
-// moe_exchange on a local_world against a dense single-process reference, forward and
+// The MoE exchange on a local_world against a dense single-process reference, forward and
 // backward, for every chunk count (bitwise identical to unchunked), capacities, placements
-// (including replicated ones), dtypes, and bad input.
+// (including replicated ones), dtypes, and bad input; each case written once and run in every
+// execution space CI has (host streams, and the CUDA path's control flow emulated on them).
 #include <doctest/doctest.h>
 
 #include "moe_test_support.hpp"
 
 #include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 
@@ -16,6 +18,8 @@
 namespace {
 
 using exchange = weave::moe_exchange<weave::local_communicator>;
+template <class Space>
+using exchange_in = weave::basic_moe_exchange<Space, weave::local_communicator>;
 
 template <class T>
 struct case_result {
@@ -44,7 +48,7 @@ std::vector<moe_test::rank_input<T>> make_inputs(const case_setup& s) {
   return in;
 }
 
-template <class T>
+template <class T, class Space>
 case_result<T> run_case(const case_setup& s, const weave::placement& where, int chunks,
                         const std::vector<moe_test::rank_input<T>>& in,
                         const moe_test::linear_experts& experts, bool with_backward) {
@@ -65,34 +69,35 @@ case_result<T> run_case(const case_setup& s, const weave::placement& where, int 
     o.chunks = chunks;
     o.capacity = s.capacity;
     o.save_for_backward = with_backward;
-    exchange ex(comm, where, o);
+    exchange_in<Space> ex(comm, where, o);
     weave::host_stream compute("compute"), comm_stream("comm");
     out.y[r] = weave::host_matrix<T>(in[r].x.rows(), s.hidden);
     ex.forward(
         in[r].x.view(), in[r].ids, in[r].weights, out.y[r].view(),
-        [&](const weave::expert_batch& b) { experts.template operator()<T>(b); }, compute,
-        comm_stream);
+        [&](const weave::basic_expert_batch<Space>& b) { moe_test::run_experts<T>(experts, b); },
+        compute, comm_stream);
     if (with_backward) {
       out.dx[r] = weave::host_matrix<T>(in[r].x.rows(), s.hidden);
       out.dw[r].assign(in[r].ids.size(), -1.0f);
       // dL/dy = x: an arbitrary, rank-specific upstream gradient.
       ex.backward(
           in[r].x.view(), out.dx[r].view(), out.dw[r],
-          [&](const weave::expert_grad_batch& b) { experts.template backward<T>(b); }, compute,
-          comm_stream);
+          [&](const weave::basic_expert_grad_batch<Space>& b) {
+            moe_test::run_experts<T>(experts, b);
+          },
+          compute, comm_stream);
     }
-    compute.synchronize();
-    comm_stream.synchronize();
-    out.stats[r] = ex.stats();
+    ex.synchronize(compute, comm_stream);
+    out.stats[r] = ex.stats(compute);
   });
   return out;
 }
 
-template <class T>
+template <class T, class Space>
 void check_all_chunkings(const case_setup& s, const weave::placement& where, double tolerance) {
   const auto in = make_inputs<T>(s);
   const moe_test::linear_experts experts(s.experts, s.hidden, s.seed + 100);
-  const auto base = run_case<T>(s, where, 1, in, experts, true);
+  const auto base = run_case<T, Space>(s, where, 1, in, experts, true);
   for (int r = 0; r < s.ranks; ++r) {
     const auto i = static_cast<std::size_t>(r);
     moe_test::check_rank_against_dense(r, where, s.k, s.experts, s.capacity, in[i], experts,
@@ -101,7 +106,7 @@ void check_all_chunkings(const case_setup& s, const weave::placement& where, dou
   }
   for (int chunks : {2, 3, 5}) {
     CAPTURE(chunks);
-    const auto got = run_case<T>(s, where, chunks, in, experts, true);
+    const auto got = run_case<T, Space>(s, where, chunks, in, experts, true);
     for (int r = 0; r < s.ranks; ++r) {
       const auto i = static_cast<std::size_t>(r);
       REQUIRE(moe_test::bitwise_equal(got.y[i], base.y[i]));
@@ -114,34 +119,37 @@ void check_all_chunkings(const case_setup& s, const weave::placement& where, dou
 
 } // namespace
 
-TEST_CASE("moe_exchange equals the dense reference and is bitwise identical for every chunking") {
+TEST_CASE_TEMPLATE("moe_exchange equals the dense reference and is bitwise identical for every "
+                   "chunking",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   SUBCASE("2 ranks, 8 experts, k = 2, dropless, f32") {
     case_setup s{2, 8, 2, 8, {37, 20}, {}, 1};
-    check_all_chunkings<float>(s, weave::placement::contiguous(8, 2), 1e-4);
+    check_all_chunkings<float, Space>(s, weave::placement::contiguous(8, 2), 1e-4);
   }
   SUBCASE("4 ranks, 16 experts, k = 4, uneven tokens (one rank empty), f32") {
     case_setup s{4, 16, 4, 6, {50, 0, 13, 31}, {}, 2};
-    check_all_chunkings<float>(s, weave::placement::contiguous(16, 4), 1e-4);
+    check_all_chunkings<float, Space>(s, weave::placement::contiguous(16, 4), 1e-4);
   }
   SUBCASE("4 ranks, scattered placement with replicas, k = 3, bf16") {
     // 4 devices x 3 slots for 10 experts: experts 0 and 5 replicated.
     const weave::placement where(10, 4, {0, 7, 2, 5, 1, 9, 3, 0, 8, 6, 4, 5});
     case_setup s{4, 10, 3, 8, {25, 25, 40, 9}, {}, 3};
-    check_all_chunkings<weave::bfloat16>(s, where, 3e-2);
+    check_all_chunkings<weave::bfloat16, Space>(s, where, 3e-2);
   }
   SUBCASE("3 ranks, empty slots (devices of 2, 3 and 3 experts) and a replica, k = 2, f32") {
     const weave::placement where(7, 3, {0, 4, -1, 1, 5, 2, 3, 6, 0});
     case_setup s{3, 7, 2, 8, {31, 18, 26}, {}, 4};
-    check_all_chunkings<float>(s, where, 1e-4);
+    check_all_chunkings<float, Space>(s, where, 1e-4);
   }
   SUBCASE("2 ranks, one device with two empty slots, k = 2, f32") {
     const weave::placement where(4, 2, {0, 1, 2, 3, -1, -1});
     case_setup s{2, 4, 2, 8, {23, 30}, {}, 6};
-    check_all_chunkings<float>(s, where, 1e-4);
+    check_all_chunkings<float, Space>(s, where, 1e-4);
   }
 }
 
-TEST_CASE("capacity drops equal the naive count for every order and chunking") {
+TEST_CASE_TEMPLATE("capacity drops equal the naive count for every order and chunking", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   for (auto order :
        {weave::drop_order::position, weave::drop_order::rank_major,
         weave::drop_order::batch_prioritized, weave::drop_order::priority_token_major}) {
@@ -151,7 +159,7 @@ TEST_CASE("capacity drops equal the naive count for every order and chunking") {
         CAPTURE(factor);
         CAPTURE(static_cast<int>(rounding));
         case_setup s{2, 8, 2, 4, {40, 33}, {factor, order, rounding}, 7};
-        check_all_chunkings<float>(s, weave::placement::contiguous(8, 2), 1e-4);
+        check_all_chunkings<float, Space>(s, weave::placement::contiguous(8, 2), 1e-4);
       }
     }
   }

@@ -1,14 +1,16 @@
 // The handle API (dispatch -> chunks -> combine, combine_backward -> chunks ->
-// dispatch_backward) of both exchanges on a local_world, written once for the host exchange and
-// the device exchange on host streams: bitwise equal to the callback form and to the dense
-// reference; the (token, choice) -> expert row map against the inputs; several handles in
-// flight (1F1B, DualPipe-style interleavings) bitwise equal to running the micro-batches one by
-// one; misuse and failures as typed errors.
+// dispatch_backward) of the MoE exchange on a local_world, each case written once and run in
+// `host_space` and in `emulated_gpu_space`: equal to the dense reference and bitwise equal to
+// the callback form; the (token, choice) -> expert row map against the inputs; several handles
+// in flight (1F1B, DualPipe-style interleavings) bitwise equal to running the micro-batches one
+// by one; misuse and failures as typed errors.
 #include <doctest/doctest.h>
 
 #include "handle_support.hpp"
 
 #include <weave/comm/local_world.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
+#include <weave/exec/host_space.hpp>
 
 #include <algorithm>
 #include <random>
@@ -50,13 +52,13 @@ std::vector<std::vector<moe_test::rank_input<float>>> make_inputs(const setup& s
   return all;
 }
 
-// Runs `f(layer, comm, compute, stream)` on every rank of a fresh world.
-template <bool Device, class F>
+// Runs `f(layer, comm, compute, stream)` on every rank of a fresh world, the layer in `Space`.
+template <class Space, class F>
 void on_every_rank(const setup& s, const weave::moe_options& o, F&& f) {
   weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
   world.run([&](weave::local_communicator& comm) {
     weave::host_stream compute("compute"), stream("comm");
-    handle_test::layer<weave::local_communicator, Device> l(
+    handle_test::layer<weave::local_communicator, Space> l(
         comm, weave::placement::contiguous(s.experts, s.ranks), o, compute);
     try {
       f(l, comm, compute, stream);
@@ -67,17 +69,17 @@ void on_every_rank(const setup& s, const weave::moe_options& o, F&& f) {
   });
 }
 
-template <bool Device>
+template <class Space>
 void check_one_f_one_b(const setup& s, int chunks) {
   const auto inputs = make_inputs(s);
   const moe_test::linear_experts lin(s.experts, s.hidden, s.seed + 1);
   const auto where = weave::placement::contiguous(s.experts, s.ranks);
   std::vector<std::vector<mb_result>> want(inputs.size()), got(inputs.size());
-  on_every_rank<Device>(s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
+  on_every_rank<Space>(s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
     const auto r = static_cast<std::size_t>(comm.rank());
     want[r] = handle_test::run_one_by_one(l, inputs[r], lin, c, st);
   });
-  on_every_rank<Device>(s, options_of(s, chunks, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
+  on_every_rank<Space>(s, options_of(s, chunks, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
     const auto r = static_cast<std::size_t>(comm.rank());
     got[r] = handle_test::run_schedule(l, inputs[r], handle_test::one_f_one_b, lin, c, st);
   });
@@ -95,28 +97,26 @@ void check_one_f_one_b(const setup& s, int chunks) {
 
 } // namespace
 
-TEST_CASE_TEMPLATE("handles: 4 micro-batches in 1F1B order equal running them one by one", T,
-                   std::false_type, std::true_type) {
-  constexpr bool device = T::value;
+TEST_CASE_TEMPLATE("handles: 4 micro-batches in 1F1B order equal running them one by one", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   setup s;
   for (const int chunks : {1, 3}) {
     CAPTURE(chunks);
-    check_one_f_one_b<device>(s, chunks);
+    check_one_f_one_b<Space>(s, chunks);
   }
   s.ranks = 3;
   s.experts = 6;
   s.k = 3;
   s.capacity = {1.0, weave::drop_order::batch_prioritized};
   s.seed = 5;
-  check_one_f_one_b<device>(s, 2);
+  check_one_f_one_b<Space>(s, 2);
 }
 
-TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential calls", T,
-                   std::false_type, std::true_type) {
+TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential calls", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   // Two micro-batches: both dispatches before either's experts (the second's dispatch under the
   // first's compute), chunk by chunk alternation of two forwards, and a forward interleaved
   // chunk by chunk with another micro-batch's backward.
-  constexpr bool device = T::value;
   setup s;
   s.micro_batches = 3;
   const auto inputs = make_inputs(s);
@@ -124,11 +124,11 @@ TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential c
   for (const int chunks : {1, 2, 4}) {
     CAPTURE(chunks);
     std::vector<std::vector<mb_result>> want(inputs.size()), got(inputs.size());
-    on_every_rank<device>(s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
+    on_every_rank<Space>(s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
       const auto r = static_cast<std::size_t>(comm.rank());
       want[r] = handle_test::run_one_by_one(l, inputs[r], lin, c, st);
     });
-    on_every_rank<device>(s, options_of(s, chunks, 3), [&](auto& l, auto& comm, auto& c, auto& st) {
+    on_every_rank<Space>(s, options_of(s, chunks, 3), [&](auto& l, auto& comm, auto& c, auto& st) {
       const auto r = static_cast<std::size_t>(comm.rank());
       const auto& mb = inputs[r];
       auto& out = got[r];
@@ -138,13 +138,14 @@ TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential c
         out[i].dx = weave::host_matrix<float>(mb[i].x.rows(), s.hidden);
         out[i].dw.assign(mb[i].ids.size(), -1.0f);
       }
-      const auto step = [&](auto& range, auto& it, bool backward) { // one chunk's experts
+      // One chunk's experts: a task of the compute stream reads the chunk's rows when it runs.
+      const auto step = [&](auto& range, auto& it, bool backward) {
         const auto chunk = *it;
         c.submit([chunk, &lin, backward] {
           if (backward)
-            lin.backward<float>(handle_test::as_host_batch(chunk.experts_grad()));
+            lin.backward<float>(chunk.experts_grad());
           else
-            lin.operator()<float>(handle_test::as_host_batch(chunk.experts()));
+            lin.operator()<float>(chunk.experts());
         });
         ++it;
         (void)range;
@@ -198,11 +199,10 @@ TEST_CASE_TEMPLATE("handles: DualPipe-style interleavings equal the sequential c
   }
 }
 
-TEST_CASE_TEMPLATE("handles: the (token, choice) -> expert row map names each pair's row", T,
-                   std::false_type, std::true_type) {
+TEST_CASE_TEMPLATE("handles: the (token, choice) -> expert row map names each pair's row", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   // Every kept pair served on this rank maps to an expert input row equal to its token's row;
   // the others are marked none (id -1), dropped (capacity) or remote, as the inputs say.
-  constexpr bool device = T::value;
   for (const int ranks : {1, 3}) {
     setup s;
     s.ranks = ranks;
@@ -215,7 +215,7 @@ TEST_CASE_TEMPLATE("handles: the (token, choice) -> expert row map names each pa
     for (const int chunks : {1, 3}) {
       CAPTURE(ranks);
       CAPTURE(chunks);
-      on_every_rank<device>(
+      on_every_rank<Space>(
           s, options_of(s, chunks, 1), [&](auto& l, auto& comm, auto& c, auto& st) {
             const int rank = comm.rank();
             const auto& in = inputs[static_cast<std::size_t>(rank)][0];
@@ -224,10 +224,11 @@ TEST_CASE_TEMPLATE("handles: the (token, choice) -> expert row map names each pa
             std::vector<std::vector<std::int64_t>> maps;
             std::vector<std::vector<std::vector<float>>> rows; // per chunk, per mapped pair
             for (const auto chunk : l.ex.chunks(h)) {
-              c.synchronize(); // the chunk's rows are ready once the compute stream got here
+              // The chunk's rows are ready once the compute stream got here (in either space).
+              c.synchronize();
               const auto map = chunk.expert_rows();
               maps.emplace_back(map.begin(), map.end());
-              const auto batch = handle_test::as_host_batch(chunk.experts());
+              const auto batch = chunk.experts();
               auto& got = rows.emplace_back();
               for (const std::int64_t row : map)
                 if (row >= 0) {
@@ -269,16 +270,15 @@ TEST_CASE_TEMPLATE("handles: the (token, choice) -> expert row map names each pa
   }
 }
 
-TEST_CASE_TEMPLATE("handles: tensors of any type, and views, at the call site", T, std::false_type,
-                   std::true_type) {
+TEST_CASE_TEMPLATE("handles: tensors of any type, and views, at the call site", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   // host_matrix (a tensor_traits type), token views (rvalues are fine: they borrow), spans and
   // vectors give the same bits as the view-and-span overloads.
-  constexpr bool device = T::value;
   setup s;
   s.micro_batches = 1;
   const auto inputs = make_inputs(s);
   const moe_test::linear_experts lin(s.experts, s.hidden, 2);
-  on_every_rank<device>(s, options_of(s, 2, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
+  on_every_rank<Space>(s, options_of(s, 2, 2), [&](auto& l, auto& comm, auto& c, auto& st) {
     const auto& in = inputs[static_cast<std::size_t>(comm.rank())][0];
     weave::host_matrix<float> y1(in.x.rows(), s.hidden), y2(in.x.rows(), s.hidden);
     auto h1 = l.ex.dispatch(in.x, in.ids, in.weights, c, st); // tensor, vector, vector
@@ -293,12 +293,11 @@ TEST_CASE_TEMPLATE("handles: tensors of any type, and views, at the call site", 
   });
 }
 
-TEST_CASE_TEMPLATE("handles: misuse is a typed error on the culprit, a peer_error on its peers", T,
-                   std::false_type, std::true_type) {
+TEST_CASE_TEMPLATE("handles: misuse is a typed error on the culprit, a peer_error on its peers",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
   // Misuse that issues collectives out of turn leaves the peers waiting for this rank: the
   // layer aborts its communicator, so rank 0 gets its typed error and rank 1 (calling correctly)
   // a peer_error naming rank 0 and that error, at once (the world's timeout is 30 s).
-  constexpr bool device = T::value;
   setup s;
   s.micro_batches = 1;
   const auto inputs = make_inputs(s);
@@ -325,7 +324,7 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error on the culprit, a peer_erro
     world.run_collect([&](weave::local_communicator& comm) {
       const auto r = static_cast<std::size_t>(comm.rank());
       weave::host_stream c("compute"), st("comm");
-      handle_test::layer<weave::local_communicator, device> l(
+      handle_test::layer<weave::local_communicator, Space> l(
           comm, weave::placement::contiguous(s.experts, s.ranks), options_of(s, 3, 2), c);
       const auto& in = inputs[r][0];
       weave::host_matrix<float> y(in.x.rows(), s.hidden), other(in.x.rows(), s.hidden);
@@ -387,28 +386,39 @@ TEST_CASE_TEMPLATE("handles: misuse is a typed error on the culprit, a peer_erro
   }
 }
 
-TEST_CASE_TEMPLATE("handles: a failing expert task or a dropped handle fails every rank", T,
-                   std::false_type, std::true_type) {
-  // Rank 1's own expert task throws (or rank 1 releases a handle before combining it): its peers
-  // get peer_failure instead of waiting in the collectives rank 1 will never enter, and the
-  // failed handle returns no numbers.
-  constexpr bool device = T::value;
+namespace {
+
+// One call on every rank in which rank 1's own expert task throws (or, with `drop`, rank 1
+// releases its handle before combining it): each rank's first error (from a call, where host code
+// runs at enqueue time and waits for a chunk's counts, or from its streams), and whether the
+// failed handle's statistics were then refused with `errc::invalid_state`.
+struct failed_call {
+  std::vector<weave::errc> codes;
+  std::vector<int> stats_withheld; // one element per rank thread
+};
+
+template <class Space>
+failed_call fail_one_call(bool drop) {
   setup s;
   s.micro_batches = 1;
   const auto inputs = make_inputs(s);
-  for (const bool drop : {false, true}) {
-    CAPTURE(drop);
-    weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
-    std::vector<weave::errc> codes(static_cast<std::size_t>(s.ranks), weave::errc{});
-    std::vector<int> stats_withheld(codes.size(), 0); // one element per rank thread
-    world.run_collect([&](weave::local_communicator& comm) {
-      const auto r = static_cast<std::size_t>(comm.rank());
-      weave::host_stream compute("compute"), stream("comm");
-      handle_test::layer<weave::local_communicator, device> l(
-          comm, weave::placement::contiguous(s.experts, s.ranks), options_of(s, 2, 1), compute);
-      const auto& in = inputs[r][0];
-      weave::host_matrix<float> y(in.x.rows(), s.hidden);
-      auto h = l.ex.dispatch(in.x, in.ids, in.weights, compute, stream);
+  weave::local_world world(s.ranks, {std::chrono::seconds(30), {}});
+  failed_call out{std::vector<weave::errc>(static_cast<std::size_t>(s.ranks), weave::errc{}),
+                  std::vector<int>(static_cast<std::size_t>(s.ranks), 0)};
+  world.run_collect([&](weave::local_communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    weave::host_stream compute("compute"), stream("comm");
+    handle_test::layer<weave::local_communicator, Space> l(
+        comm, weave::placement::contiguous(s.experts, s.ranks), options_of(s, 2, 1), compute);
+    const auto& in = inputs[r][0];
+    weave::host_matrix<float> y(in.x.rows(), s.hidden);
+    const auto note = [&](const weave::error& e) {
+      if (out.codes[r] == weave::errc{})
+        out.codes[r] = e.code();
+    };
+    typename handle_test::layer<weave::local_communicator, Space>::exchange::handle h;
+    try {
+      h = l.ex.dispatch(in.x, in.ids, in.weights, compute, stream);
       if (drop && r == 1) {
         h.reset(); // its combine never comes
       } else {
@@ -420,29 +430,46 @@ TEST_CASE_TEMPLATE("handles: a failing expert task or a dropped handle fails eve
           });
         l.ex.combine(h, y, compute, stream);
       }
-      for (weave::host_stream* st : {&compute, &stream}) {
-        try {
-          st->synchronize();
-        } catch (const weave::error& e) {
-          if (codes[r] == weave::errc{})
-            codes[r] = e.code();
-        }
-      }
-      if constexpr (!device) {
-        try {
-          (void)l.ex.stats(h);
-        } catch (const weave::error& e) {
-          stats_withheld[r] = e.code() == weave::errc::invalid_state;
-        }
-      }
-    });
-    CHECK(codes[0] == weave::errc::peer_failure);
-    if (!drop) {
-      CHECK(codes[1] == weave::errc::invalid_argument);
-      if (!device) {
-        CHECK(stats_withheld[0]);
-        CHECK(stats_withheld[1]);
+    } catch (const weave::error& e) {
+      note(e);
+    }
+    for (weave::host_stream* st : {&compute, &stream}) {
+      try {
+        st->synchronize();
+      } catch (const weave::error& e) {
+        note(e);
       }
     }
+    try {
+      (void)l.ex.stats(h, compute);
+    } catch (const weave::error& e) {
+      out.stats_withheld[r] = e.code() == weave::errc::invalid_state;
+    }
+  });
+  return out;
+}
+
+} // namespace
+
+TEST_CASE_TEMPLATE("handles: a failing expert task or a dropped handle fails every rank", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
+  // Rank 1's own expert task throws (or rank 1 releases a handle before combining it): its peers
+  // get peer_failure instead of waiting in the collectives rank 1 will never enter.
+  for (const bool drop : {false, true}) {
+    CAPTURE(drop);
+    const failed_call got = fail_one_call<Space>(drop);
+    CHECK(got.codes[0] == weave::errc::peer_failure);
+    if (!drop)
+      CHECK(got.codes[1] == weave::errc::invalid_argument);
   }
+}
+
+// The failed handle returns no numbers (docs/exchange.md: "its `stats(h)` stay unavailable
+// (`errc::invalid_state`)"): its forward never ran its last finish, which marks the counters
+// complete.
+TEST_CASE_TEMPLATE("handles: a failed call's statistics are withheld", Space, weave::host_space,
+                   weave::emulated_gpu_space) {
+  const failed_call got = fail_one_call<Space>(false);
+  CHECK(got.stats_withheld[0]);
+  CHECK(got.stats_withheld[1]);
 }

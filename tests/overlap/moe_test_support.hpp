@@ -5,6 +5,7 @@
 #include <weave/core/dtype.hpp>
 #include <weave/core/error.hpp>
 #include <weave/core/host_matrix.hpp>
+#include <weave/exec/host_space.hpp>
 #include <weave/overlap/moe_options.hpp>
 #include <weave/placement/placement.hpp>
 #include <weave/routing/capacity.hpp>
@@ -58,23 +59,39 @@ struct linear_experts {
     }
   }
 
-  // The callback weave runs on each chunk's EPD rows.
-  template <class T>
-  void operator()(const weave::expert_batch& b) const {
+  // The callback weave runs on each chunk's EPD rows (any space's batch, read when the rows are
+  // there: see `run_experts`).
+  template <class T, class Batch>
+  void operator()(const Batch& b) const {
     for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
       for (auto r = b.expert_offsets[l]; r < b.expert_offsets[l + 1]; ++r)
-        apply(b.experts[l], b.input.row_as<T>(static_cast<std::size_t>(r)).data(),
-              b.output.row_as<T>(static_cast<std::size_t>(r)).data());
+        apply(b.experts[l], b.input.template row_as<T>(static_cast<std::size_t>(r)).data(),
+              b.output.template row_as<T>(static_cast<std::size_t>(r)).data());
   }
 
-  template <class T>
-  void backward(const weave::expert_grad_batch& b) const {
+  template <class T, class Batch>
+  void backward(const Batch& b) const {
     for (std::size_t l = 0; l + 1 < b.expert_offsets.size(); ++l)
       for (auto r = b.expert_offsets[l]; r < b.expert_offsets[l + 1]; ++r)
-        apply(b.experts[l], b.grad_output.row_as<T>(static_cast<std::size_t>(r)).data(),
-              b.grad_input.row_as<T>(static_cast<std::size_t>(r)).data(), /*transpose=*/true);
+        apply(b.experts[l], b.grad_output.template row_as<T>(static_cast<std::size_t>(r)).data(),
+              b.grad_input.template row_as<T>(static_cast<std::size_t>(r)).data(),
+              /*transpose=*/true);
   }
 };
+
+// An expert callback of any space: the linear experts on the batch's rows, as a step of its
+// stream (on host streams the callback runs in the stream, so the step runs at once; where host
+// code runs at enqueue time, it runs once the stream gets there). Forward or backward by the
+// batch's type.
+template <class T, class Batch>
+void run_experts(const linear_experts& lin, const Batch& b) {
+  weave::host_space::enqueue(b.stream, [&lin, b] {
+    if constexpr (requires { b.grad_output; })
+      lin.backward<T>(b);
+    else
+      lin.operator()<T>(b);
+  });
+}
 
 // Random distinct top-k ids (a few -1 holes) and softmax-like positive weights.
 template <class T>

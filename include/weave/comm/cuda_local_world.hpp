@@ -1,7 +1,7 @@
 //! \file
 //! `cuda_local_world`: N ranks of one process on CUDA streams, one host thread each, exchanging
 //! device buffers with stream-ordered `cudaMemcpyAsync` (component `weave::cuda`; host compiler
-//! and the CUDA runtime). It lets the device exchange run several ranks on one GPU (NCCL admits
+//! and the CUDA runtime). It lets the CUDA exchanges run several ranks on one GPU (NCCL admits
 //! one rank per GPU per communicator) or on the GPUs of one node, and is how the CUDA tests
 //! check multi-rank exchanges on a single GPU.
 //!

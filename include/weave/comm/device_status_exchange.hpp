@@ -1,7 +1,7 @@
 //! \file
 //! `device_counts_with_status<Space>`: the status-carrying count exchange (see
 //! `status_exchange.hpp`) for algorithms whose counts live in memory of an execution space,
-//! as the device exchange's do.
+//! as `basic_moe_exchange`'s do.
 //!
 //! Beside its count for every peer, each rank sends its status, built where the data is:
 //! - a failure its stream holds (host space), or a call it rejected on the host (CUDA: a

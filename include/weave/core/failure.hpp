@@ -42,7 +42,7 @@ struct failure_record {
 //! the rank where the failure started, its code and its message.
 class peer_error : public error {
  public:
-  //! `context` says where this rank noticed (e.g. "moe_exchange count exchange").
+  //! `context` says where this rank noticed (e.g. "moe exchange count exchange").
   peer_error(failure_record origin, const std::string& context,
              source_location where = source_location::current())
       : error(errc::peer_failure, context + ": " + origin.describe(), where)
@@ -131,9 +131,9 @@ inline constexpr std::size_t failure_words = 16;
 namespace detail {
 
 // The status word of a failure's wire form: bits 0-15 the code, bit 16 set for an exception that
-// is not a `weave::error`, bits 32-62 the origin rank + 1 (never 0). Bit 17 marks the status of a
-// device exchange's error flags (`device_counts_with_status`), which is not a failure record; no
-// encoder sets bits 18-31 or 63.
+// is not a `weave::error`, bits 32-62 the origin rank + 1 (never 0). Bit 17 marks the status of
+// an exchange's device error flags (`device_counts_with_status`), which is not a failure record;
+// no encoder sets bits 18-31 or 63.
 inline constexpr std::uint64_t status_code_mask = 0xFFFF;
 inline constexpr std::uint64_t status_foreign_bit = std::uint64_t{1} << 16;
 inline constexpr std::int64_t device_flags_status = std::int64_t{1} << 17;

@@ -9,7 +9,7 @@
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/stream.hpp"
-#include "weave/overlap/layer_life.hpp"
+#include "weave/overlap/detail/layer_life.hpp"
 
 #include <cstddef>
 #include <cstdint>

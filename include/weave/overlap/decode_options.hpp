@@ -13,7 +13,7 @@
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/failure.hpp"
-#include "weave/overlap/layer_agreement.hpp"
+#include "weave/overlap/detail/layer_agreement.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
 

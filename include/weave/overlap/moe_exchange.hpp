@@ -1,33 +1,29 @@
 //! \file
-//! `basic_device_exchange<Space, Comm>`: an MoE layer's communication around the caller's
-//! experts, with every plan built where the data lives (`cuda_moe_exchange` is this class in
-//! `cuda_space` over NCCL; in `host_space` it runs on host streams, which is how CI checks it).
+//! `basic_moe_exchange<Space, Comm>`: an MoE layer's communication around the caller's experts,
+//! exact and pipelined, written once for every execution space. `moe_exchange<Comm>` is this
+//! class on host streams (`host_space`: local_world, MPI), `cuda_moe_exchange<Comm>` on CUDA
+//! streams (`cuda_space`: NCCL; `weave/overlap/cuda_exchange.cuh`).
 //!
-//! The stages, the handle API and the guarantees are `moe_exchange`'s (Occult's exact mode, one
-//! row per (token, device) both ways, chunks pipelined as `moe_exchange_base` describes,
-//! results bitwise identical for every chunk count, capacity decided once per batch so drops
-//! equal the unchunked batch's), with two shapes:
-//! - dynamic (default): rows are packed; the exchanged counts are copied to the host once per
-//!   chunk (on CUDA, the comm stream synchronizes there), which the all-to-all needs.
-//! - static (`moe_options::static_shape`): every peer gets a slot of `slot_rows()` rows per
-//!   chunk, counts stay in memory of the space and ride beside the rows. No call waits for the
-//!   GPU, and a call can be captured in a CUDA graph; the price is sending whole slots.
-//! Replicas are chosen as `moe_exchange` chooses them (`placement::slot_for`). Construct,
-//! allocate `workspace_size()` bytes of memory of the space (256-byte aligned; it grows with
-//! `max_in_flight`), `initialize` once; calls then allocate nothing. Bad ids, weights and slot
-//! overflows are flagged in memory of the space and reported by `check_errors`. A chunk's
-//! `experts()` are views of the workspace (capacity rows, of which `expert_offsets[L]` are
-//! valid) and device-side offsets, valid in stream order: the caller's work reads them on
-//! `batch.stream`.
+//! Per chunk of tokens (Occult's exact mode, one row per (token, device) both ways): prepare
+//! (capacity, replicas, the SFD plan, ORI -> SFD), dispatch (counts carrying every rank's status,
+//! then the rows and their routes), experts (the EPD plan and layout, the caller's experts, the
+//! gate-weighted merge of each row's local experts), combine (the merged rows back), finish
+//! (each token's rows summed in ascending device order). The backward mirrors it. Chunks are
+//! pipelined as `moe_exchange_base` describes; results are bitwise identical for every chunk
+//! count and every space, and capacity fills cumulatively across chunks.
+//!
+//! Dynamic shapes (default) pack the rows; static ones (`moe_options::static_shape`) give every
+//! peer a slot of `slot_rows()` rows per chunk, so no call waits for the GPU and a call can be
+//! captured in a CUDA graph. The workspace (`workspace_size()`) holds what a chunk sends, from
+//! `initialize` or taken at the first call; what it receives is sized to what arrives
+//! (`memory()`, `detail/moe_exchange_layout.hpp`). On host streams each compute stage runs as
+//! one task and a chunk's expert views hold its rows exactly; where host code runs at enqueue
+//! time (CUDA) they hold its capacity (docs/exchange.md has the table of what each space does).
 //!
 //! Fail-stop (docs/faults.md): the ranks agree on the configuration at construction; each
-//! chunk's count exchange carries every rank's status (its flags, or a call rejected on the
-//! host), so with dynamic shapes every rank fails at that exchange, and with static shapes
-//! `check_errors` reports the peers' failures; host waits go through the communicator (NCCL:
-//! its timeout and abort). `synchronize` is the one wait that reports the root cause. Every
-//! stage's first collective carries its call's tag; on communicators without tagged collectives
-//! (NCCL) the count exchanges carry it in their blocks and the other stages exchange it first
-//! (`device_call_tags`).
+//! chunk's count exchange carries every rank's status, so a failure before a dispatch fails
+//! every rank there; a failure after one aborts the communicator; every stage's first
+//! collective carries its call's tag. `synchronize` is the one wait that reports the root cause.
 #pragma once
 
 #include "weave/comm/communicator.hpp"
@@ -40,14 +36,17 @@
 #include "weave/core/tensor.hpp"
 #include "weave/core/workspace.hpp"
 #include "weave/exec/host_mirror.hpp"
+#include "weave/exec/host_space.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/exec/stream_allocator.hpp"
-#include "weave/overlap/device_exchange_layout.hpp"
-#include "weave/overlap/device_exchange_state.hpp"
-#include "weave/overlap/device_exchange_steps.hpp"
-#include "weave/overlap/moe_exchange_base.hpp"
+#include "weave/overlap/detail/moe_exchange_base.hpp"
+#include "weave/overlap/detail/moe_exchange_layout.hpp"
+#include "weave/overlap/detail/moe_exchange_state.hpp"
+#include "weave/overlap/detail/moe_exchange_steps.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
+#include "weave/routing/host_quant_moves.hpp"
+#include "weave/routing/host_row_moves.hpp"
 #include "weave/routing/quantize.hpp"
 #include "weave/routing/row_moves.hpp"
 
@@ -65,26 +64,32 @@ WEAVE_NAMESPACE_BEGIN
 
 namespace detail {
 template <class Space, class Comm>
-struct device_exchange_traits {
+struct exchange_traits {
   using comm_type = Comm;
   using stream_type = typename Space::stream_type;
   using stream_arg = typename Space::stream_arg;
-  using hooks_type = device_chunk_hooks<Space>;
-  using experts_fn = std::function<void(const device_expert_batch<Space>&)>;
-  using experts_grad_fn = std::function<void(const device_expert_grad_batch<Space>&)>;
-  using state_type = device_call_state<Space>;
+  using hooks_type = basic_chunk_hooks<Space>;
+  using experts_fn = std::function<void(const basic_expert_batch<Space>&)>;
+  using experts_grad_fn = std::function<void(const basic_expert_grad_batch<Space>&)>;
+  using state_type = exchange_call_state<Space>;
   static constexpr bool runs_later = Space::runs_later;
 };
 } // namespace detail
 
-template <execution_space Space, communicator Comm>
-requires std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
-    has_exchange_counts<Comm> && has_all_to_all_v<Comm>
-class basic_device_exchange
-    : public moe_exchange_base<basic_device_exchange<Space, Comm>,
-                               detail::device_exchange_traits<Space, Comm>> {
-  using base = moe_exchange_base<basic_device_exchange<Space, Comm>,
-                                 detail::device_exchange_traits<Space, Comm>>;
+//! A communicator an MoE exchange in `Space` runs over: its streams are the space's, and it
+//! exchanges counts and all-to-alls of variable sizes.
+template <class Comm, class Space>
+concept exchange_communicator =
+    communicator<Comm> && std::same_as<typename Comm::stream_type, typename Space::stream_type> &&
+    has_exchange_counts<Comm> && has_all_to_all_v<Comm>;
+
+//! The MoE exchange of rank `comm.rank()` in `Space` over `Comm` (see the file comment); its
+//! handle API and callback form are `moe_exchange_base`'s.
+template <execution_space Space, exchange_communicator<Space> Comm>
+class basic_moe_exchange : public moe_exchange_base<basic_moe_exchange<Space, Comm>,
+                                                    detail::exchange_traits<Space, Comm>> {
+  using base =
+      moe_exchange_base<basic_moe_exchange<Space, Comm>, detail::exchange_traits<Space, Comm>>;
 
  public:
   using space = Space;
@@ -94,13 +99,15 @@ class basic_device_exchange
 
   //! An exchange for rank `comm.rank()` of `comm.size()` devices placed by `where`. Collective:
   //! checks that every rank builds the layer alike (`agree_on_layer`: `errc::config_mismatch`
-  //! on every rank otherwise). Throws `errc::invalid_argument` for bad options or a placement
-  //! of another size (and its peers a `peer_error` naming this rank). With `cuda_space` it
-  //! needs a current device (it sizes CUB's scratch).
-  basic_device_exchange(Comm& comm, placement where, moe_options options)
-      : base(comm, std::move(where), options, "device_exchange", [] {})
+  //! on every rank otherwise). Throws `errc::invalid_argument` for bad options (among them an
+  //! `fp8_dispatch` block that does not divide `hidden`) or a placement of another size (and its
+  //! peers a `peer_error` naming this rank). Allocates no memory of the space: the workspace
+  //! comes with `initialize`, or from the layer's allocator at its first call. With `cuda_space`
+  //! it needs a current device (it sizes CUB's scratch).
+  basic_moe_exchange(Comm& comm, placement where, moe_options options)
+      : base(comm, std::move(where), options, "moe_exchange", [] {})
       , status_(
-            comm.size(), comm.rank(), !options.static_shape, "device exchange",
+            comm.size(), comm.rank(), !options.static_shape, "moe exchange",
             [this](int rank, std::uint32_t flags) {
               return record_of_call(rank,
                                     [&] { throw_sender_errors(flags & 0xFFFFu, flags >> 16); });
@@ -108,7 +115,7 @@ class basic_device_exchange
             layout_type::sized_at_call(options) ? 2 : 1,
             device_plan_bad_expert | device_plan_duplicate | device_plan_bad_weight |
                 (device_exchange_slot_overflow | device_exchange_bad_count) << 16)
-      , tags_(comm.size(), comm.rank(), !has_tagged_collectives<Comm>, "device exchange",
+      , tags_(comm.size(), comm.rank(), !has_tagged_collectives<Comm>, "moe exchange",
               options.strict_call_order && !options.static_shape)
       , layout_(options, this->placement_, comm.size())
       , allocator_(stream_allocator<Space>::space_default()) {
@@ -129,6 +136,8 @@ class basic_device_exchange
       for (chunk_state& ch : s->state.chunks) {
         status_.size_block(ch.status);
         tags_.size_block(ch.tags);
+        if (layout_.in_stream())
+          ch.epd_cap = 0; // the expert rows grow when a chunk opens
       }
       chunk_states += s->state.chunks.size();
     }
@@ -140,7 +149,11 @@ class basic_device_exchange
   //! Waits for the work the layer queued (its state and workspace must outlive it); with calls
   //! in flight (half issued, or a backward due), aborts the communicator first so the peers fail
   //! at once with a `peer_error` naming it. Handles that outlive the layer are stale.
-  ~basic_device_exchange() { this->shutdown(); }
+  ~basic_moe_exchange() {
+    this->shutdown();
+    if (abandoned(this->abandoned_)) // MPI may still write into the buffers (until finalize)
+      detail::retain_value_until_exit(std::move(owned_));
+  }
 
   bool static_shape() const noexcept { return this->options_.static_shape; }
   //! Rows of each peer's slot per chunk (static shapes; 0 otherwise).
@@ -148,80 +161,41 @@ class basic_device_exchange
   //! Rows a chunk's send buffer holds (static: peers * slot rows).
   std::size_t send_rows_capacity() const noexcept { return layout_.send_cap(); }
 
-  //! Bytes of memory of the space `initialize` needs (for `max_in_flight` calls). With dynamic
-  //! shapes where host code runs at enqueue time (`cuda_space`), the receive-side buffers are not
-  //! in it: each call sizes them from the counts it receives (`memory()`).
+  //! Bytes of memory of the space the workspace takes (for `max_in_flight` calls). With dynamic
+  //! shapes the buffers sized from each call's counts are not in it (`memory()`).
   std::size_t workspace_size() const {
     workspace_carver measure;
     return carve(*this, measure).used();
   }
 
-  //! Carves every buffer out of `workspace` and initialises the plans on `stream`. `allocator`:
-  //! where the buffers sized at call time come from (default: the space's stream-ordered
-  //! allocation, CUDA's memory pool of the current device).
+  //! Optional: carves every buffer out of the caller's `workspace` (`workspace_size()` bytes,
+  //! 256-byte aligned) and initialises the plans on `stream`, before the first call. `allocator`:
+  //! where the buffers sized from each call's counts come from (default: the space's
+  //! stream-ordered allocation: CUDA's memory pool of the current device, the heap on the host).
+  //! Without it the first call takes the workspace from the default allocator, on its compute
+  //! stream.
   void initialize(void* workspace, std::size_t bytes, stream_arg stream,
-                  stream_allocator<Space> allocator = stream_allocator<Space>::space_default()) {
-    WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
-    WEAVE_EXPECT(allocator.allocate && allocator.deallocate, errc::invalid_argument,
-                 "a stream_allocator needs both allocate and deallocate");
-    workspace_carver carver(workspace, bytes);
-    carve(*this, carver);
-    allocator_ = std::move(allocator);
-    workspace_bytes_ = carver.used();
-    for (const auto& s : this->slots()) {
-      auto& st = s->state;
-      for (chunk_state& ch : st.chunks) {
-        ch.plan.initialize(ch.plan_ws, ch.plan.workspace_size(), stream);
-        if (sized_at_call())
-          ch.experts.initialize_fixed(ch.experts_ws, ch.experts.fixed_workspace_size(), stream);
-        else
-          ch.experts.initialize(ch.experts_ws, ch.experts.workspace_size(), stream);
-        Space::fill(stream, ch.error, 0, sizeof(std::uint32_t));
-        Space::fill(stream, ch.status.recv, 0, status_.words() * sizeof(std::int64_t));
-        tags_.initialize(stream, ch.tags);
-        if (ch.quant_status != nullptr)
-          Space::fill(stream, ch.quant_status, 0xff, sizeof(std::int64_t)); // -1: none
-      }
-      if (st.filter)
-        st.filter->initialize(st.filter_ws, st.filter->workspace_size(), stream);
-      Space::fill(stream, st.counters, 0, counter_count * sizeof(std::int64_t));
-    }
-    Space::copy_from_host(stream, static_displs_, uniform_displs_.data(),
-                          uniform_displs_.size() * sizeof(std::int64_t));
-    wait_watched(*this->comm_, stream); // the uploads read host vectors of this object
-    initialized_ = true;
-  }
+                  stream_allocator<Space> allocator = stream_allocator<Space>::space_default());
 
   //! What the layer holds now and what its next call may add, in bytes of memory of the space.
   struct memory_report {
-    std::size_t workspace = 0; //!< the workspace `initialize` was given (`workspace_size()`)
-    std::size_t held = 0;      //!< buffers sized at call time, held now (grow-only)
+    std::size_t workspace = 0; //!< the workspace (`workspace_size()`)
+    //! Buffers sized from the calls' counts, held now (grow-only): the receive side at call time
+    //! (CUDA), the expert rows (host streams).
+    std::size_t held = 0;
     //! The most the next call may add to `held`: every chunk receiving the most it can (each
     //! peer sending every token of a chunk) in every slot, less what is held.
     std::size_t next_call_max = 0;
+    //! Everything held now.
+    std::size_t total() const noexcept { return workspace + held; }
   };
-  memory_report memory() const {
-    memory_report m{workspace_bytes_, 0, 0};
-    if (!sized_at_call())
-      return m;
-    std::size_t most = 0;
-    for (const auto& s : this->slots()) {
-      for (const chunk_state& ch : s->state.chunks) {
-        m.held += ch.receive.bytes();
-        most += layout_.receive_bytes(ch, layout_.recv_cap(), layout_.most_epd_rows());
-      }
-      m.held += s->state.grads.bytes();
-      if (this->options_.save_for_backward)
-        most += layout_.grads_bytes(s->state, layout_.most_epd_rows());
-    }
-    m.next_call_max = most > m.held ? most - m.held : 0;
-    return m;
-  }
+  memory_report memory() const;
 
-  //! Where the receive side is sized at call time: the bytes one chunk's receive side takes for
-  //! `rows` received rows and `epd` expert (EPD) rows, and its backward's buffers for `epd`.
-  //! A chunk whose call receives more than its buffers hold allocates them for
-  //! `grown(rows)`, `grown(epd)` and frees the old ones (grow-only, stream-ordered).
+  //! Bytes one chunk's buffers sized from its counts take for `rows` received rows and `epd`
+  //! expert (EPD) rows (at call time: its receive side; in the stream: its expert rows), and its
+  //! backward's buffers for `epd`. A chunk whose call receives more than its buffers hold
+  //! allocates them for `grown(rows)`, `grown(epd)` and frees the old ones (grow-only,
+  //! stream-ordered).
   std::size_t receive_bytes_for(std::size_t rows, std::size_t epd) const {
     return layout_.receive_bytes(this->slots().front()->state.chunks.front(), rows, epd);
   }
@@ -231,26 +205,28 @@ class basic_device_exchange
   //! What a buffer outgrown by `need` rows is reallocated for: an eighth to spare.
   static constexpr std::size_t grown(std::size_t need) noexcept { return layout_type::grown(need); }
 
-  //! Frees the buffers sized at call time (stream-ordered on `stream`: after the work queued on
-  //! it, which must follow the layer's last call); the next call sizes them again.
-  void trim(stream_arg stream) {
-    stream_type& st = stream;
-    for (const auto& s : this->slots()) {
-      for (chunk_state& ch : s->state.chunks) {
-        ch.receive.release(&st);
-        if (sized_at_call())
-          ch.rows_cap = ch.epd_cap = 0;
-      }
-      s->state.grads.release(&st);
-      if (sized_at_call())
-        s->state.grads_cap = 0;
-    }
-  }
+ private:
+  friend base;
+  friend struct detail::moe_access;
 
-  //! What the last forward moved; waits for `stream` (enqueue it after the forward's work).
-  moe_stats read_stats(stream_arg stream) const { return read_counters(*last_forward_, stream); }
-  //! What `h`'s forward moved; waits for `stream`.
-  moe_stats read_stats(const handle& h, stream_arg stream) const {
+  // The workspace carved and the plans initialised on `stream` (`initialize`, or the first call).
+  void carve_and_initialize(void* workspace, std::size_t bytes, stream_arg stream);
+
+  // The first call of a layer no workspace was given to takes one from its allocator.
+  void ensure_initialized(stream_arg compute);
+
+ public:
+  //! Frees the buffers sized from the calls' counts (stream-ordered on `stream`: after the work
+  //! queued on it, which must follow the layer's last call); the next call sizes them again.
+  void trim(stream_arg stream);
+
+  //! What the last forward moved; waits for `stream` (call it after the forward's work was
+  //! enqueued on it: its compute stream, or one ordered after it). Throws
+  //! `errc::invalid_state` when that forward has not run its combine, or failed (a failed call
+  //! returns no numbers).
+  moe_stats stats(stream_arg stream) const { return read_counters(*last_forward_, stream); }
+  //! What `h`'s forward moved; waits for `stream` (as above, and for `h`'s call).
+  moe_stats stats(const handle& h, stream_arg stream) const {
     return read_counters(this->slot(this->slot_of(h)), stream);
   }
 
@@ -264,57 +240,7 @@ class basic_device_exchange
   //! count exchanges, or (communicators without tagged collectives) at the tag exchange of a
   //! combine or backward pass (`errc::call_mismatch`, naming both; the communicator is
   //! aborted). Clears the flags.
-  void check_errors(stream_arg stream) {
-    const bool fp8 = this->options_.fp8_dispatch.has_value();
-    host_mirror<Space, std::uint32_t>& words = error_words_; // the copies land here, pinned
-    host_mirror<Space, std::int64_t>& bad_tokens = bad_tokens_;
-    std::size_t at = 0, c = 0;
-    for (const auto& s : this->slots())
-      for (chunk_state& ch : s->state.chunks) {
-        take_error_word<Space>(stream, &words[at++], ch.error);
-        take_error_word<Space>(stream, &words[at++], ch.plan.error_word());
-        take_error_word<Space>(stream, &words[at++], ch.experts.error_word());
-        status_.take(stream, ch.status);
-        tags_.take(stream, ch.tags);
-        if (fp8) {
-          Space::copy_to_host(stream, &bad_tokens[c++], ch.quant_status, sizeof(std::int64_t));
-          Space::fill(stream, ch.quant_status, 0xff, sizeof(std::int64_t)); // -1: none
-        }
-      }
-    wait_watched(*this->comm_, stream);
-    // A call of another handle at one of this rank's count or tag exchanges explains everything
-    // else (its rows were another call's): every rank finds it; the ranks are out of step, so
-    // abort.
-    for (const auto& s : this->slots())
-      for (const chunk_state& ch : s->state.chunks)
-        for (std::exception_ptr mismatch :
-             {status_.call_mismatch(ch.status), tags_.mismatch(ch.tags)})
-          if (mismatch) {
-            abort_peers(*this->comm_, mismatch);
-            std::rethrow_exception(mismatch);
-          }
-    std::uint32_t own = 0, plan = 0, experts = 0;
-    for (std::size_t i = 0; i < words.size(); i += 3) {
-      own |= words[i];
-      plan |= words[i + 1];
-      experts |= words[i + 2];
-    }
-    throw_sender_errors(plan, own);
-    c = 0;
-    for (const auto& s : this->slots())
-      for (const chunk_state& ch : s->state.chunks) {
-        const std::int64_t bad = fp8 ? bad_tokens[c++] : -1;
-        WEAVE_EXPECT(bad < 0, errc::invalid_argument, "token ",
-                     static_cast<std::int64_t>(ch.first) + bad,
-                     " of a forward holds a NaN or an infinity: the FP8 dispatch "
-                     "(moe_options::fp8_dispatch) sent its rows as NaN");
-      }
-    for (const auto& s : this->slots()) // a peer's failure explains what this rank received
-      for (const chunk_state& ch : s->state.chunks)
-        if (std::exception_ptr peer = status_.peer_failure(ch.status))
-          std::rethrow_exception(peer);
-    device_expert_plan<Space>::throw_expert_errors(experts, this->placement_.slots_per_device());
-  }
+  void check_errors(stream_arg stream);
 
  private:
   friend base;
@@ -322,82 +248,36 @@ class basic_device_exchange
   using moves = row_moves<Space>;
   using quant = quant_moves<Space>;
   using slot_type = typename base::slot_type;
-  using chunk_state = detail::device_chunk<Space>;
-  using call_state = detail::device_call_state<Space>;
-  using layout_type = detail::device_exchange_layout<Space>;
+  using chunk_state = detail::exchange_chunk<Space>;
+  using call_state = detail::exchange_call_state<Space>;
+  using layout_type = detail::exchange_layout<Space>;
 
   // Throws for a sender's flags: the chunk plans' (`device_plan_error`) and this exchange's own
   // (`device_exchange_error`); used for this rank's and, through the status, for the peers'.
-  void throw_sender_errors(std::uint32_t plan, std::uint32_t exchange) const {
-    device_dispatch_plan<Space>::throw_plan_errors(plan, this->placement_.num_experts());
-    WEAVE_EXPECT((exchange & device_exchange_slot_overflow) == 0, errc::size_overflow,
-                 "a chunk sent more rows to a peer than its static slot of ", layout_.slot_rows(),
-                 " rows (moe_options.static_rows_per_peer)");
-    WEAVE_EXPECT((exchange & device_exchange_bad_count) == 0, errc::size_mismatch,
-                 "a peer announced a row count outside the static slot of ", layout_.slot_rows(),
-                 " rows (moe_options.static_rows_per_peer): its rows were not read");
-  }
+  void throw_sender_errors(std::uint32_t plan, std::uint32_t exchange) const;
 
   // The one wait (`moe_exchange_base::synchronize`): both streams through the communicator,
   // then the device flags unless the communicator was aborted; rethrows the root cause.
-  void synchronize_layer(stream_arg compute, stream_arg comm) {
-    std::exception_ptr waited, flagged;
-    try {
-      synchronize_streams(*this->comm_, compute, comm);
-    } catch (...) {
-      waited = std::current_exception();
-    }
-    // After an abort the flags are read only when the streams ran every task (a peer may have
-    // aborted after this rank's collectives completed with the wrong call's data: the blocks
-    // still say so).
-    if (!communicator_aborted(*this->comm_) || !waited) {
-      try {
-        check_errors(compute);
-      } catch (...) {
-        flagged = std::current_exception();
-      }
-    }
-    if (is_call_mismatch(flagged)) // the ranks were at other calls: that explains the rest
-      std::rethrow_exception(flagged);
-    if (std::exception_ptr root = root_cause({waited, flagged}))
-      std::rethrow_exception(root);
-  }
+  void synchronize_layer(stream_arg compute, stream_arg comm);
 
   // A rejected call's turn (see `moe_exchange_base::reject`): on host streams both streams
   // carry `failure` while `issue` enqueues it; on CUDA its record is copied to the device and
   // sent by the call's count exchanges instead of the flags.
   template <class Issue>
   void enqueue_rejected(slot_type& s, const std::exception_ptr& failure, stream_arg compute,
-                        stream_arg comm, Issue&& issue) {
-    s.args.x = rows_view(nullptr, 0);
-    s.args.y = rows_view(nullptr, 0);
-    if constexpr (Space::runs_later) {
-      enqueue_failed_call(*this->comm_, compute, comm, failure, std::forward<Issue>(issue));
-    } else {
-      status_.report(comm, failure, s.state.reported_h, s.state.reported);
-      s.state.rejected = true;
-      try {
-        std::forward<Issue>(issue)();
-      } catch (...) {
-        s.state.rejected = false;
-        throw;
-      }
-      s.state.rejected = false;
-    }
-  }
+                        stream_arg comm, Issue&& issue);
 
   // Space::launch for the caller's code. A failure before the dispatch on host streams travels
   // with the count exchange; any other one aborts the communicator, as the peers would
   // otherwise wait for this rank in a collective that carries no status.
   template <class F>
-  void launch_fail_stop(stream_type& s, bool before_dispatch, F f) {
-    if (before_dispatch && Space::runs_later)
-      Space::launch(s, std::move(f));
-    else
-      Space::launch(s, [this, f = std::move(f)](stream_arg ls) mutable {
-        abort_peers_on_failure(*this->comm_, [&] { f(ls); });
-      });
-  }
+  void launch_fail_stop(stream_type& s, bool before_dispatch, F f);
+
+  // A compute stage after the dispatch (`f(stream)` enqueues its steps): on host streams one
+  // task, whose failure aborts the communicator (the peers wait in this chunk's combine);
+  // elsewhere `f` runs now and a failure reaches the issuing code, which aborts.
+  template <class F>
+  void compute_stage(stream_type& s, F f);
 
   // Measures (const self, null base) or carves and records the workspace; one code for both.
   template <class Self>
@@ -413,91 +293,40 @@ class basic_device_exchange
 
   token_view rows_view(std::byte* p, std::size_t n) const { return layout_.rows_view(p, n); }
 
-  moe_stats read_counters(const slot_type& s, stream_arg stream) const {
-    std::int64_t* c = counters_h_.data();
-    Space::copy_to_host(stream, c, s.state.counters, counter_count * sizeof(std::int64_t));
-    wait_watched(*this->comm_, stream);
-    return {s.tokens,
-            c[counter_routed],
-            c[counter_dropped],
-            c[counter_sent],
-            c[counter_received],
-            c[counter_local],
-            c[counter_expert_rows],
-            this->options_.hidden * size_of(this->options_.element),
-            detail::dispatch_row_bytes(this->options_)};
-  }
+  moe_stats read_counters(const slot_type& s, stream_arg stream) const;
 
   // --- checks and accessors (called by the base and by moe_chunk) ---------------------------
 
-  void check_rows(const const_token_view& v, const char* what) const {
-    WEAVE_EXPECT(initialized_, errc::invalid_state, "device exchange is not initialised");
-    WEAVE_EXPECT(v.cols() == this->options_.hidden && v.element_type() == this->options_.element,
-                 errc::size_mismatch, "device exchange ", what, " rows of ", v.cols(), " ",
-                 v.element_type(), " for an exchange of ", this->options_.hidden, " ",
-                 this->options_.element);
-    WEAVE_EXPECT(Space::memory == memory_space::host ? host_accessible(v.space())
-                                                     : device_accessible(v.space()),
-                 errc::invalid_argument, "device exchange ", what, " rows in ", v.space(),
-                 " memory for a space of ", Space::memory, " memory");
-  }
+  void check_rows(const const_token_view& v, const char* what) const;
 
-  device_expert_batch<Space> experts_of(const slot_type& s, int c) const {
-    const chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
-    const std::size_t epd = ch.experts.max_epd_rows();
-    return {c,
-            this->rank_,
-            ch.experts.expert_offsets(),
-            local_experts_,
-            layout_.inputs_of(ch, epd),
-            rows_view(ch.epd_out, epd),
-            base::arg_of(s.phase_compute[0]),
-            layout_.codes_of(ch, epd),
-            layout_.scales_of(ch, epd)};
-  }
+  // The rows of chunk c's expert layout the caller sees: on host streams exactly those built,
+  // read once the task that opened the chunk (in `direction`: 0 forward, 1 backward) ran;
+  // elsewhere the capacity, valid in stream order.
+  std::size_t visible_rows(const chunk_state& ch, int c, int direction) const;
 
-  device_expert_grad_batch<Space> experts_grad_of(const slot_type& s, int c) const {
-    const chunk_state& ch = s.state.chunks[static_cast<std::size_t>(c)];
-    const std::size_t epd = ch.experts.max_epd_rows();
-    return {c,
-            this->rank_,
-            ch.experts.expert_offsets(),
-            local_experts_,
-            layout_.inputs_of(ch, epd),
-            rows_view(s.state.grad_scaled, epd),
-            rows_view(ch.epd_out, epd),
-            base::arg_of(s.phase_compute[1]),
-            layout_.codes_of(ch, epd),
-            layout_.scales_of(ch, epd)};
-  }
+  basic_expert_batch<Space> experts_of(const slot_type& s, int c) const;
 
-  device_expert_batch<Space> chunk_experts(int slot, int c) const {
+  basic_expert_grad_batch<Space> experts_grad_of(const slot_type& s, int c) const;
+
+  basic_expert_batch<Space> chunk_experts(int slot, int c) const {
     return experts_of(this->slot(slot), c);
   }
-  device_expert_grad_batch<Space> chunk_experts_grad(int slot, int c) const {
+  basic_expert_grad_batch<Space> chunk_experts_grad(int slot, int c) const {
     return experts_grad_of(this->slot(slot), c);
   }
-  std::span<const std::int64_t> chunk_expert_rows(int slot, int c) const {
-    const chunk_state& ch = this->slot(slot).state.chunks[static_cast<std::size_t>(c)];
-    return {ch.expert_rows, ch.count * static_cast<std::size_t>(k_)};
-  }
+  std::span<const std::int64_t> chunk_expert_rows(int slot, int c) const;
 
   // --- stages (issued by the base) ----------------------------------------------------------
 
-  void on_dispatch(slot_type& s) { last_forward_ = &s; }
+  void on_dispatch(slot_type& s) {
+    last_forward_ = &s;
+    for (chunk_state& ch : s.state.chunks)
+      for (auto& r : ch.ready)
+        r.set(false);
+  }
 
   // Dynamic shapes wait for the GPU once per chunk, which a CUDA graph cannot hold.
-  void on_start(slot_type& s, stream_type& compute) {
-    bool capturing = false;
-    if constexpr (requires { Space::is_capturing(compute); })
-      capturing = Space::is_capturing(compute);
-    WEAVE_EXPECT(!capturing || this->options_.static_shape, errc::invalid_state,
-                 "a call with dynamic shapes cannot be captured in a CUDA graph (it waits for the "
-                 "GPU once per chunk): set moe_options::static_shape");
-    s.pipeline().set_captured(capturing);
-    if (s.backward && sized_at_call()) // the forward's counts size the backward's buffers
-      layout_.reserve_grads(s.state, allocator_, compute);
-  }
+  void on_start(slot_type& s, stream_type& compute);
 
   void enqueue_prepare(slot_type& s, int c, stream_type& st);
 
@@ -550,17 +379,31 @@ class basic_device_exchange
   void exchange_back(chunk_state& ch, stream_type& s, std::byte* from, std::byte* to,
                      std::size_t unit, call_tag tag = {});
 
+  // The counts and displacements the all-to-alls read on the host: on host streams (whose tasks
+  // read them when they run) the arrays the steps fill, elsewhere their copies in host memory.
+  std::span<std::int64_t> send_counts(chunk_state& ch) const;
+  std::span<std::int64_t> send_displs(chunk_state& ch) const;
+  std::span<std::int64_t> recv_counts(chunk_state& ch) const;
+  std::span<std::int64_t> recv_displs(chunk_state& ch) const;
+
   const std::int64_t* receive_displs(const chunk_state& ch) const {
     return this->options_.static_shape ? static_displs_ : ch.recv_displs;
   }
 
   // Receive-side rows the expert plan visits: what the call received where the host knows it
-  // (sized at call time), else the whole buffer (padding included).
+  // (at call time, or in the stream), else the whole buffer (padding included).
   std::size_t built_rows(const chunk_state& ch) const {
-    return sized_at_call() ? ch.rows : ch.rows_cap;
+    return sized_at_call() || layout_.in_stream() ? ch.rows : ch.rows_cap;
   }
 
+  // Opens chunk c's experts: one task on host streams, the steps enqueued now elsewhere.
   void enqueue_open_experts(slot_type& s, int c, stream_type& st);
+  // The forward's: the expert plan, the rows into its layout, the (token, choice) -> expert row
+  // map. On host streams the expert rows are sized here, once the plan says how many.
+  void open_forward(slot_type& s, int c, stream_type& st);
+  // The backward's: the output gradients into the expert layout, plain and gate-scaled, and the
+  // gate gradients against the saved outputs.
+  void open_backward(slot_type& s, int c, stream_type& st);
 
   // FP8 dispatch: the received codes and scales into the expert layout, and their dequantised
   // values when asked for.
@@ -584,14 +427,23 @@ class basic_device_exchange
   device_counts_with_status<Space> status_; // the count exchanges, carrying each rank's status
   device_call_tags<Space> tags_;            // untagged communicators: combines' call checks
   layout_type layout_;                      // the buffers and their sizes
-  stream_allocator<Space> allocator_;       // buffers sized at call time
+  stream_allocator<Space> allocator_;       // buffers sized from the calls' counts
+  stream_block<Space> owned_; // the workspace, when the layer took it (after `allocator_`)
   std::size_t workspace_bytes_ = 0;
-  // Where `check_errors` and `read_stats` copy flags and counters to (pinned on CUDA).
+  // Where `check_errors` and `stats` copy flags and counters to (pinned on CUDA).
   host_mirror<Space, std::uint32_t> error_words_;
   host_mirror<Space, std::int64_t> bad_tokens_;
   mutable host_mirror<Space, std::int64_t> counters_h_{counter_count};
 };
 
+//! The MoE exchange on host streams (`host_space`): over `local_world`'s communicators or MPI.
+template <communicator Comm>
+using moe_exchange = basic_moe_exchange<host_space, Comm>;
+
 WEAVE_NAMESPACE_END
 
-#include "weave/overlap/device_exchange_stages.hpp" // the stages, out of the class
+// Out of the class: the sending stages, the receiving ones, memory, waits and errors.
+#include "weave/overlap/detail/moe_exchange_dispatch.hpp"
+#include "weave/overlap/detail/moe_exchange_memory.hpp"
+#include "weave/overlap/detail/moe_exchange_stages.hpp"
+#include "weave/overlap/detail/moe_exchange_waits.hpp"

@@ -1,8 +1,8 @@
 //! \file
 //! `moe_handle`: one MoE layer call in flight (DeepEP's dispatch handle, Megatron's token
 //! dispatcher state), its per-chunk expert rows (`moe_chunk`) and the chunk iteration that
-//! pipelines them (`moe_chunk_range`). The same types serve the host exchange (`moe_exchange`)
-//! and the device exchange (`basic_device_exchange`, `cuda_moe_exchange`).
+//! pipelines them (`moe_chunk_range`), for `basic_moe_exchange` in every execution space
+//! (`moe_exchange` on host streams, `cuda_moe_exchange` on CUDA).
 //!
 //! A handle is a move-only lease of one of the exchange's `moe_options::max_in_flight` slots:
 //! everything its call needs (plans, received rows, expert offsets, the (token, choice) -> expert
@@ -21,7 +21,7 @@
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
-#include "weave/overlap/layer_life.hpp"
+#include "weave/overlap/detail/layer_life.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -181,10 +181,11 @@ struct moe_ref {
 } // namespace detail
 
 //! Chunk `index()` of a handle's call: the expert-major rows one grouped GEMM computes.
-//! Host exchange: `experts()` / `experts_grad()` are valid once the compute stream has reached
-//! the chunk (call them in a task enqueued on it, or after synchronizing it) and throw
-//! `errc::invalid_state` before. Device exchange: they are views of fixed workspace memory whose
-//! contents are valid in stream order, so work enqueued on `batch.stream` may read them.
+//! On host streams (`host_space`) `experts()` / `experts_grad()` are valid once the compute
+//! stream has reached the chunk (call them in a task enqueued on it, or after synchronizing it)
+//! and throw `errc::invalid_state` before. Where host code runs at enqueue time (CUDA) they are
+//! views of the chunk's capacity whose contents are valid in stream order, so work enqueued on
+//! `batch.stream` may read them.
 template <class Exchange>
 class moe_chunk {
  public:
@@ -193,7 +194,7 @@ class moe_chunk {
   //! Chunk index within the call.
   int index() const noexcept { return chunk_; }
   //! The forward's expert rows of the chunk (input to read, output to write), grouped by local
-  //! expert: `expert_batch` (host) or `device_expert_batch<Space>` (device).
+  //! expert: `basic_expert_batch<Space>` (`expert_batch` on host streams, `cuda_expert_batch`).
   auto experts() const {
     return detail::moe_access::experts(std::as_const(ref_.alive()), ref_.slot, chunk_);
   }

@@ -6,8 +6,8 @@
 
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
-#include "weave/overlap/decode_records.hpp"
-#include "weave/overlap/decode_slot_counts.hpp"
+#include "weave/overlap/detail/decode_records.hpp"
+#include "weave/overlap/detail/decode_slot_counts.hpp"
 
 #include <algorithm>
 #include <cstddef>

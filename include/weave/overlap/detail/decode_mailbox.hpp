@@ -11,7 +11,7 @@
 #include "weave/core/failure.hpp"
 #include "weave/core/retain.hpp"
 #include "weave/overlap/decode_options.hpp"
-#include "weave/overlap/decode_records.hpp"
+#include "weave/overlap/detail/decode_records.hpp"
 
 #include <cstddef>
 #include <cstdint>

@@ -7,7 +7,7 @@
 
 #include "weave/core/checked.hpp"
 #include "weave/core/config.hpp"
-#include "weave/overlap/decode_records.hpp"
+#include "weave/overlap/detail/decode_records.hpp"
 #include "weave/placement/placement.hpp"
 
 #include <algorithm>

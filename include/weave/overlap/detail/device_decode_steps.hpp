@@ -18,7 +18,7 @@
 #include "weave/core/config.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/overlap/decode_options.hpp"
-#include "weave/overlap/decode_records.hpp"
+#include "weave/overlap/detail/decode_records.hpp"
 #include "weave/routing/device_dispatch_plan.hpp"
 
 #include <cstddef>

@@ -61,8 +61,8 @@ inline void add_fp8_dispatch(config_fingerprint& f,
 
 } // namespace detail
 
-//! The fingerprint of an MoE layer built as `kind` ("moe_exchange" or "device_exchange") over
-//! `where` with `o`.
+//! The fingerprint of an MoE layer built as `kind` over `where` with `o` (`basic_moe_exchange`
+//! passes "moe_exchange" in every space).
 inline config_fingerprint layer_fingerprint(const std::string& kind, const placement& where,
                                             const moe_options& o) {
   config_fingerprint f(kind);

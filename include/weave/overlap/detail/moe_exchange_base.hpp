@@ -1,8 +1,8 @@
 //! \file
-//! `moe_exchange_base`: what the host exchange (`moe_exchange`) and the device exchange
-//! (`basic_device_exchange`) share. It owns the `max_in_flight` slots a handle leases, issues a
-//! call's chunk stages in pipeline order (`chunk_pipeline`'s events order them across the two
-//! streams), and offers the public API on top of the derived exchange's stages:
+//! `moe_exchange_base`: the public API of `basic_moe_exchange` and how it issues a call. It owns
+//! the `max_in_flight` slots a handle leases, issues a call's chunk stages in pipeline order
+//! (`chunk_pipeline`'s events order them across the two streams), and offers the public API on
+//! top of the exchange's stages:
 //! - handles: `dispatch` -> `chunks` -> `combine`, and `combine_backward` -> `chunks` ->
 //!   `dispatch_backward` (DeepEP's dispatch/combine, Megatron's token_permutation /
 //!   token_unpermutation), with the caller computing the experts on its stream;
@@ -41,11 +41,11 @@
 #include "weave/core/tensor.hpp"
 #include "weave/core/tensor_args.hpp"
 #include "weave/exec/stream.hpp"
-#include "weave/overlap/layer_agreement.hpp"
-#include "weave/overlap/layer_life.hpp"
+#include "weave/overlap/detail/layer_agreement.hpp"
+#include "weave/overlap/detail/layer_life.hpp"
+#include "weave/overlap/detail/moe_slot.hpp"
 #include "weave/overlap/moe_handle.hpp"
 #include "weave/overlap/moe_options.hpp"
-#include "weave/overlap/moe_slot.hpp"
 #include "weave/overlap/pipeline.hpp"
 #include "weave/placement/placement.hpp"
 
@@ -63,9 +63,9 @@
 WEAVE_NAMESPACE_BEGIN
 
 //! The handle API, the callback form and the tensor-generic overloads of an MoE exchange
-//! (`Derived` is `moe_exchange<Comm>` or `basic_device_exchange<Space, Comm>`; see the file
-//! comment). All calls only enqueue: tensors, spans, hooks and callbacks are borrowed until the
-//! streams of the call are synchronized (or, on CUDA, until the streams have run the work).
+//! (`Derived` is `basic_moe_exchange<Space, Comm>`; see the file comment). All calls only enqueue:
+//! tensors, spans, hooks and callbacks are borrowed until the streams of the call are synchronized
+//! (or, on CUDA, until the streams have run the work).
 template <class Derived, class Traits>
 class moe_exchange_base {
  public:
@@ -116,27 +116,7 @@ class moe_exchange_base {
   //! (they fail at its first count exchange with a `peer_error` naming this rank).
   handle dispatch(const_token_view x, std::span<const std::int32_t> ids,
                   std::span<const float> weights, stream_arg compute, stream_arg comm,
-                  const hooks_type* hooks = nullptr) {
-    flush_dispatch(); // an earlier call's failure surfaces here, on every rank, before this call
-    try {
-      check_dispatch(x, ids, weights, hooks, compute, comm);
-    } catch (...) {
-      reject(std::current_exception(), compute, comm);
-      throw;
-    }
-    // No free slot on this rank: its peers would wait for this call's collectives.
-    handle h;
-    abort_peers_on_failure(*comm_, [&] { h = acquire(x.rows()); });
-    const int i = slot_of(h);
-    slot_type& s = slot(i);
-    s.args.x = x;
-    s.args.ids = ids;
-    s.args.weights = weights;
-    s.args.hooks = hooks;
-    self().on_dispatch(s);
-    start(i, false, compute, comm);
-    return h;
-  }
+                  const hooks_type* hooks = nullptr);
 
   //! The expert chunks of `h`'s current phase, in pipeline order (see `moe_chunk_range`):
   //! `for (auto chunk : layer.chunks(h)) enqueue the experts of chunk.experts() on compute`.
@@ -148,102 +128,31 @@ class moe_exchange_base {
   //! and a chunk hook's consumer) is issued after chunk c + 1's experts, so it runs under the
   //! next combine instead of after the last chunk (what Lancet's partitioning of the consumer
   //! needs). `combine(h, y, ...)` must then name the same `y`.
-  moe_chunk_range<Derived> chunks(handle& h, token_view y) {
-    const int i = slot_for_call(h);
-    slot_type& s = slot(i);
-    abort_peers_on_failure(*comm_, [&] {
-      expect_phase(s, moe_phase::dispatched, "chunks with an output");
-      check_rows(y, "output", s.tokens);
-      check_same_output(s, s.args.y, y, "chunks");
-    });
-    if (!s.output_known) // once given, finishes on the stream may be reading it
-      s.args.y = y;
-    s.output_known = true;
-    return detail::moe_access::make_range(self(), i);
-  }
+  moe_chunk_range<Derived> chunks(handle& h, token_view y);
 
   //! `chunks(h)` of a backward whose outputs `dx`, `dw` are given now (see the forward form);
   //! `dispatch_backward` must then name the same ones.
-  moe_chunk_range<Derived> chunks(handle& h, token_view dx, std::span<float> dw) {
-    const int i = slot_for_call(h);
-    slot_type& s = slot(i);
-    abort_peers_on_failure(*comm_, [&] {
-      expect_phase(s, moe_phase::gradients_dispatched, "chunks with outputs");
-      check_backward_outputs(s, dx, dw);
-      check_same_output(s, s.args.dx, dx, "chunks");
-    });
-    if (!s.output_known) { // once given, finishes on the stream may be reading them
-      s.args.dx = dx;
-      s.args.dw = dw;
-    }
-    s.output_known = true;
-    return detail::moe_access::make_range(self(), i);
-  }
+  moe_chunk_range<Derived> chunks(handle& h, token_view dx, std::span<float> dw);
 
   //! Enqueues the combine of `h`'s forward into `y` (T rows): y[t] = sum over kept choices j
   //! of weights[t, j] * expert(ids[t, j])(x[t]), from the expert outputs the caller wrote.
   //! Every chunk must have been iterated (the last one at least opened). Throws
   //! `errc::invalid_state` otherwise or in another phase, `errc::size_mismatch` for a `y` of
   //! other rows.
-  void combine(handle& h, token_view y, stream_arg compute, stream_arg comm) {
-    const int i = slot_for_call(h);
-    slot_type& s = slot(i);
-    // Misuse, or a bad output (bad input): the peers, waiting in this call's collectives, learn
-    // it at once.
-    abort_peers_on_failure(*comm_, [&] {
-      expect_phase(s, moe_phase::dispatched, "combine");
-      check_comm(s, comm, "combine");
-      check_same_output(s, s.args.y, y, "combine");
-      check_rows(y, "output", s.tokens);
-    });
-    if (!s.output_known) // one given to `chunks` is already read by finishes on the stream
-      s.args.y = y;
-    finish_phase(i, compute, moe_phase::combined);
-  }
+  void combine(handle& h, token_view y, stream_arg compute, stream_arg comm);
 
   //! Enqueues the backward's dispatch of `dy` (T rows, the gradient of `combine`'s output) to
   //! the expert devices (the backward of `combine`). Each chunk's `experts_grad()` then holds
   //! the saved expert inputs and the gate-scaled output gradients; the caller writes the input
   //! gradients. Needs `save_for_backward` and a combined handle (`errc::invalid_state`). Bad
   //! arguments abort the communicator (no count exchange carries them).
-  void combine_backward(handle& h, const_token_view dy, stream_arg compute, stream_arg comm) {
-    abort_peers_on_failure(*comm_, [&] {
-      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                   "the backward needs moe_options.save_for_backward");
-    });
-    const int i = slot_for_call(h);
-    slot_type& s = slot(i);
-    // The backward has no count exchange to carry a bad argument or a misuse: the peers learn it
-    // by abort.
-    abort_peers_on_failure(*comm_, [&] {
-      expect_phase(s, moe_phase::combined, "combine_backward");
-      check_rows(dy, "output gradient", s.tokens);
-    });
-    s.args.dy = dy;
-    start(i, true, compute, comm);
-  }
+  void combine_backward(handle& h, const_token_view dy, stream_arg compute, stream_arg comm);
 
   //! Enqueues the return of the experts' input gradients (the backward of `dispatch`): `dx`
   //! (T rows) and the gate-weight gradients `dw` (k per token; 0 for dropped or absent
   //! choices). Every chunk must have been iterated, as for `combine`.
   void dispatch_backward(handle& h, token_view dx, std::span<float> dw, stream_arg compute,
-                         stream_arg comm) {
-    const int i = slot_for_call(h);
-    slot_type& s = slot(i);
-    abort_peers_on_failure(*comm_, [&] {
-      expect_phase(s, moe_phase::gradients_dispatched, "dispatch_backward");
-      check_comm(s, comm, "dispatch_backward");
-      check_same_output(s, s.args.dx, dx, "dispatch_backward");
-      WEAVE_EXPECT(!s.output_known || dw.data() == s.args.dw.data(), errc::invalid_argument,
-                   "dispatch_backward: other gate gradients than chunks(h, dx, dw) was given");
-      check_backward_outputs(s, dx, dw);
-    });
-    if (!s.output_known) { // ones given to `chunks` are already read by finishes on the stream
-      s.args.dx = dx;
-      s.args.dw = dw;
-    }
-    finish_phase(i, compute, moe_phase::finished);
-  }
+                         stream_arg comm);
 
   // --- the callback form ------------------------------------------------------------------
 
@@ -254,62 +163,23 @@ class moe_exchange_base {
   //! handle form's bitwise.
   void forward(const_token_view x, std::span<const std::int32_t> ids,
                std::span<const float> weights, token_view y, experts_fn experts, stream_arg compute,
-               stream_arg comm, const hooks_type* hooks = nullptr) {
-    try {
-      check_rows(y, "output", x.rows());
-    } catch (...) {
-      reject(std::current_exception(), compute, comm);
-      throw;
-    }
-    last_.reset(); // its backward will not come; its slot may serve this call
-    handle h = dispatch(x, ids, weights, compute, comm, hooks);
-    slot_type& s = slot(slot_of(h));
-    s.args.experts = std::move(experts);
-    for (const chunk c : chunks(h, y))
-      self().enqueue_experts_callback(s, c.index(), compute);
-    combine(h, y, compute, comm);
-    if (options_.save_for_backward)
-      last_ = std::move(h);
-  }
+               stream_arg comm, const hooks_type* hooks = nullptr);
 
   //! Enqueues the backward of the last `forward` (needs `save_for_backward`): `experts_grad`
   //! computes each chunk's input gradients; writes `dx` and the gate gradients `dw`.
   void backward(const_token_view dy, token_view dx, std::span<float> dw,
-                experts_grad_fn experts_grad, stream_arg compute, stream_arg comm) {
-    abort_peers_on_failure(*comm_, [&] {
-      WEAVE_EXPECT(options_.save_for_backward, errc::invalid_state,
-                   "backward needs moe_options.save_for_backward");
-      WEAVE_EXPECT(last_.valid(), errc::invalid_state,
-                   "backward needs a forward first (each forward has one backward)");
-      check_rows(dx, "input gradient", slot(slot_of(last_)).tokens);
-    });
-    slot_type& s = slot(slot_of(last_));
-    combine_backward(last_, dy, compute, comm);
-    s.args.experts_grad = std::move(experts_grad);
-    for (const chunk c : chunks(last_, dx, dw))
-      self().enqueue_experts_callback(s, c.index(), compute);
-    dispatch_backward(last_, dx, dw, compute, comm);
-    last_.reset();
-  }
+                experts_grad_fn experts_grad, stream_arg compute, stream_arg comm);
 
   // --- waiting and failures ---------------------------------------------------------------
 
   //! The one wait: waits for both streams (through the communicator, see `wait_watched`) and
   //! rethrows the root cause of a failure: this rank's own error, else a peer's failure naming
-  //! its rank, code and message. Observes the failures of both streams. The device exchange
-  //! also checks its device flags (`check_errors`).
+  //! its rank, code and message. Observes the failures of both streams and the flags the
+  //! layer's steps set (`check_errors`), in every space.
   //! After a failure that left the layer usable (an in-band one), every call that was in flight
   //! is over on every rank: their slots are free and their handles stale (their uses throw
   //! `errc::invalid_state`, releasing them does nothing), so the next call works at once.
-  void synchronize(stream_arg compute, stream_arg comm) {
-    try {
-      self().synchronize_layer(compute, comm);
-    } catch (...) {
-      if (usable())
-        end_calls_in_flight();
-      throw;
-    }
-  }
+  void synchronize(stream_arg compute, stream_arg comm);
 
   //! False once the communicator was aborted (a failure after a dispatch, a timeout, a
   //! half-issued handle released): every later call fails; rebuild the communicator and the
@@ -401,7 +271,7 @@ class moe_exchange_base {
 
   //! Checks the options and the placement against the communicator (`validate`: the derived
   //! exchange's own checks), agrees on them with every rank (`agree_on_layer`, collective) and
-  //! creates the slots: the one construction step both exchanges share.
+  //! creates the slots.
   template <class Validate>
   moe_exchange_base(comm_type& comm, placement where, moe_options options, const std::string& kind,
                     Validate&& validate)
@@ -574,5 +444,6 @@ class moe_exchange_base {
 
 WEAVE_NAMESPACE_END
 
-#include "weave/overlap/moe_exchange_checks.hpp" // the checks, out of the class
-#include "weave/overlap/moe_exchange_issue.hpp"  // how a phase is issued, out of the class
+#include "weave/overlap/detail/moe_exchange_calls.hpp"  // the calls, out of the class
+#include "weave/overlap/detail/moe_exchange_checks.hpp" // the checks, out of the class
+#include "weave/overlap/detail/moe_exchange_issue.hpp"  // how a phase is issued, out of the class

@@ -4,7 +4,7 @@
 //! naming what differs. Included by `moe_exchange_base.hpp`.
 #pragma once
 
-#include "weave/overlap/moe_exchange_base.hpp"
+#include "weave/overlap/detail/moe_exchange_base.hpp"
 
 #include <type_traits>
 

@@ -6,7 +6,7 @@
 //! `moe_exchange_base.hpp`.
 #pragma once
 
-#include "weave/overlap/moe_exchange_base.hpp"
+#include "weave/overlap/detail/moe_exchange_base.hpp"
 
 #include <exception>
 #include <type_traits>

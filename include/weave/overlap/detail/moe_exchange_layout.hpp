@@ -1,14 +1,17 @@
 //! \file
-//! `detail::device_exchange_layout<Space>`: the buffers of `basic_device_exchange` and their
-//! sizes. What a chunk sends is bounded by its tokens (min(k, D) rows per token) and lives in
-//! the workspace. What it receives is sized one of two ways:
+//! `detail::exchange_layout<Space>`: the buffers of `basic_moe_exchange` and their sizes. What a
+//! chunk sends is bounded by its tokens (min(k, D) rows per token) and lives in the workspace.
+//! What it receives is sized one of three ways:
 //! - at call time (dynamic shapes where host code runs at enqueue time, as on CUDA): once the
 //!   host has a chunk's counts (rows per peer, and the (token, expert) pairs they carry), the
 //!   chunk's receive side is allocated for them through the layer's `stream_allocator`,
 //!   grow-only with an eighth to spare, the old block freed in stream order;
+//! - in the stream (dynamic shapes on host streams, whose host code runs in the streams' tasks):
+//!   the received rows in the workspace, every peer sending every token (the all-to-all names
+//!   its buffer when it is issued), and the expert (EPD) rows, the bulk, grown like the above by
+//!   the task that opens the chunk, once it knows how many it builds;
 //! - in advance, in the workspace: static shapes (D fixed slots per chunk; expert rows bounded
-//!   by the capacity factor when there is one), and host streams (which plan the receive in the
-//!   stream, after the steps that use the buffers were issued): every peer sending every token.
+//!   by the capacity factor when there is one).
 //! One carving code serves the size queries (a measuring carver) and the real carving. Internal.
 #pragma once
 
@@ -19,8 +22,8 @@
 #include "weave/core/tensor.hpp"
 #include "weave/core/workspace.hpp"
 #include "weave/exec/stream_allocator.hpp"
-#include "weave/overlap/device_exchange_state.hpp"
-#include "weave/overlap/device_exchange_steps.hpp"
+#include "weave/overlap/detail/moe_exchange_state.hpp"
+#include "weave/overlap/detail/moe_exchange_steps.hpp"
 #include "weave/overlap/moe_options.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/capacity.hpp"
@@ -35,13 +38,13 @@ WEAVE_NAMESPACE_BEGIN
 namespace detail {
 
 template <class Space>
-class device_exchange_layout {
+class exchange_layout {
  public:
   using stream_type = typename Space::stream_type;
-  using chunk_state = device_chunk<Space>;
-  using call_state = device_call_state<Space>;
+  using chunk_state = exchange_chunk<Space>;
+  using call_state = exchange_call_state<Space>;
 
-  device_exchange_layout(const moe_options& o, const placement& where, int devices)
+  exchange_layout(const moe_options& o, const placement& where, int devices)
       : o_(o)
       , D_(static_cast<std::size_t>(devices))
       , k_(static_cast<std::size_t>(o.k))
@@ -62,6 +65,11 @@ class device_exchange_layout {
     return !Space::runs_later && !o.static_shape;
   }
   bool at_call() const noexcept { return sized_at_call(o_); }
+  //! Whether the expert rows are sized by the task that opens a chunk (see the file comment).
+  static constexpr bool sized_in_stream(const moe_options& o) noexcept {
+    return Space::runs_later && !o.static_shape;
+  }
+  bool in_stream() const noexcept { return sized_in_stream(o_); }
 
   std::size_t chunk_tokens() const noexcept { return chunk_tokens_; }
   std::size_t slot_rows() const noexcept { return slot_rows_; }
@@ -123,34 +131,50 @@ class device_exchange_layout {
       }
       if (grads)
         set(ch.returned_dw, send_cap_ * k_);
-      if (!at_call())
+      if (in_stream())
+        carve_received(ch, set, ch.rows_cap, 0);
+      else if (!at_call())
         carve_receive(ch, set, ch.rows_cap, ch.epd_cap);
     }
-    if (grads && !at_call()) // shared by the chunks of a call: its backward runs them in order
+    if (grads && !at_call() && !in_stream()) // shared by the chunks of a call (run in order)
       carve_grads(st, set, st.chunks.front().epd_cap);
   }
 
   //! The receive side of a chunk for `rows` received rows and `epd` EPD rows.
   template <class Set>
   void carve_receive(const chunk_state& ch, Set&& set, std::size_t rows, std::size_t epd) const {
+    carve_received(ch, set, rows, epd);
+    carve_expert_rows(ch, set, epd);
+  }
+
+  //! What arrives (rows, routes, FP8 wire rows), what goes back, and where sized at call time
+  //! the expert plan's per-row arrays.
+  template <class Set>
+  void carve_received(const chunk_state& ch, Set&& set, std::size_t rows, std::size_t epd) const {
     const bool grads = o_.save_for_backward, fp8 = o_.fp8_dispatch.has_value();
     if (!fp8 || grads)
       this->rows(set, ch.recv, rows);
     this->rows(set, ch.back, rows);
-    if (has_inputs())
-      this->rows(set, ch.epd_in, epd);
-    this->rows(set, ch.epd_out, epd);
-    if (fp8) {
-      const std::size_t blocks = o_.hidden / o_.fp8_dispatch->blocks.block;
+    if (fp8)
       set(ch.recv_fp8, checked_mul(rows, wire_.stride, "FP8 receive bytes"));
-      set(ch.epd_codes, checked_mul(epd, o_.hidden, "FP8 expert rows"));
-      set(ch.epd_scales, checked_mul(epd, blocks, "FP8 expert scales"));
-    }
     set(ch.recv_routes, checked_mul(rows, k_, "route entries"));
     if (grads)
       set(ch.send_dw, checked_mul(rows, k_, "gate gradients"));
     if (at_call())
       set(ch.experts_rows_ws, ch.experts.rows_workspace_size(rows, epd));
+  }
+
+  //! The expert (EPD) rows: inputs, outputs, and with an FP8 dispatch codes and scales.
+  template <class Set>
+  void carve_expert_rows(const chunk_state& ch, Set&& set, std::size_t epd) const {
+    if (has_inputs())
+      this->rows(set, ch.epd_in, epd);
+    this->rows(set, ch.epd_out, epd);
+    if (o_.fp8_dispatch) {
+      const std::size_t blocks = o_.hidden / o_.fp8_dispatch->blocks.block;
+      set(ch.epd_codes, checked_mul(epd, o_.hidden, "FP8 expert rows"));
+      set(ch.epd_scales, checked_mul(epd, blocks, "FP8 expert scales"));
+    }
   }
 
   //! The backward's buffers of a call for `epd` EPD rows (the most of its chunks).
@@ -161,14 +185,19 @@ class device_exchange_layout {
     set(st.grad_dot, epd);
   }
 
+  //! Bytes of what is sized after a chunk's counts: its receive side for `rows` rows and `epd`
+  //! EPD rows at call time, its expert rows in the stream.
   std::size_t receive_bytes(const chunk_state& ch, std::size_t rows, std::size_t epd) const {
     workspace_carver measure;
-    carve_receive(ch, carve_into<const device_exchange_layout>(measure), rows, epd);
+    if (in_stream())
+      carve_expert_rows(ch, carve_into<const exchange_layout>(measure), epd);
+    else
+      carve_receive(ch, carve_into<const exchange_layout>(measure), rows, epd);
     return measure.used();
   }
   std::size_t grads_bytes(const call_state& st, std::size_t epd) const {
     workspace_carver measure;
-    carve_grads(st, carve_into<const device_exchange_layout>(measure), epd);
+    carve_grads(st, carve_into<const exchange_layout>(measure), epd);
     return measure.used();
   }
 
@@ -185,16 +214,29 @@ class device_exchange_layout {
     const std::size_t new_epd = epd <= ch.epd_cap ? ch.epd_cap : grown(epd);
     ch.receive.replace(alloc, receive_bytes(ch, new_rows, new_epd), s);
     workspace_carver carver(ch.receive.data(), ch.receive.bytes());
-    carve_receive(ch, carve_into<device_exchange_layout>(carver), new_rows, new_epd);
+    carve_receive(ch, carve_into<exchange_layout>(carver), new_rows, new_epd);
     ch.experts.attach_rows(ch.experts_rows_ws, ch.experts.rows_workspace_size(new_rows, new_epd),
                            new_rows, new_epd);
     ch.rows_cap = new_rows;
     ch.epd_cap = new_epd;
   }
 
-  //! At call time: the backward's buffers of call `st` hold its chunks' EPD rows.
-  void reserve_grads(call_state& st, const stream_allocator<Space>& alloc, stream_type& s) const {
-    std::size_t epd = 0;
+  //! In the stream: chunk `ch`'s expert rows hold at least `epd` rows (grown on `s`).
+  void reserve_expert_rows(chunk_state& ch, std::size_t epd, const stream_allocator<Space>& alloc,
+                           stream_type& s) const {
+    if (epd <= ch.epd_cap)
+      return;
+    const std::size_t fresh = grown(epd);
+    ch.receive.replace(alloc, receive_bytes(ch, 0, fresh), s);
+    workspace_carver carver(ch.receive.data(), ch.receive.bytes());
+    carve_expert_rows(ch, carve_into<exchange_layout>(carver), fresh);
+    ch.epd_cap = fresh;
+  }
+
+  //! At call time (or in the stream): the backward's buffers of call `st` hold its chunks' EPD
+  //! rows (or `epd` rows).
+  void reserve_grads(call_state& st, const stream_allocator<Space>& alloc, stream_type& s,
+                     std::size_t epd = 0) const {
     for (const chunk_state& ch : st.chunks)
       epd = std::max(epd, ch.epd);
     if (epd <= st.grads_cap)
@@ -202,7 +244,7 @@ class device_exchange_layout {
     epd = grown(epd);
     st.grads.replace(alloc, grads_bytes(st, epd), s);
     workspace_carver carver(st.grads.data(), st.grads.bytes());
-    carve_grads(st, carve_into<device_exchange_layout>(carver), epd);
+    carve_grads(st, carve_into<exchange_layout>(carver), epd);
     st.grads_cap = epd;
   }
 

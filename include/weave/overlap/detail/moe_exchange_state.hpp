@@ -1,7 +1,7 @@
 //! \file
-//! The per-call state of `basic_device_exchange` (one per in-flight slot): each chunk's device
-//! plans and the pointers into the workspace its buffers are carved at, the batch's capacity
-//! filter, statistics counters and backward scratch. Internal.
+//! The per-call state of `basic_moe_exchange` (one per in-flight slot): each chunk's plans and
+//! the pointers into the workspace (or the blocks sized at call time) its buffers are carved
+//! at, the batch's capacity filter, statistics counters and backward scratch. Internal.
 #pragma once
 
 #include "weave/comm/device_call_tags.hpp"
@@ -16,6 +16,7 @@
 #include "weave/routing/device_dispatch_plan.hpp"
 #include "weave/routing/device_expert_plan.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -24,11 +25,21 @@
 WEAVE_NAMESPACE_BEGIN
 namespace detail {
 
-// One chunk of one call: plans, and where its buffers live in the workspace.
+// A flag a stream's task sets and the issuing thread reads (movable, for the chunk vector).
+struct ready_flag {
+  std::atomic<bool> value{false};
+  ready_flag() = default;
+  ready_flag(ready_flag&& o) noexcept
+      : value(o.value.load(std::memory_order_relaxed)) {}
+  bool get() const noexcept { return value.load(std::memory_order_acquire); }
+  void set(bool v) noexcept { value.store(v, std::memory_order_release); }
+};
+
+// One chunk of one call: plans, and where its buffers live.
 template <class Space>
-struct device_chunk {
-  device_chunk(const placement& where, int k, int rank, std::size_t tokens, std::size_t recv_rows,
-               std::size_t epd_rows)
+struct exchange_chunk {
+  exchange_chunk(const placement& where, int k, int rank, std::size_t tokens, std::size_t recv_rows,
+                 std::size_t epd_rows)
       : plan(where, k, rank, tokens)
       , experts(where.slots_per_device(), k, where.num_devices(), recv_rows, epd_rows)
       , rows_cap(recv_rows)
@@ -45,7 +56,10 @@ struct device_chunk {
   // Receive-side rows and EPD rows the buffers hold; where they are sized at call time, also
   // what the current call received (counts read on the host) and the block that holds them.
   std::size_t rows_cap = 0, epd_cap = 0, rows = 0, epd = 0;
-  stream_block<Space> receive;
+  stream_block<Space> receive; // the buffers sized at call time (or the expert rows, host)
+  // Host streams: the forward's / backward's expert rows of the current call are ready (set by
+  // the task that opened the chunk): what `experts()` read then is valid.
+  ready_flag ready[2];
   std::byte *plan_ws = nullptr, *experts_ws = nullptr, *experts_rows_ws = nullptr;
   std::int64_t *send_pairs = nullptr, *recv_pairs = nullptr; // pairs per peer (sized at call)
   std::byte *send = nullptr, *recv = nullptr, *back = nullptr, *returned = nullptr;
@@ -73,8 +87,8 @@ struct device_chunk {
 
 // Everything one call needs, reused by the calls of its slot.
 template <class Space>
-struct device_call_state {
-  std::vector<device_chunk<Space>> chunks;
+struct exchange_call_state {
+  std::vector<exchange_chunk<Space>> chunks;
   std::optional<device_capacity_filter<Space>> filter; // none when dropless
   std::byte* filter_ws = nullptr;
   std::uint8_t* keep = nullptr;

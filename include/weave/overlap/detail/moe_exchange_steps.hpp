@@ -1,8 +1,8 @@
 //! \file
-//! The data-parallel steps of `basic_device_exchange` that are not plans or row moves: the
-//! fixed-slot layout of static shapes, the gate-gradient maps of the backward, and the
-//! statistics counters; plus the callback batches the device exchange hands to the experts.
-//! Every step is a functor run by an execution space (host tasks or CUDA kernels).
+//! The data-parallel steps of `basic_moe_exchange` that are not plans or row moves: the
+//! fixed-slot layout of static shapes, the (token, choice) -> expert row map, the gate-gradient
+//! maps of the backward, and the statistics counters. Every step is a functor run by an
+//! execution space (host tasks or CUDA kernels).
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -13,64 +13,17 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <span>
 
 WEAVE_NAMESPACE_BEGIN
 
-//! One chunk's rows on one expert device for the device exchange, grouped by local expert (the
-//! EPD layout). The row count is known only in memory of the space: local slot `l` owns rows
-//! `[expert_offsets[l], expert_offsets[l + 1])`, and `expert_offsets[local_experts]` rows are
-//! valid out of the views' capacity (a grouped GEMM with device-side problem sizes). With
-//! `cuda_space` the callback runs on the calling thread and enqueues its work on `stream`; with
-//! `host_space` it runs on `stream`'s thread and computes directly.
-template <class Space>
-struct device_expert_batch {
-  int chunk = 0;                                //!< chunk index within the call
-  int device = 0;                               //!< this rank
-  std::span<const std::int64_t> expert_offsets; //!< local experts + 1 values, memory of the space
-  std::span<const std::int32_t> experts;        //!< logical expert of each local slot (host)
-  const_token_view input;                       //!< expert inputs (capacity rows)
-  token_view output;                            //!< expert outputs, to be written
-  typename Space::stream_arg stream;            //!< where the work goes
-  //! With `moe_options::fp8_dispatch`: the inputs' FP8 codes and f32 scales (capacity rows, as
-  //! `expert_batch::input_codes`); `input` is then empty unless `dequantized_inputs` is set.
-  const_token_view input_codes{};
-  const_token_view input_scales{}; //!< see `input_codes`
-};
-
-//! The backward of one chunk's experts in the device exchange: from `grad_output` (dL/d(expert
-//! output), already multiplied by the gate weight) write `grad_input`; `saved_input` holds the
-//! forward's inputs. Offsets and row counts as in `device_expert_batch`.
-template <class Space>
-struct device_expert_grad_batch {
-  int chunk = 0;
-  int device = 0;
-  std::span<const std::int64_t> expert_offsets;
-  std::span<const std::int32_t> experts;
-  const_token_view saved_input;
-  const_token_view grad_output;
-  token_view grad_input;
-  typename Space::stream_arg stream;
-  const_token_view saved_codes{};  //!< FP8 dispatch: the forward inputs' codes
-  const_token_view saved_scales{}; //!< FP8 dispatch: their scales
-};
-
-//! Per-chunk hooks of a device-exchange forward (see `moe_chunk_hooks`): they receive the
-//! chunk's token range and the stream to enqueue on (`cuda_space`), or run on it (`host_space`).
-template <class Space>
-struct device_chunk_hooks {
-  std::function<void(std::size_t first, std::size_t count, typename Space::stream_arg)> produce;
-  std::function<void(std::size_t first, std::size_t count, typename Space::stream_arg)> consume;
-};
-
-//! Bits the device exchange sets in its own error word.
+//! Bits the exchange sets in its own error word.
 enum device_exchange_error : std::uint32_t {
   device_exchange_slot_overflow = 1, //!< a chunk sent more rows to a peer than its static slot
   device_exchange_bad_count = 2,     //!< a peer announced a row count outside its static slot
 };
 
-//! Indices of the device exchange's statistics counters.
+//! Indices of the exchange's statistics counters.
 enum device_exchange_counter : int {
   counter_routed = 0,
   counter_dropped,
@@ -78,6 +31,7 @@ enum device_exchange_counter : int {
   counter_received,
   counter_local,
   counter_expert_rows,
+  counter_call, //!< the call whose forward ran to its last finish (0: none yet, or it failed)
   counter_count
 };
 
@@ -294,6 +248,14 @@ struct received_rows_step {
     atomic_add(counters + counter_received, total);
     atomic_add(counters + counter_expert_rows, *epd_rows);
   }
+};
+
+// Once per call, in the forward's last finish: the statistics are the call's, complete (a failed
+// call's streams never get here).
+struct stats_done_step {
+  std::int64_t* counters;
+  std::int64_t call;
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const { counters[counter_call] = call; }
 };
 
 } // namespace detail
