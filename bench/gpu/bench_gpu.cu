@@ -528,16 +528,18 @@ void BM_exchange(benchmark::State& state) {
       static_cast<double>(exchange_tokens * state.iterations()), benchmark::Counter::kIsRate);
 }
 
-// Identity experts of a decode call: a copy of the valid rows of each local slot (read on the
-// device from the view's counts).
-__global__ void copy_valid_rows(const ::uint4* in, ::uint4* out, const std::int64_t* rows,
-                                std::int64_t per, std::int64_t words_per_row, std::int64_t n) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = i / words_per_row;
-    if (row % per < rows[row / per])
-      out[i] = in[i];
-  }
+// Identity experts of a decode call: each local slot's rows copied from its input (the pool, or
+// a single row read where it arrived) to its output rows in the pool; one block per slot, the
+// counts read on the device from the view's arrays.
+__global__ void copy_slot_rows(const std::byte* const* blocks, const ::uint4* in, ::uint4* out,
+                               const std::int64_t* first, const std::int64_t* rows,
+                               std::int64_t words_per_row) {
+  const std::int64_t l = blockIdx.x;
+  const ::uint4* from = blocks[l] != nullptr ? reinterpret_cast<const ::uint4*>(blocks[l])
+                                             : in + first[l] * words_per_row;
+  ::uint4* to = out + first[l] * words_per_row;
+  for (std::int64_t i = threadIdx.x; i < rows[l] * words_per_row; i += blockDim.x)
+    to[i] = from[i];
 }
 
 // Decode-sized layers on one GPU (one-rank NCCL, E = 64, k = 8, bf16 4096). Args: mode (0 the
@@ -578,11 +580,9 @@ void BM_decode(benchmark::State& state) {
                              weave::cuda_stream_ref(st));
         const auto xs = h.experts();
         const auto words = static_cast<std::int64_t>(row_bytes / 16);
-        const auto per = static_cast<std::int64_t>(xs.rows_per_expert);
-        const std::int64_t n = xs.local_experts * per * words;
-        copy_valid_rows<<<1024, 256, 0, st>>>(reinterpret_cast<const ::uint4*>(xs.input),
-                                              reinterpret_cast<::uint4*>(xs.output), xs.rows, per,
-                                              words, n);
+        copy_slot_rows<<<static_cast<unsigned>(xs.local_experts()), 256, 0, st>>>(
+            xs.input_blocks(), reinterpret_cast<const ::uint4*>(xs.input_pool()),
+            reinterpret_cast<::uint4*>(xs.output_pool()), xs.slot_first(), xs.slot_rows(), words);
         WEAVE_CUDA_CHECK(cudaGetLastError());
         ex.combine(h, y, weave::cuda_stream_ref(st));
       };

@@ -2,14 +2,14 @@
 // in the message headers, two all-to-alls per layer) against the dynamic moe_exchange (count
 // exchange, then routes and rows, then the combine: four collectives per layer), registered side
 // by side so one run measures them all. Modes: decode_exchange with DeepEP's per-pair combine
-// (`partial_sums = false`: one combine row per (token, expert)); the device decode exchange
-// (`basic_device_decode_exchange`, the algorithm of `cuda_decode_exchange`) run on host streams,
-// per-pair too: every step written for a GPU (no host wait inside the layer; the host waits once,
-// in `check_errors`), its combine messages sent whole; decode_exchange with its dispatch in FP8
-// (e4m3, one scale per 128 elements, dequantised on arrival) and the default combine; then
-// decode_exchange and the device decode exchange with the default combine (`partial_sums`: one
-// row per (token, device), the dynamic exchange's sums); decode_exchange with the default combine
-// and gathered inputs (the experts copy each row from where it arrived, no pool copy).
+// (`partial_sums = false`: one combine row per (token, expert)); the same layer with cuda_space's
+// control flow (`basic_decode_exchange<emulated_gpu_space, ...>`: the GPU's forms of the steps,
+// host code at enqueue time, no host wait inside the layer, every message sent whole), per-pair
+// too; decode_exchange with its dispatch in FP8 (e4m3, one scale per 128 elements, dequantised on
+// arrival) and the default combine; then decode_exchange and its emulated CUDA path with the
+// default combine (`partial_sums`: one row per (token, device), the dynamic exchange's sums);
+// decode_exchange with the default combine and gathered inputs (the experts copy each row from
+// where it arrived, no pool copy).
 //
 // 4 in-process ranks, k = 8, bf16 rows, uniform random top-k, on an emulated link of 5 or 20 us
 // per message and 25 GB/s per rank pair; E = 32 and 256, hidden 256 and 2048, 1 to 512 tokens
@@ -25,13 +25,11 @@
 #include <weave/comm/local_world.hpp>
 #include <weave/core/dtype.hpp>
 #include <weave/core/host_matrix.hpp>
+#include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/decode_exchange.hpp>
-#include <weave/overlap/device_decode_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
-#include <weave/routing/host_quant_moves.hpp>
-#include <weave/routing/host_row_moves.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -110,10 +108,10 @@ class counting_comm {
 enum class mode {
   dynamic = 0,
   decode = 1,
-  device_decode = 2,
+  emulated_decode = 2,
   decode_fp8 = 3,
   decode_partial = 4,
-  device_decode_partial = 5,
+  emulated_decode_partial = 5,
   decode_gathered = 6 // the default combine, the experts reading the rows where they arrived
 };
 
@@ -155,26 +153,18 @@ class layer_ranks {
     const std::size_t tokens = at.tokens, hidden = at.hidden;
     auto& d = data_[static_cast<std::size_t>(r)];
     weave::host_stream compute("compute"), stream("comm");
-    if (m == mode::device_decode || m == mode::device_decode_partial) {
+    if (m == mode::emulated_decode || m == mode::emulated_decode_partial) {
       weave::decode_options o{k, hidden, tokens};
-      o.partial_sums = m == mode::device_decode_partial;
-      weave::basic_device_decode_exchange<weave::host_space, counting_comm, row_t> ex(comm, where,
-                                                                                      o);
-      const std::size_t bytes = ex.workspace_size();
-      std::unique_ptr<std::byte, void (*)(std::byte*)> ws(
-          static_cast<std::byte*>(::operator new (bytes, std::align_val_t{256})),
-          [](std::byte* p) { ::operator delete (p, std::align_val_t{256}); });
-      ex.initialize(ws.get(), bytes, stream);
+      o.partial_sums = m == mode::emulated_decode_partial;
+      weave::basic_decode_exchange<weave::emulated_gpu_space, counting_comm, row_t> ex(comm, where,
+                                                                                       o);
       loop(r, comm, [&] {
         auto h = ex.dispatch(d.x.elements(), d.ids, d.weights, stream);
-        stream.submit([xs = h.experts()] { // the experts, queued: no host wait mid-layer
-          const std::size_t row = xs.hidden * sizeof(row_t);
-          for (int l = 0; l < xs.local_experts; ++l)
-            std::memcpy(xs.output_of(l), xs.input_of(l),
-                        static_cast<std::size_t>(xs.rows[l]) * row);
+        stream.submit([xs = h.experts(), &o] { // the experts, queued: no host wait mid-layer
+          moe_bench::copy_decode_experts(xs, false, o.hidden * sizeof(row_t));
         });
         ex.combine(h, d.y.elements(), stream);
-        ex.check_errors(stream); // the one wait
+        ex.synchronize(stream); // the one wait
       });
     } else if (m == mode::decode || m == mode::decode_fp8 || m == mode::decode_partial ||
                m == mode::decode_gathered) {
@@ -190,7 +180,7 @@ class layer_ranks {
           moe_bench::copy_decode_experts(xs, o.gathered_inputs, o.hidden * sizeof(row_t));
         });
         ex.combine(h, d.y.elements(), stream);
-        stream.synchronize();
+        ex.synchronize(stream);
       });
     } else {
       weave::moe_options o;
@@ -250,13 +240,13 @@ void moe_decode_layer(benchmark::State& state) {
   state.counters["collectives_per_layer"] = layer.collectives_per_layer();
   state.counters["messages_per_layer"] = layer.collectives_per_layer() * (ranks - 1);
   state.counters["peer_bytes_per_layer"] = layer.bytes_per_layer();
-  state.SetLabel(m == mode::decode                  ? "decode, per-pair combine"
-                 : m == mode::device_decode         ? "device decode (host streams), per-pair"
-                 : m == mode::decode_fp8            ? "decode, FP8 dispatch"
-                 : m == mode::decode_partial        ? "decode (default combine)"
-                 : m == mode::device_decode_partial ? "device decode (default combine)"
-                 : m == mode::decode_gathered       ? "decode, gathered inputs"
-                                                    : "dynamic");
+  state.SetLabel(m == mode::decode                    ? "decode, per-pair combine"
+                 : m == mode::emulated_decode         ? "decode, CUDA's control flow, per-pair"
+                 : m == mode::decode_fp8              ? "decode, FP8 dispatch"
+                 : m == mode::decode_partial          ? "decode (default combine)"
+                 : m == mode::emulated_decode_partial ? "decode, CUDA's control flow"
+                 : m == mode::decode_gathered         ? "decode, gathered inputs"
+                                                      : "dynamic");
 }
 
 } // namespace

@@ -1,14 +1,22 @@
-// Routing layer costs beside naive references in one binary:
+// Routing layer costs beside naive references in one binary. weave's side is the library's
+// own plans and moves in `host_space`: `device_capacity_filter<host_space>`,
+// `device_dispatch_plan<host_space>`, `device_expert_plan<host_space>` and the row moves of
+// `row_moves<host_space>` / `layout_move<host_space>`, on a `host_stream` the calling thread
+// holds (`claim_if_idle`) around the timed calls, so every step runs inline on the calling
+// thread (no hand-off to the stream's worker) as in a layer that computes on its own stream;
+// each benchmark fails if a step was queued instead.
 // - gating: top_k_gate over [T, E] fp32 logits;
-// - plan: capacity_filter + dispatch_plan (O(T*k) counting sort, one row per (token, device))
-//   beside a Tutel/GShard-style plan from one-hot [T, E] masks and cumulative sums per rank;
+// - plan: the capacity decision (position order, whole batch) + the dispatch plan (counting sort
+//   by destination device, one row per (token, device)) beside a Tutel/GShard-style plan from
+//   one-hot [T, E] masks and cumulative sums per rank;
 // - gather: ORI -> SFD (de-duplicated per device) and SFD -> EPD beside the mask-based
 //   dispatch that copies one row per (token, expert) into expert-major order, and beside a
 //   memcpy of the same ORI bytes (the bandwidth ceiling).
-// - layout moves at memory speed: the encode moves (ORI -> SFD, SFD -> EPD) and the decode
-//   merges (EPD -> SFD weighted, SFD -> ORI) of f32 and bf16 rows, each iteration timed beside a
-//   memcpy of the same traffic (bytes read + written), so `vs_memcpy` is a ratio measured side
-//   by side under the same load; `copy/stream` does the same for a plain streaming copy.
+// - layout moves at memory speed: the encode moves (ORI -> SFD, SFD -> EPD: scatters through
+//   the inverse maps on the host) and the decode merges (EPD -> SFD weighted, SFD -> ORI) of f32
+//   and bf16 rows, each iteration timed beside a memcpy of the same traffic (bytes read +
+//   written), so `vs_memcpy` is a ratio measured side by side under the same load;
+//   `copy/stream` does the same for a plain streaming copy.
 // Counters: rows/s (rows written), GB/s (bytes written; for the layout moves, read + written),
 // CT (copies per token).
 // The default run skips the cases named "long" (hidden 4096, bigger batches); run them with
@@ -19,9 +27,11 @@
 #include <weave/routing.hpp>
 
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <new>
 #include <random>
 #include <string>
 #include <tuple>
@@ -31,6 +41,65 @@ namespace {
 
 constexpr int devices = 8;
 constexpr double capacity_factor = 1.25;
+
+using space = weave::host_space;
+
+// A plan's workspace: memory of host_space, 256-byte aligned, freed at scope exit.
+struct workspace {
+  explicit workspace(std::size_t n)
+      : bytes(n)
+      , data(static_cast<std::byte*>(::operator new (n == 0 ? 1 : n, std::align_val_t{256}))) {}
+  ~workspace() { ::operator delete (data, std::align_val_t{256}); }
+  workspace(const workspace&) = delete;
+  workspace& operator=(const workspace&) = delete;
+  std::size_t bytes;
+  std::byte* data;
+};
+
+// A dispatch plan of weave in host_space with its workspace, initialized on `stream`.
+struct dispatch_planner {
+  weave::device_dispatch_plan<space> plan;
+  workspace ws;
+  dispatch_planner(const weave::placement& where, int k, std::size_t T, weave::host_stream& stream)
+      : plan(where, k, 0, T)
+      , ws(plan.workspace_size()) {
+    plan.initialize(ws.data, ws.bytes, stream);
+  }
+};
+
+// The receiver plan of all of `sender`'s rows, as one device holding every local slot index
+// receives them (one source per destination device), with its workspace; built and checked.
+struct expert_planner {
+  weave::device_expert_plan<space> plan;
+  workspace ws;
+  expert_planner(const weave::placement& where, int k,
+                 const weave::device_dispatch_plan<space>& sender, std::size_t rows,
+                 weave::host_stream& stream)
+      : plan(where.slots_per_device(), k, where.num_devices(), rows)
+      , ws(plan.workspace_size()) {
+    plan.initialize(ws.data, ws.bytes, stream);
+    plan.build(stream, sender.row_routes().first(rows * static_cast<std::size_t>(k)),
+               sender.send_counts().data(), sender.send_offsets().data());
+    plan.check_errors(stream);
+  }
+  std::size_t epd_rows() const {
+    return static_cast<std::size_t>(plan.expert_offsets()[plan.expert_offsets().size() - 1]);
+  }
+};
+
+// Holds `stream` for the calling thread while it lives, so host_space steps run inline; reports
+// an error for the benchmark if one was queued instead (or the stream was busy).
+struct inline_steps {
+  benchmark::State& state;
+  weave::host_stream::inline_claim claim;
+  inline_steps(benchmark::State& s, weave::host_stream& stream)
+      : state(s)
+      , claim(stream.claim_if_idle()) {}
+  ~inline_steps() {
+    if (!claim.all_ran_here())
+      state.SkipWithError("a host_space step was queued instead of running inline");
+  }
+};
 
 struct routed {
   weave::host_matrix<float> logits;
@@ -144,18 +213,26 @@ void plan_weave(benchmark::State& state) {
   const std::size_t T = arg(state, 0);
   const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
   const auto& in = inputs(T, E, k);
-  weave::capacity_filter filter(E, k, T, {capacity_factor, weave::drop_order::position});
+  weave::host_stream stream("plan");
+  weave::device_capacity_filter<space> filter(E, k, T,
+                                              {capacity_factor, weave::drop_order::position});
+  workspace filter_ws(filter.workspace_size());
+  filter.initialize(filter_ws.data, filter_ws.bytes, stream);
+  dispatch_planner p(weave::placement::contiguous(E, devices < E ? devices : E), k, T, stream);
   std::vector<std::uint8_t> keep(in.ids.size());
-  weave::dispatch_plan plan(weave::placement::contiguous(E, devices < E ? devices : E), k, 0);
-  for (auto _ : state) {
-    filter.reset();
-    filter.admit(in.ids, keep);
-    plan.build(in.ids, in.weights, keep);
-    benchmark::DoNotOptimize(plan.rows());
+  stream.synchronize();
+  {
+    const inline_steps held(state, stream);
+    for (auto _ : state) {
+      filter.decide(stream, in.ids, in.weights, keep);
+      p.plan.build(stream, in.ids, in.weights, keep);
+      benchmark::ClobberMemory();
+    }
   }
+  p.plan.check_errors(stream);
   state.counters["tokens/s"] =
       benchmark::Counter(static_cast<double>(T), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["CT"] = plan.copies_per_token();
+  state.counters["CT"] = static_cast<double>(p.plan.read_rows(stream)) / static_cast<double>(T);
 }
 
 void plan_naive_mask(benchmark::State& state) {
@@ -178,15 +255,22 @@ void gather_weave(benchmark::State& state) {
   const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
   const auto& in = inputs(T, E, k);
   const auto& x = tokens(T, H);
-  weave::dispatch_plan plan(weave::placement::contiguous(E, devices < E ? devices : E), k, 0);
-  plan.build(in.ids, in.weights);
-  weave::host_matrix<weave::bfloat16> sfd(static_cast<std::size_t>(plan.rows()), H);
-  for (auto _ : state) {
-    weave::dispatch_gather(plan, x.view(), sfd.view());
-    benchmark::ClobberMemory();
+  weave::host_stream stream("gather");
+  dispatch_planner p(weave::placement::contiguous(E, devices < E ? devices : E), k, T, stream);
+  p.plan.build(stream, in.ids, in.weights);
+  p.plan.check_errors(stream);
+  const auto rows = static_cast<std::size_t>(p.plan.read_rows(stream));
+  weave::host_matrix<weave::bfloat16> sfd(rows, H);
+  {
+    const inline_steps held(state, stream);
+    for (auto _ : state) {
+      weave::layout_move<space>(stream, x.view(), sfd.view(), p.plan.row_token().data(), nullptr,
+                                nullptr, p.plan.token_rows().data(), k, nullptr, nullptr);
+      benchmark::ClobberMemory();
+    }
   }
-  set_row_counters(state, static_cast<double>(plan.rows()), static_cast<double>(H * 2));
-  state.counters["CT"] = plan.copies_per_token();
+  set_row_counters(state, static_cast<double>(rows), static_cast<double>(H * 2));
+  state.counters["CT"] = static_cast<double>(rows) / static_cast<double>(T);
 }
 
 // SFD -> EPD on the receiving side: one row per (token, local expert), grouped by expert.
@@ -195,20 +279,28 @@ void scatter_weave(benchmark::State& state) {
   const int E = static_cast<int>(state.range(1)), k = static_cast<int>(state.range(2));
   const auto& in = inputs(T, E, k);
   const auto& x = tokens(T, H);
-  const auto p = weave::placement::contiguous(E, devices < E ? devices : E);
-  weave::dispatch_plan plan(p, k, 0);
-  plan.build(in.ids, in.weights);
-  weave::host_matrix<weave::bfloat16> sfd(static_cast<std::size_t>(plan.rows()), H);
-  weave::dispatch_gather(plan, x.view(), sfd.view());
+  const auto where = weave::placement::contiguous(E, devices < E ? devices : E);
+  weave::host_stream stream("scatter");
+  dispatch_planner p(where, k, T, stream);
+  p.plan.build(stream, in.ids, in.weights);
+  p.plan.check_errors(stream);
+  const auto rows = static_cast<std::size_t>(p.plan.read_rows(stream));
+  weave::host_matrix<weave::bfloat16> sfd(rows, H);
+  weave::layout_move<space>(stream, x.view(), sfd.view(), p.plan.row_token().data(), nullptr,
+                            nullptr, p.plan.token_rows().data(), k, nullptr, nullptr);
   // All devices' rows received by one device that holds every local slot index.
-  weave::expert_plan eplan(p.slots_per_device(), k);
-  eplan.build(plan.row_routes(), plan.send_counts());
-  weave::host_matrix<weave::bfloat16> epd(static_cast<std::size_t>(eplan.epd_rows()), H);
-  for (auto _ : state) {
-    weave::expert_scatter(eplan, sfd.view(), epd.view());
-    benchmark::ClobberMemory();
+  const expert_planner e(where, k, p.plan, rows, stream);
+  weave::host_matrix<weave::bfloat16> epd(e.epd_rows(), H);
+  {
+    const inline_steps held(state, stream);
+    for (auto _ : state) {
+      weave::layout_move<space>(stream, sfd.view(), epd.view(), e.plan.epd_row_source().data(),
+                                nullptr, e.plan.epd_rows_count(), e.plan.row_epd().data(), k,
+                                nullptr, nullptr);
+      benchmark::ClobberMemory();
+    }
   }
-  set_row_counters(state, static_cast<double>(eplan.epd_rows()), static_cast<double>(H * 2));
+  set_row_counters(state, static_cast<double>(e.epd_rows()), static_cast<double>(H * 2));
 }
 
 // The mask-based dispatch: each kept (token, expert) pair copied to expert-major order.
@@ -247,34 +339,66 @@ void memcpy_baseline(benchmark::State& state) {
   set_row_counters(state, static_cast<double>(T), static_cast<double>(H * 2));
 }
 
-// One dispatch plan and its receiver plan for a (T, E, k) batch over `devices` devices, with
-// rows of element type T at every layout; the receiver holds every destination's rows (one
-// rank receiving what all sources send it, with this source's distribution).
+// One dispatch plan and its receiver plan (weave's, in host_space) for a (T, E, k) batch over
+// `devices` devices, with rows of element type T at every layout; the receiver holds every
+// destination's rows (one rank receiving what all sources send it, with this source's
+// distribution).
 template <class T>
 struct layouts {
+  weave::host_stream stream{"layouts"};
   weave::placement where;
-  weave::dispatch_plan plan;
-  weave::expert_plan experts;
+  int k;
+  dispatch_planner sender;
+  std::size_t rows;
+  expert_planner experts;
   weave::host_matrix<T> ori, sfd, epd, back, out;
 
-  layouts(std::size_t tokens, int E, int k, std::size_t H)
+  layouts(std::size_t tokens, int E, int k_, std::size_t H)
       : where(weave::placement::contiguous(E, devices < E ? devices : E))
-      , plan(where, k, 0)
-      , experts(where.slots_per_device(), k) {
-    const auto& in = inputs(tokens, E, k);
-    plan.build(in.ids, in.weights);
-    experts.build(plan.row_routes(), plan.send_counts());
-    const auto rows = static_cast<std::size_t>(plan.rows());
+      , k(k_)
+      , sender(where, k, tokens, stream)
+      , rows(build(sender, tokens, E, k, stream))
+      , experts(where, k, sender.plan, rows, stream) {
     ori = weave::host_matrix<T>(tokens, H);
     for (std::size_t i = 0; i < ori.elements().size(); ++i)
       ori.elements()[i] = T(static_cast<float>(i % 251) / 64.0f - 1.0f);
     sfd = weave::host_matrix<T>(rows, H);
-    epd = weave::host_matrix<T>(static_cast<std::size_t>(experts.epd_rows()), H);
+    epd = weave::host_matrix<T>(experts.epd_rows(), H);
     back = weave::host_matrix<T>(rows, H);
     out = weave::host_matrix<T>(tokens, H);
-    weave::dispatch_gather(plan, ori.view(), sfd.view());
-    weave::expert_scatter(experts, sfd.view(), epd.view());
-    weave::expert_merge(experts, epd.view(), back.view());
+    ori_sfd();
+    sfd_epd();
+    epd_sfd();
+    stream.synchronize();
+  }
+
+  // The four moves, enqueued on `stream` (inline while the calling thread holds it).
+  void ori_sfd() {
+    weave::layout_move<space>(stream, ori.view(), sfd.view(), sender.plan.row_token().data(),
+                              nullptr, nullptr, sender.plan.token_rows().data(), k, nullptr,
+                              nullptr);
+  }
+  void sfd_epd() {
+    weave::layout_move<space>(stream, sfd.view(), epd.view(), experts.plan.epd_row_source().data(),
+                              nullptr, experts.plan.epd_rows_count(), experts.plan.row_epd().data(),
+                              k, nullptr, nullptr);
+  }
+  void epd_sfd() {
+    weave::row_moves<space>::merge(stream, epd.view(), back.view(), experts.plan.row_epd().data(),
+                                   k, experts.plan.row_weight().data(), nullptr, false);
+  }
+  void sfd_ori() {
+    weave::row_moves<space>::merge(stream, back.view(), out.view(), sender.plan.token_rows().data(),
+                                   k, nullptr, nullptr, false);
+  }
+
+ private:
+  static std::size_t build(dispatch_planner& p, std::size_t tokens, int E, int k,
+                           weave::host_stream& s) {
+    const auto& in = inputs(tokens, E, k);
+    p.plan.build(s, in.ids, in.weights);
+    p.plan.check_errors(s);
+    return static_cast<std::size_t>(p.plan.read_rows(s));
   }
 };
 
@@ -333,27 +457,30 @@ void move_vs_memcpy(benchmark::State& state, layout_move move) {
     read_rows = written_rows = l.epd.rows();
     break;
   case layout_move::epd_sfd:
-    read_rows = valid(l.experts.row_epd());
+    read_rows = valid(l.experts.plan.row_epd());
     written_rows = l.back.rows();
     break;
   case layout_move::sfd_ori:
-    read_rows = valid(l.plan.token_rows());
+    read_rows = valid(l.sender.plan.token_rows());
     written_rows = l.out.rows();
     break;
   }
   const auto run = [&] {
     switch (move) {
     case layout_move::ori_sfd:
-      return weave::dispatch_gather(l.plan, l.ori.view(), l.sfd.view());
+      return l.ori_sfd();
     case layout_move::sfd_epd:
-      return weave::expert_scatter(l.experts, l.sfd.view(), l.epd.view());
+      return l.sfd_epd();
     case layout_move::epd_sfd:
-      return weave::expert_merge(l.experts, l.epd.view(), l.back.view());
+      return l.epd_sfd();
     case layout_move::sfd_ori:
-      return weave::combine_merge(l.plan, l.back.view(), l.out.view());
+      return l.sfd_ori();
     }
   };
-  time_vs_memcpy(state, (read_rows + written_rows) * row, run);
+  {
+    const inline_steps held(state, l.stream);
+    time_vs_memcpy(state, (read_rows + written_rows) * row, run);
+  }
   state.counters["rows/s"] = benchmark::Counter(static_cast<double>(written_rows),
                                                 benchmark::Counter::kIsIterationInvariantRate);
 }

@@ -9,7 +9,6 @@
 #include "weave/overlap/decode_exchange.hpp"
 #include "weave/overlap/decode_handle.hpp"
 #include "weave/overlap/decode_options.hpp"
-#include "weave/overlap/device_decode_exchange.hpp"
 #include "weave/overlap/expert_state_moves.hpp"
 #include "weave/overlap/moe_exchange.hpp"
 #include "weave/overlap/moe_handle.hpp"

@@ -1,8 +1,11 @@
 //! \file
-//! Umbrella header of the host routing layer: gating, capacity, device-limited routing,
-//! dispatch plans (sender and receiver halves), host kernels, block-scaled FP8 quantisation and
-//! statistics. The CUDA kernels are in `weave/routing/kernels.cuh` and
-//! `weave/routing/quantize.cuh` (nvcc) and the plan upload in `plan_cuda.hpp`.
+//! Umbrella header of the host routing layer: gating, capacity, device-limited routing, the
+//! dispatch plans (`device_dispatch_plan<Space>`, `device_expert_plan<Space>`,
+//! `device_capacity_filter<Space>`: one algorithm in every execution space, run on host streams
+//! by `host_space`), the row primitives and layout moves (`gather_rows` / `merge_rows`,
+//! `row_moves<Space>`, `layout_move`), and block-scaled FP8 quantisation. The CUDA pieces are
+//! in `weave/routing/plan.cuh`, `weave/routing/kernels.cuh`, `weave/routing/cuda_row_moves.cuh`
+//! and `weave/routing/quantize.cuh` (nvcc).
 #pragma once
 
 #include "weave/routing/capacity.hpp"
@@ -11,13 +14,11 @@
 #include "weave/routing/device_expert_plan.hpp"
 #include "weave/routing/device_limit.hpp"
 #include "weave/routing/device_maps.hpp"
-#include "weave/routing/dispatch_plan.hpp"
-#include "weave/routing/expert_plan.hpp"
 #include "weave/routing/gate.hpp"
 #include "weave/routing/host_quant_moves.hpp"
 #include "weave/routing/host_row_moves.hpp"
 #include "weave/routing/kernels_async.hpp"
 #include "weave/routing/kernels_host.hpp"
 #include "weave/routing/quantize.hpp"
+#include "weave/routing/route_entry.hpp"
 #include "weave/routing/row_moves.hpp"
-#include "weave/routing/statistics.hpp"

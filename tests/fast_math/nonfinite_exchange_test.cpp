@@ -1,10 +1,10 @@
-// The exchanges' checks of non-finite values over a two-rank local_world, in the MoE exchange (its
-// cases written once and run in host_space and in emulated_gpu_space) and both decode exchanges:
-// a NaN or infinite gate weight on one rank fails the call on every rank with the documented
-// typed errors; a token holding a NaN or an infinity in an FP8 dispatch fails every rank of the
-// decode exchanges, while the MoE exchange, in every space as on the GPU, sends its blocks as NaN
-// and reports it on its rank only, the peer's outputs unaffected; finite extremes never fail; a
-// NaN activation reaches the output as a NaN. Built with -ffast-math (test_fast_math) and without
+// The exchanges' checks of non-finite values over a two-rank local_world, in the MoE and decode
+// exchanges (their cases written once and run in host_space and in emulated_gpu_space): a NaN or
+// infinite gate weight on one rank fails the call on every rank with the documented typed
+// errors; a token holding a NaN or an infinity in an FP8 dispatch fails every rank of the decode
+// exchange, while the MoE exchange, in every space as on the GPU, sends its blocks as NaN and
+// reports it on its rank only, the peer's outputs unaffected; finite extremes never fail; a NaN
+// activation reaches the output as a NaN. Built with -ffast-math (test_fast_math) and without
 // (test_fast_math_reference): the same expectations hold in both.
 #include <doctest/doctest.h>
 
@@ -17,7 +17,6 @@
 #include <weave/exec/host_space.hpp>
 #include <weave/exec/host_stream.hpp>
 #include <weave/overlap/decode_exchange.hpp>
-#include <weave/overlap/device_decode_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
@@ -41,9 +40,6 @@ constexpr int ranks = 2, experts = 4, k = 2;
 constexpr std::size_t tokens = 6, hidden = 256; // two FP8 blocks of 128
 
 using comm_type = weave::local_communicator;
-using host_decode_layer = weave::decode_exchange<comm_type, float>;
-using device_decode_layer =
-    weave::basic_device_decode_exchange<weave::host_space, comm_type, float>;
 
 // One rank's tokens: random activations, token t choosing experts t % 4 and (t + 1) % 4 with
 // weights 0.75 and 0.25.
@@ -118,9 +114,28 @@ void moe_forward(comm_type& comm, const weave::moe_options& o, const rank_input&
   ex.synchronize(compute, comm_stream);
 }
 
-enum class layer { moe_host, moe_emulated_gpu, host_decode, device_decode };
-constexpr layer every_layer[] = {layer::moe_host, layer::moe_emulated_gpu, layer::host_decode,
-                                 layer::device_decode};
+// One decode call in `Space`, the experts the identity (a task queued after the dispatch), and the
+// one wait that reports a failure's root cause.
+template <class Space>
+void decode_call(comm_type& comm, bool fp8, const rank_input& in, weave::host_matrix<float>& y,
+                 weave::host_stream& s) {
+  weave::basic_decode_exchange<Space, comm_type, float> ex(
+      comm, weave::placement::contiguous(experts, ranks), decode_options_of(fp8));
+  auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, s);
+  s.submit([xs = h.experts()] {
+    for (const std::int64_t l : xs.busy()) {
+      const auto input = xs.input(static_cast<int>(l));
+      std::memcpy(xs.output(static_cast<int>(l)).data(), input.data(),
+                  input.size() * sizeof(float));
+    }
+  });
+  ex.combine(h, y.elements(), s);
+  ex.synchronize(s);
+}
+
+enum class layer { moe_host, moe_emulated_gpu, decode_host, decode_emulated_gpu };
+constexpr layer every_layer[] = {layer::moe_host, layer::moe_emulated_gpu, layer::decode_host,
+                                 layer::decode_emulated_gpu};
 // The MoE exchange in each space.
 constexpr layer moe_layers[] = {layer::moe_host, layer::moe_emulated_gpu};
 
@@ -134,10 +149,10 @@ const char* name_of(layer l) {
     return "moe_exchange in host_space";
   case layer::moe_emulated_gpu:
     return "moe_exchange in emulated_gpu_space";
-  case layer::host_decode:
-    return "decode_exchange";
+  case layer::decode_host:
+    return "decode_exchange in host_space";
   default:
-    return "device decode exchange";
+    return "decode_exchange in emulated_gpu_space";
   }
 }
 
@@ -151,7 +166,6 @@ struct call_result {
 
 template <class Poison>
 call_result call(layer which, bool fp8, Poison&& poison, weave::capacity_policy capacity = {}) {
-  const auto where = weave::placement::contiguous(experts, ranks);
   call_result out;
   weave::local_world world(ranks, {std::chrono::seconds(20), {}});
   world.run([&](comm_type& comm) {
@@ -171,34 +185,12 @@ call_result call(layer which, bool fp8, Poison&& poison, weave::capacity_policy 
         moe_forward<weave::emulated_gpu_space>(comm, moe_options_of(fp8, capacity), in, y, compute,
                                                comm_stream);
         break;
-      case layer::host_decode: {
-        host_decode_layer ex(comm, where, decode_options_of(fp8));
-        auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, compute);
-        compute.synchronize();
-        const auto xs = h.experts();
-        for (int l = 0; l < xs.local_experts(); ++l) {
-          const auto input = xs.input(l);
-          const auto output = xs.output(l);
-          std::memcpy(output.data(), input.data(), input.size() * sizeof(float));
-        }
-        ex.combine(h, y.elements(), compute);
-        compute.synchronize();
+      case layer::decode_host:
+        decode_call<weave::host_space>(comm, fp8, in, y, compute);
         break;
-      }
-      case layer::device_decode: {
-        device_decode_layer ex(comm, where, decode_options_of(fp8));
-        weave_test::aligned_buffer ws(ex.workspace_size());
-        ex.initialize(ws.ptr, ws.size, compute);
-        auto h = ex.dispatch(in.x.elements(), in.ids, in.weights, compute);
-        compute.submit([xs = h.experts()] {
-          for (int l = 0; l < xs.local_experts; ++l)
-            std::memcpy(xs.output_of(l), xs.input_of(l),
-                        static_cast<std::size_t>(xs.rows[l]) * hidden * sizeof(float));
-        });
-        ex.combine(h, y.elements(), compute);
-        ex.check_errors(compute);
+      case layer::decode_emulated_gpu:
+        decode_call<weave::emulated_gpu_space>(comm, fp8, in, y, compute);
         break;
-      }
       }
     });
   });

@@ -1,11 +1,14 @@
 // Every check of non-finite values in the element conversions, block quantisation, the gate,
-// capacity, and the dispatch and expert plans (host and device steps), fed NaNs, infinities and
-// finite extremes: a non-finite value gives the documented typed error, flag or NaN result, a
-// finite one never does. Built with -ffast-math (test_fast_math) and without
-// (test_fast_math_reference): the same expectations hold in both.
+// capacity, and the dispatch and expert plans (weave's plans, run on host streams in host_space,
+// and the host check of top-k choices the exchanges run), fed NaNs, infinities and finite
+// extremes: a non-finite value gives the documented typed error, flag or NaN result, a finite
+// one never does. The host reference plans of tests/support serve as the reference beside them.
+// Built with -ffast-math (test_fast_math) and without (test_fast_math_reference): the same
+// expectations hold in both.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
+#include "host_plans.hpp"
 #include "nonfinite_values.hpp"
 
 #include <weave/core/dtype.hpp>
@@ -19,10 +22,10 @@
 #include <weave/routing/device_dispatch_plan.hpp>
 #include <weave/routing/device_expert_plan.hpp>
 #include <weave/routing/device_limit.hpp>
-#include <weave/routing/dispatch_plan.hpp>
-#include <weave/routing/expert_plan.hpp>
 #include <weave/routing/gate.hpp>
+#include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/quantize.hpp>
+#include <weave/routing/route_entry.hpp>
 
 #include <bit>
 #include <cstdint>
@@ -185,22 +188,35 @@ TEST_CASE("non-finite: block quantisation reports every NaN or infinite block") 
     check_quantize<weave::fp8_e5m2, weave::half>(both(half_nonfinite, half_extremes), set_half,
                                                  rounding);
   }
-  // The dispatch form names the token; min_amax must be finite.
+  // The dispatch form (a plan's SFD rows quantised from their tokens, on a host stream) names
+  // the token in its status word; min_amax must be finite.
   const auto where = weave::placement::contiguous(4, 2);
-  weave::dispatch_plan plan(where, 2, 0);
+  weave::host_stream stream("quantize");
+  weave::device_dispatch_plan<weave::host_space> plan(where, 2, 0, 3);
+  weave_test::aligned_buffer ws(plan.workspace_size());
+  plan.initialize(ws.ptr, ws.size, stream);
   const std::vector<std::int32_t> ids = {0, 2, 1, 3, 3, -1};
-  plan.build(ids, std::vector<float>(6, 0.5f));
+  const std::vector<float> weights(6, 0.5f);
+  plan.build(stream, ids, weights);
+  const auto rows = static_cast<std::size_t>(plan.read_rows(stream));
+  REQUIRE(rows == 5);
+  using moves = weave::quant_moves<weave::host_space>;
   for (const auto& s : f32_nonfinite) {
     INFO("value: ", std::string(s.name));
     auto ori = rows_of<float>(3, 128, 9);
     ori(2, 7) = value(s);
-    weave::host_matrix<weave::fp8_e4m3> codes(static_cast<std::size_t>(plan.rows()), 128);
-    weave::host_matrix<float> scales(static_cast<std::size_t>(plan.rows()), 1);
-    CHECK(weave::dispatch_quantize(plan, ori.view(), codes.view(), scales.view()) == 2);
+    weave::host_matrix<weave::fp8_e4m3> codes(rows, 128);
+    weave::host_matrix<float> scales(rows, 1);
+    std::int64_t status = -1;
+    moves::quantize(stream, ori.view(), codes.view(), scales.view(), plan.row_token().data(),
+                    nullptr, {}, &status);
+    stream.synchronize();
+    CHECK(status == 2);
     weave::block_quantization q;
     q.min_amax = value(s);
     CHECK(outcome_of([&] {
-            weave::dispatch_quantize(plan, ori.view(), codes.view(), scales.view(), q);
+            moves::quantize(stream, ori.view(), codes.view(), scales.view(),
+                            plan.row_token().data(), nullptr, q, &status);
           }).code == errc::invalid_argument);
   }
 }
@@ -358,15 +374,16 @@ TEST_CASE("non-finite: capacity rejects non-finite factors and NaN priorities") 
           errc::invalid_argument);
     weave::capacity_policy p;
     p.factor = value(s);
-    CHECK(outcome_of([&] { weave::capacity_filter filter(8, 2, 64, p); }).code ==
-          errc::invalid_argument);
+    CHECK(outcome_of([&] {
+            weave::device_capacity_filter<weave::host_space> filter(8, 2, 64, p);
+          }).code == errc::invalid_argument);
   }
   CHECK(weave::expert_capacity(-0.0, 64, 2, 8) == -1); // dropless, like +0
   // Priorities of 8 tokens, each choosing expert 0 (k = 1, E = 1): with capacity c the first c
   // tokens of the descending order are kept, ties to the earlier token, -0 equal to +0.
   const std::uint32_t priority_bits[] = {
       0x3f800000u, // 1
-      0xff800000u, // -inf (NaN in the device filter's case: ranks last)
+      0xff800000u, // -inf (a NaN in the second run: ranks last)
       0x80000000u, // -0
       0x7f800000u, // +inf
       0x00000000u, // +0
@@ -374,8 +391,8 @@ TEST_CASE("non-finite: capacity rejects non-finite factors and NaN priorities") 
       0x7f7fffffu, // FLT_MAX
       0xff7fffffu, // -FLT_MAX
   };
-  const std::size_t host_order[] = {3, 6, 0, 2, 4, 7, 1, 5};
-  const std::size_t device_order[] = {3, 6, 0, 2, 4, 7, 5, 1};
+  const std::size_t order_of[] = {3, 6, 0, 2, 4, 7, 1, 5};
+  const std::size_t nan_order_of[] = {3, 6, 0, 2, 4, 7, 5, 1};
   std::vector<float> priority(8);
   for (std::size_t t = 0; t < 8; ++t)
     priority[t] = std::bit_cast<float>(priority_bits[t]);
@@ -386,26 +403,28 @@ TEST_CASE("non-finite: capacity rejects non-finite factors and NaN priorities") 
     for (int c = 1; c <= 8; ++c) {
       CAPTURE(c);
       const weave::capacity_policy p{c / 8.0, order, weave::capacity_rounding::ceil};
-      weave::capacity_filter host(1, 1, 8, p);
-      REQUIRE(host.capacity() == c);
-      std::vector<std::uint8_t> keep(8, 9);
-      CHECK(host.decide(ids, priority, keep) == 8 - c);
-      for (std::size_t i = 0; i < 8; ++i)
-        CHECK(keep[host_order[i]] == (static_cast<int>(i) < c ? 1 : 0));
-      // The device filter ranks a NaN last (the host filter refuses it, below).
-      auto with_nan = priority;
-      with_nan[1] = value(f32_nonfinite[c % 4]);
       weave::device_capacity_filter<weave::host_space> dev(1, 1, 8, p);
       weave_test::aligned_buffer ws(dev.workspace_size());
       dev.initialize(ws.ptr, ws.size, stream);
-      std::vector<std::uint8_t> dev_keep(8, 9);
-      dev.decide(stream, ids, std::vector<float>(8, one), dev_keep, with_nan);
+      std::vector<std::uint8_t> keep(8, 9);
+      dev.decide(stream, ids, std::vector<float>(8, one), keep, priority);
+      stream.synchronize();
+      CHECK(dev.capacity() == c);
+      CHECK(*dev.dropped_count() == 8 - c);
+      for (std::size_t i = 0; i < 8; ++i)
+        CHECK(keep[order_of[i]] == (static_cast<int>(i) < c ? 1 : 0));
+      // The reference filter (tests/support) keeps the same pairs.
+      oracle::capacity_filter reference(1, 1, 8, p);
+      std::vector<std::uint8_t> want(8, 9);
+      CHECK(reference.decide(ids, priority, want) == 8 - c);
+      CHECK(keep == want);
+      // A NaN priority ranks last.
+      auto with_nan = priority;
+      with_nan[1] = value(f32_nonfinite[c % 4]);
+      dev.decide(stream, ids, std::vector<float>(8, one), keep, with_nan);
       stream.synchronize();
       for (std::size_t i = 0; i < 8; ++i)
-        CHECK(dev_keep[device_order[i]] == (static_cast<int>(i) < c ? 1 : 0));
-      const auto refused = outcome_of([&] { host.decide(ids, with_nan, keep); });
-      CHECK(refused.code == errc::invalid_argument);
-      CHECK(refused.message.find("priority of token 1 is NaN") != std::string::npos);
+        CHECK(keep[nan_order_of[i]] == (static_cast<int>(i) < c ? 1 : 0));
     }
 }
 
@@ -435,15 +454,15 @@ TEST_CASE("non-finite: the device capacity filter ranks tokens by their best fin
 
 TEST_CASE("non-finite: dispatch and expert plans reject non-finite gate weights") {
   const auto where = weave::placement::contiguous(8, 4);
-  weave::dispatch_plan host(where, 2, 0);
   weave::host_stream stream("plan");
   weave::device_dispatch_plan<weave::host_space> dev(where, 2, 0, 4);
   weave_test::aligned_buffer ws(dev.workspace_size());
   dev.initialize(ws.ptr, ws.size, stream);
-  weave::expert_plan experts(3, 2);
   weave::device_expert_plan<weave::host_space> dev_experts(3, 2, 1, 2);
   weave_test::aligned_buffer ws2(dev_experts.workspace_size());
   dev_experts.initialize(ws2.ptr, ws2.size, stream);
+  oracle::dispatch_plan reference(where, 2, 0);
+  oracle::expert_plan reference_experts(3, 2);
   const std::vector<std::int32_t> ids = {0, 5, 2, 7, 1, 3, 6, 4};
   const std::vector<std::int64_t> counts = {2}, displs = {0};
   for (const auto& entry : both(f32_nonfinite, f32_extremes)) {
@@ -453,10 +472,11 @@ TEST_CASE("non-finite: dispatch and expert plans reject non-finite gate weights"
     std::vector<float> weights(8, 0.5f);
     weights[5] = value(s);
     const auto want = finite ? errc{} : errc::invalid_argument;
-    const auto h = outcome_of([&] { host.build(ids, weights); });
-    CHECK(h.code == want);
+    // The host check the exchanges run on the choices names the pair.
+    const auto checked = outcome_of([&] { weave::detail::check_routing(ids, weights, 2, 8); });
+    CHECK(checked.code == want);
     if (!finite)
-      CHECK(h.message.find("of token 2 for expert 3") != std::string::npos);
+      CHECK(checked.message.find("of token 2 for expert 3") != std::string::npos);
     CHECK(outcome_of([&] {
             dev.build(stream, ids, weights);
             dev.check_errors(stream);
@@ -464,17 +484,18 @@ TEST_CASE("non-finite: dispatch and expert plans reject non-finite gate weights"
     // Dropped by capacity still counts: the weight is checked before the keep mask.
     std::vector<std::uint8_t> keep(8, 1);
     keep[5] = 0;
-    CHECK(outcome_of([&] { host.build(ids, weights, keep); }).code == want);
+    CHECK(outcome_of([&] {
+            dev.build(stream, ids, weights, keep);
+            dev.check_errors(stream);
+          }).code == want);
+    CHECK(outcome_of([&] { reference.build(ids, weights, keep); }).code == want);
     // Received rows: the receiver checks what peers send.
     const std::vector<weave::route_entry> routes = {{0, 1}, {2, value(s)}, {1, 1}, {-1, 0}};
-    const auto r = outcome_of([&] { experts.build(routes, counts); });
-    CHECK(r.code == want);
-    if (!finite)
-      CHECK(r.message.find("received row 0") != std::string::npos);
     CHECK(outcome_of([&] {
             dev_experts.build(stream, routes, counts.data(), displs.data());
             dev_experts.check_errors(stream);
           }).code == want);
+    CHECK(outcome_of([&] { reference_experts.build(routes, counts); }).code == want);
   }
 }
 

@@ -109,33 +109,29 @@ std::vector<block> run(int chunks, weave::capacity_policy capacity, bool hooked,
       b.produce(0, T);
     weave::basic_moe_exchange<Space, weave::local_communicator> ex(comm, where,
                                                                    options(chunks, capacity));
-    if constexpr (std::is_same_v<Space, weave::host_space>) {
-      if (short_hooks) {
-        // On host streams a hook runs in a task of the compute stream: it may compute directly.
-        const weave::moe_chunk_hooks hooks{
-            [&](std::size_t first, std::size_t count) { b.produce(first, count); },
-            [&](std::size_t first, std::size_t count) { b.consume(first, count); }};
-        ex.forward(b.x.view(), b.ids, b.weights, b.y.view(), experts_fn, compute, comm_stream,
-                   &hooks);
-      }
-    }
-    if (!short_hooks) {
-      //! [hooks]
-      // The operators around the layer, on the layer's chunks: `produce` writes tokens
-      // [first, first + count) of x, ids and weights; `consume` reads the same rows of y. Each
-      // enqueues its work on the compute stream it is given (on host streams the hook runs in
-      // that stream, so the work runs at once).
-      const weave::basic_chunk_hooks<Space> hooks{
-          [&](std::size_t first, std::size_t count, weave::host_stream& s) {
-            weave::host_space::enqueue(s, [&b, first, count] { b.produce(first, count); });
-          },
-          [&](std::size_t first, std::size_t count, weave::host_stream& s) {
-            weave::host_space::enqueue(s, [&b, first, count] { b.consume(first, count); });
-          }};
-      ex.forward(b.x.view(), b.ids, b.weights, b.y.view(), experts_fn, compute, comm_stream,
-                 hooked ? &hooks : nullptr);
-      //! [hooks]
-    }
+    // Both hook objects live until the streams are synchronized (the layer borrows them).
+    //! [hooks]
+    // The operators around the layer, on the layer's chunks: `produce` writes tokens
+    // [first, first + count) of x, ids and weights; `consume` reads the same rows of y. Each
+    // enqueues its work on the compute stream it is given (on host streams the hook runs in that
+    // stream, so the work runs at once).
+    const weave::basic_chunk_hooks<Space> hooks{
+        [&](std::size_t first, std::size_t count, weave::host_stream& s) {
+          weave::host_space::enqueue(s, [&b, first, count] { b.produce(first, count); });
+        },
+        [&](std::size_t first, std::size_t count, weave::host_stream& s) {
+          weave::host_space::enqueue(s, [&b, first, count] { b.consume(first, count); });
+        }};
+    //! [hooks]
+    // On host streams a hook runs in a task of the compute stream: written as (first, count) it
+    // may compute directly (`short_hooks`, host_space only).
+    const weave::basic_chunk_hooks<Space> short_form{
+        [&](std::size_t first, std::size_t count) { b.produce(first, count); },
+        [&](std::size_t first, std::size_t count) { b.consume(first, count); }};
+    ex.forward(b.x.view(), b.ids, b.weights, b.y.view(), experts_fn, compute, comm_stream,
+               !hooked       ? nullptr
+               : short_hooks ? &short_form
+                             : &hooks);
     ex.synchronize(compute, comm_stream);
     b.stats = ex.stats(compute);
     if (!hooked)

@@ -1,7 +1,9 @@
-// cuda_decode_exchange on one GPU: several ranks through cuda_local_world against the host
-// decode_exchange on the same inputs (outputs bitwise, per-(slot, source) counts equal; f32 rows,
-// and FP8 dispatched rows dequantised on arrival), a bad expert id on one rank failing every rank
-// through check_errors with NaN outputs, and a decode layer over NCCL captured in a CUDA graph
+// cuda_decode_exchange on one GPU: several ranks through cuda_local_world against the naive
+// reference and the same exchange in host_space over local_world on the same inputs (outputs
+// bitwise, per-(slot, source) counts equal; f32 rows, either combine, gathered inputs, the
+// workspace given or taken at the first call, and FP8 dispatched rows dequantised on arrival),
+// the experts a kernel over the packed pool's arrays; a bad expert id on one rank failing every
+// rank through synchronize with NaN outputs; and a decode layer over NCCL captured in a CUDA graph
 // and replayed. Reports skipped without a GPU.
 #include <doctest/doctest.h>
 
@@ -37,22 +39,34 @@ weave::decode_options options() {
   return {k, hidden, max_tokens};
 }
 
-// The linear experts y = W_e x on the valid rows of every local slot, one thread per (row,
-// output), the sum in input order with one rounding per step: the host linear_experts exactly.
-__global__ void linear_rows(const float* in, float* out, const std::int64_t* rows,
+// The linear experts y = W_e x on the pool's rows, one thread per (pool row, output), the sum in
+// input order with one rounding per step: the host linear_experts exactly. The pool is packed:
+// slot l's rows are [first[l], first[l] + rows[l]), first[L] rows in all (read here, on the
+// device). A row's input is its pool row, the slot's one-row block (a peer's row where it
+// arrived), or with gathered inputs its own pointer.
+__global__ void linear_rows(const float* pool_in, const std::byte* const* blocks,
+                            const std::byte* const* row_ptr, float* out, const std::int64_t* rows,
+                            const std::int64_t* first, const std::int64_t* busy,
                             const std::int32_t* expert_of, const float* w, int L, int H,
-                            std::int64_t per) {
-  const std::int64_t n = static_cast<std::int64_t>(L) * per * H;
+                            std::int64_t max_rows) {
+  const std::int64_t n = max_rows * H, placed = first[L];
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t row = i / H, l = row / per;
-    const int o = static_cast<int>(i % H);
-    if (row % per >= rows[l])
+    const std::int64_t row = i / H;
+    if (row >= placed)
       continue;
+    std::int64_t l = -1;
+    for (std::int64_t b = 0; b < busy[L] && l < 0; ++b)
+      if (row >= first[busy[b]] && row < first[busy[b]] + rows[busy[b]])
+        l = busy[b];
+    const int o = static_cast<int>(i % H);
+    const float* in = row_ptr != nullptr     ? reinterpret_cast<const float*>(row_ptr[row])
+                      : blocks[l] != nullptr ? reinterpret_cast<const float*>(blocks[l])
+                                             : pool_in + row * H;
     const float* W = w + static_cast<std::size_t>(expert_of[l]) * H * H;
     float acc = 0.0f;
     for (int j = 0; j < H; ++j)
-      acc = __fadd_rn(acc, __fmul_rn(W[o * H + j], in[row * H + j]));
+      acc = __fadd_rn(acc, __fmul_rn(W[o * H + j], in[j]));
     out[row * H + o] = acc;
   }
 }
@@ -61,48 +75,69 @@ __global__ void linear_rows(const float* in, float* out, const std::int64_t* row
 struct device_experts {
   dev<float> w;
   dev<std::int32_t> expert_of;
-  device_experts(const moe_test::linear_experts& f, std::span<const std::int32_t> local)
+  std::int64_t max_rows;
+  template <class View>
+  device_experts(const moe_test::linear_experts& f, const View& xs, std::int64_t pool_rows)
       : w(f.w)
-      , expert_of(std::vector<std::int32_t>(local.begin(), local.end())) {}
-  void operator()(const weave::device_decode_experts<float>& xs, cudaStream_t s) const {
-    linear_rows<<<128, 256, 0, s>>>(xs.input, xs.output, xs.rows, expert_of.ptr, w.ptr,
-                                    xs.local_experts, static_cast<int>(xs.hidden),
-                                    static_cast<std::int64_t>(xs.rows_per_expert));
+      , expert_of(experts_of(xs))
+      , max_rows(pool_rows) {}
+  template <class View>
+  static std::vector<std::int32_t> experts_of(const View& xs) {
+    std::vector<std::int32_t> e;
+    for (int l = 0; l < xs.local_experts(); ++l)
+      e.push_back(xs.expert(l));
+    return e;
+  }
+  template <class View>
+  void operator()(const View& xs, cudaStream_t s) const {
+    linear_rows<<<128, 256, 0, s>>>(xs.input_pool(), xs.input_blocks(), xs.input_row_pointers(),
+                                    xs.output_pool(), xs.slot_rows(), xs.slot_first(),
+                                    xs.busy_slots(), expert_of.ptr, w.ptr, xs.local_experts(),
+                                    static_cast<int>(xs.hidden()), max_rows);
     WEAVE_CUDA_CHECK(cudaGetLastError());
   }
 };
+
+// The most pool rows a layer of `o` on `ranks` ranks holds (its records' choices).
+std::int64_t pool_rows(const weave::decode_options& o, int ranks) {
+  const int local = experts / ranks;
+  return static_cast<std::int64_t>(ranks) * static_cast<std::int64_t>(o.max_tokens_per_rank) *
+         std::min(o.k, local);
+}
 
 struct rank_result {
   std::vector<float> y;
   std::vector<std::int64_t> rows;
 };
 
-// One rank's decode layer on its own stream, with device copies of its inputs.
+// One rank's decode layer on its own stream, with device copies of its inputs; its workspace
+// given by `initialize`, or taken at the first call.
 template <class Comm>
 struct rank_layer {
   stream_holder s;
   weave::cuda_decode_exchange<Comm, float> ex;
-  dev<std::byte> ws;
+  std::optional<dev<std::byte>> ws;
   dev<float> x;
   dev<std::int32_t> ids;
   dev<float> weights, y;
   rank_layer(Comm& comm, const moe_test::rank_input<float>& in,
-             const weave::decode_options& o = options())
+             const weave::decode_options& o = options(), bool given = true)
       : ex(comm, weave::placement::contiguous(experts, comm.size()), o)
-      , ws(ex.workspace_size())
       , x(std::vector<float>(in.x.elements().begin(), in.x.elements().end()))
       , ids(in.ids)
       , weights(in.weights)
       , y(in.x.elements().size()) {
-    ex.initialize(ws.ptr, ws.size, s.ref());
+    if (!given)
+      return;
+    ws.emplace(ex.workspace_size());
+    ex.initialize(ws->ptr, ws->size, s.ref());
   }
   // One call: dispatch, the experts' kernel, combine (no host wait); returns the view.
-  weave::device_decode_experts<float> call(std::optional<device_experts>& run,
-                                           const moe_test::linear_experts& f) {
+  auto call(std::optional<device_experts>& run, const moe_test::linear_experts& f, int ranks) {
     auto h = ex.dispatch(x.cspan(), ids.cspan(), weights.cspan(), s.ref());
     const auto xs = h.experts();
     if (!run)
-      run.emplace(f, xs.experts);
+      run.emplace(f, xs, pool_rows(ex.options(), ranks));
     (*run)(xs, s.raw);
     ex.combine(h, y.span(), s.ref());
     return xs;
@@ -112,27 +147,25 @@ struct rank_layer {
 template <class Comm>
 rank_result run_rank(Comm& comm, const moe_test::rank_input<float>& in,
                      const moe_test::linear_experts& f, int calls,
-                     const weave::decode_options& o = options()) {
-  rank_layer<Comm> layer(comm, in, o);
+                     const weave::decode_options& o = options(), bool given = true) {
+  rank_layer<Comm> layer(comm, in, o, given);
   std::optional<device_experts> run;
   rank_result out;
   for (int call = 0; call < calls; ++call) {
-    const auto xs = layer.call(run, f);
-    layer.ex.check_errors(layer.s.ref());
+    const auto xs = layer.call(run, f, comm.size());
+    layer.ex.synchronize(layer.s.ref());
     out.y = to_host(layer.y.cspan());
     out.rows = to_host(std::span<const std::int64_t>(
-        xs.source_rows, static_cast<std::size_t>(xs.local_experts * xs.sources)));
+        xs.source_rows(), static_cast<std::size_t>(xs.local_experts() * comm.size())));
   }
   return out;
 }
 
-} // namespace
-
-namespace {
-
-// Both exchanges on the same inputs (zero tokens, full slots and sizes between): the CUDA one
-// over cuda_local_world, the host one over local_world; outputs bitwise, counts equal.
-void check_against_host(const weave::decode_options& o) {
+// The CUDA exchange over cuda_local_world and the same exchange in host_space over local_world
+// on the same inputs (zero tokens, full slots and sizes between): outputs bitwise equal to each
+// other and, without an FP8 dispatch, to the naive reference (with one, the host-stream tests
+// check host_space against it on brute-force dequantised rows); counts equal.
+void check_against_host(const weave::decode_options& o, bool given = true) {
   const moe_test::linear_experts f(experts, o.hidden, 5);
   for (const int ranks : {1, 2, 4}) {
     CAPTURE(ranks);
@@ -144,17 +177,20 @@ void check_against_host(const weave::decode_options& o) {
           experts, k, rng));
     std::vector<rank_result> want(static_cast<std::size_t>(ranks)), got(want.size());
     weave::local_world host_world(ranks);
+    const auto where = weave::placement::contiguous(experts, ranks);
     host_world.run([&](weave::local_communicator& c) {
       const auto r = static_cast<std::size_t>(c.rank());
-      weave::decode_exchange<weave::local_communicator, float> ex(
-          c, weave::placement::contiguous(experts, ranks), o);
+      weave::decode_exchange<weave::local_communicator, float> ex(c, where, o);
       weave::host_stream s("decode");
       want[r].y = decode_test::decode_call(ex, in[r], f, s, &want[r].rows);
+      if (!o.fp8_dispatch)
+        CHECK(decode_test::bitwise_equal(want[r].y,
+                                         decode_test::expected(in[r], o, f, where, c.rank())));
     });
     weave::cuda_local_world world(ranks);
     world.run([&](weave::cuda_local_communicator& c) {
       const auto r = static_cast<std::size_t>(c.rank());
-      got[r] = run_rank(c, in[r], f, 2, o);
+      got[r] = run_rank(c, in[r], f, 2, o, given);
     });
     for (std::size_t r = 0; r < got.size(); ++r) {
       CAPTURE(r);
@@ -166,14 +202,25 @@ void check_against_host(const weave::decode_options& o) {
 
 } // namespace
 
-TEST_CASE("cuda_decode_exchange over cuda_local_world equals the host decode_exchange") {
+TEST_CASE("cuda_decode_exchange over cuda_local_world equals the reference and host_space") {
   check_against_host(options());
+  check_against_host(options(), false);       // the workspace taken at the first call
   weave::decode_options per_pair = options(); // DeepEP's combine: one row per (token, expert)
   per_pair.partial_sums = false;
   check_against_host(per_pair);
 }
 
-TEST_CASE("cuda_decode_exchange's FP8 dispatch equals the host decode_exchange's") {
+TEST_CASE("cuda_decode_exchange with gathered inputs equals the reference and host_space") {
+  for (const bool partial_sums : {true, false}) {
+    CAPTURE(partial_sums);
+    weave::decode_options o = options();
+    o.partial_sums = partial_sums;
+    o.gathered_inputs = true; // the kernel reads each row where it arrived
+    check_against_host(o);
+  }
+}
+
+TEST_CASE("cuda_decode_exchange's FP8 dispatch equals host_space's") {
   weave::decode_options o = options();
   o.hidden = 256;
   o.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {}, true};
@@ -194,9 +241,9 @@ TEST_CASE("cuda_decode_exchange: a bad expert id on one rank fails every rank, o
       in.ids[3] = experts + 1;
     rank_layer<weave::cuda_local_communicator> layer(c, in);
     std::optional<device_experts> run;
-    layer.call(run, f);
+    layer.call(run, f, 2);
     try {
-      layer.ex.check_errors(layer.s.ref());
+      layer.ex.synchronize(layer.s.ref());
     } catch (const weave::peer_error& e) {
       codes[r] = e.code();
       origins[r] = e.origin().rank;
@@ -237,12 +284,12 @@ TEST_CASE("a cuda_decode_exchange layer over NCCL runs inside a CUDA graph") {
     const auto step = [&] { // dispatch, the experts' kernel on the view, combine: no host wait
       auto h = layer.dispatch(x.cspan(), ids.cspan(), weights.cspan(), stream.ref());
       if (!run)
-        run.emplace(f, h.experts().experts);
-      (*run)(h.experts(), stream.raw); // reads the rows and their counts on the device
+        run.emplace(f, h.experts(), pool_rows(options(), comm.size()));
+      (*run)(h.experts(), stream.raw); // reads the pool's arrays on the device
       layer.combine(h, y.span(), stream.ref());
     };
     step(); // one eager call first: it loads the kernels (not allowed inside a capture)
-    layer.check_errors(stream.ref());
+    layer.synchronize(stream.ref());
     cudaGraph_t graph = nullptr;
     WEAVE_CUDA_CHECK(cudaStreamBeginCapture(stream.raw, cudaStreamCaptureModeThreadLocal));
     step();
@@ -250,7 +297,7 @@ TEST_CASE("a cuda_decode_exchange layer over NCCL runs inside a CUDA graph") {
     cudaGraphExec_t exec = nullptr;
     WEAVE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     WEAVE_CUDA_CHECK(cudaGraphLaunch(exec, stream.raw)); // the whole decode layer
-    layer.check_errors(stream.ref()); // waits; throws for flagged ids or weights, peers' failures
+    layer.synchronize(stream.ref()); // waits; throws for flagged ids or weights, peers' failures
     //! [graph]
     const auto eager = to_host(y.cspan());
     for (int replay = 0; replay < 2; ++replay) {

@@ -1,19 +1,18 @@
-// Every header and token record of a decode message is checked, in both decode exchanges (the
-// host `decode_exchange`, and the device one in host_space and in emulated_gpu_space, which
-// takes cuda_space's host-side path; both send one message per peer): a failed header fails the
-// call with its sender's cause, and a header or record no sender writes is an `errc::protocol`
-// error naming the sender, never rows read as valid, a NaN output without an error, or a peer
-// left waiting. Rank 1 of a 2-rank local_world sends a header (or record) of its dispatch
-// replaced through a corrupting communicator, to every rank or to rank 0 only.
-#include "aligned_buffer.hpp"
+// Every header and token record of a decode message is checked, in every execution space
+// (host_space, and emulated_gpu_space, which takes cuda_space's host-side path; both send one
+// message per peer, its side table after its records' rows): a failed header fails the call with
+// its sender's cause, and a header or record no sender writes is an `errc::protocol` error naming
+// the sender, never rows read as valid, a NaN output without an error, or a peer left waiting.
+// Rank 1 of a 2-rank local_world sends a header (or record) of its dispatch replaced through a
+// corrupting communicator, to every rank or to rank 0 only. Also the messages' sizes: a header
+// to itself, the dispatch's room to a peer, the combine's rows (exact on host streams).
 #include "corrupting_communicator.hpp"
-#include "device_decode_cases.hpp"
+#include "decode_cases.hpp"
 
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/overlap/decode_exchange.hpp>
-#include <weave/overlap/device_decode_exchange.hpp>
 
 #include <chrono>
 #include <cstring>
@@ -68,11 +67,23 @@ moe_test::rank_input<float> input_of(int rank) {
   return in;
 }
 
-// Runs one call per rank on a 2-rank world whose rank 1 sends `inj` (the header starts the
-// message); `call(ex, in, s)` runs the call to its end.
-template <class Make, class Call>
-std::vector<ending> run_injected(const injection& inj, Make&& make, Call&& call) {
-  weave::local_world world(2, {20s, {}});
+const moe_test::linear_experts& experts_fn() {
+  static const moe_test::linear_experts f(decode_test::experts, decode_test::hidden, 3);
+  return f;
+}
+
+weave::placement where() {
+  return weave::placement::contiguous(decode_test::experts, 2);
+}
+
+// Runs one call per rank of the decode exchange in `Space` on a 2-rank world whose rank 1
+// sends `inj` (the header starts the message), the experts after a host wait or queued; a world
+// timeout of `timeout`.
+template <class Space>
+std::vector<ending> run_injected(const injection& inj, decode_test::experts_wait wait,
+                                 std::chrono::milliseconds timeout = 20s) {
+  using exchange = decode_test::exchange_in<Space, corrupting_communicator, float>;
+  weave::local_world world(2, {timeout, {}});
   std::vector<ending> got(2);
   world.run([&](weave::local_communicator& local) {
     const int r = local.rank();
@@ -85,60 +96,15 @@ std::vector<ending> run_injected(const injection& inj, Make&& make, Call&& call)
       }
     });
     weave::host_stream s("decode");
-    auto layer = make(comm, s);
-    got[static_cast<std::size_t>(r)] = ending_of([&] { call(*layer, input_of(r), s); });
+    auto ex = std::make_unique<exchange>(comm, where(), decode_test::options());
+    got[static_cast<std::size_t>(r)] = ending_of(
+        [&] { (void)decode_test::decode_call(*ex, input_of(r), experts_fn(), s, nullptr, wait); });
     try {
       s.synchronize();
     } catch (const weave::error&) {
     }
   });
   return got;
-}
-
-const moe_test::linear_experts& experts_fn() {
-  static const moe_test::linear_experts f(decode_test::experts, decode_test::hidden, 3);
-  return f;
-}
-
-weave::placement where() {
-  return weave::placement::contiguous(decode_test::experts, 2);
-}
-
-// The host decode_exchange over the corrupting communicator.
-std::vector<ending> host_run(const injection& inj) {
-  using exchange = weave::decode_exchange<corrupting_communicator, float>;
-  return run_injected(
-      inj,
-      [](corrupting_communicator& c, weave::host_stream&) {
-        return std::make_unique<exchange>(c, where(), decode_test::options());
-      },
-      [](exchange& ex, const moe_test::rank_input<float>& in, weave::host_stream& s) {
-        (void)decode_test::decode_call(ex, in, experts_fn(), s);
-      });
-}
-
-// The device decode exchange in `Space` over the corrupting communicator.
-template <class Space>
-struct device_layer {
-  device_layer(corrupting_communicator& c, weave::host_stream& s)
-      : ex(c, where(), decode_test::options())
-      , ws(ex.workspace_size()) {
-    ex.initialize(ws.ptr, ws.size, s);
-  }
-  weave::basic_device_decode_exchange<Space, corrupting_communicator, float> ex;
-  weave_test::aligned_buffer ws;
-};
-
-template <class Space>
-std::vector<ending> device_run(const injection& inj) {
-  return run_injected(
-      inj,
-      [](corrupting_communicator& c, weave::host_stream& s) {
-        return std::make_unique<device_layer<Space>>(c, s);
-      },
-      [](device_layer<Space>& layer, const moe_test::rank_input<float>& in, weave::host_stream& s) {
-        (void)decode_test::device_decode_call(layer.ex, in, experts_fn(), s);
-      });
 }
 
 weave::decode_header failed_header() {
@@ -209,19 +175,42 @@ void check_refused(const ending& e, const char* exchange, const char* says) {
 
 } // namespace
 
-TEST_CASE("decode_exchange: a failed header fails the call on every rank") {
+// Both ways a test's experts wait for the dispatch.
+constexpr decode_test::experts_wait waits[] = {decode_test::experts_wait::host,
+                                               decode_test::experts_wait::queued};
+
+TEST_CASE_TEMPLATE("decode_exchange: a failed header fails the call on every rank", Space,
+                   weave::host_space, weave::emulated_gpu_space) {
   const auto started = std::chrono::steady_clock::now();
-  check_failed_everywhere(host_run({-1, failed_header()}));
-  // (A failed message to some ranks only is trusted as every sender's failure is, told to all:
-  // with one message per peer a receiver cannot tell it from one.)
+  for (const auto wait : waits) {
+    CAPTURE(static_cast<int>(wait));
+    check_failed_everywhere(run_injected<Space>({-1, failed_header()}, wait));
+  }
   CHECK(std::chrono::steady_clock::now() - started < 10s);
+}
+
+TEST_CASE_TEMPLATE("decode_exchange: a failed header sent to some ranks only fails them with its "
+                   "cause, and the others as each space can tell",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // Rank 0 alone gets rank 1's failed header: it fails with the cause. A failed message to some
+  // ranks only is trusted as every sender's failure is (with one message per peer a receiver
+  // cannot tell it from one told to all), so rank 0 leaves the call: where host code runs at
+  // enqueue time rank 0's combine still runs and returns none of the rows rank 1 sent
+  // (size_mismatch at rank 1's check); on host streams rank 0's stream fails at the dispatch,
+  // its combine never runs, and rank 1 waits for it until the world's timeout.
+  const auto got = run_injected<Space>({0, failed_header()}, decode_test::experts_wait::host,
+                                       Space::runs_later ? 3s : 20s);
+  CHECK(got[0].code == weave::errc::peer_failure);
+  CHECK(got[0].origin == 1);
+  CHECK(got[0].message.find("injected: rank 1 failed") != std::string::npos);
+  CHECK(got[1].code == (Space::runs_later ? weave::errc::timeout : weave::errc::size_mismatch));
 }
 
 // Rank 1's first token chooses experts 0, 1 and 2, all on rank 0 (local slots 0-2): its record
 // there is the first, listing them at `side_at` bytes into the message. Each case replaces them:
-// `run(inj)` runs an exchange, `who` names it, and `peer` checks how rank 1's call ended.
+// `run(inj)` runs an exchange, and `peer` checks how rank 1's call ended.
 template <class Run, class Peer>
-void check_bad_records(Run&& run, std::size_t side_at, const char* who, Peer&& peer) {
+void check_bad_records(Run&& run, std::size_t side_at, Peer&& peer) {
   struct bad_choices {
     const char* what;
     std::vector<std::int32_t> choices;
@@ -243,8 +232,8 @@ void check_bad_records(Run&& run, std::size_t side_at, const char* who, Peer&& p
                   }};
     const auto got = run(inj);
     CHECK(got[0].code == weave::errc::protocol);
-    CHECK(got[0].message.find(std::string(who) +
-                              ": rank 1 sent a token record no weave rank writes (record 0") == 0);
+    CHECK(got[0].message.find(
+              "decode_exchange: rank 1 sent a token record no weave rank writes (record 0") == 0);
     CHECK(got[0].message.find(bad.says) != std::string::npos);
     peer(got[1]);
   }
@@ -260,76 +249,60 @@ void check_bad_records(Run&& run, std::size_t side_at, const char* who, Peer&& p
   CHECK(std::chrono::steady_clock::now() - started < 10s);
 }
 
-TEST_CASE("decode_exchange: a token record whose choices no sender writes is a protocol error") {
-  // The side table follows the rows of the message's records: 3, every token of rank 1 has an
-  // expert on rank 0 (experts 0-3).
-  const std::size_t side_at =
-      sizeof(weave::decode_header) + 3 * decode_test::hidden * sizeof(float);
-  check_bad_records(host_run, side_at, "decode_exchange", [](const ending& e) {
-    CHECK(e.code == weave::errc::peer_failure); // rank 0 aborted the world
+// How rank 1 ends when rank 0 refused its message: on host streams rank 0 aborts the world (its
+// peers may not know), so rank 1 fails with a peer_error naming it; where host code runs at
+// enqueue time rank 0's combine returns none of rank 1's rows (size_mismatch at rank 1's check).
+template <class Space>
+void check_refused_peer(const ending& e) {
+  if constexpr (Space::runs_later) {
+    CHECK(e.code == weave::errc::peer_failure);
     CHECK(e.origin == 0);
     CHECK(e.origin_code == weave::errc::protocol);
-  });
-}
-
-TEST_CASE_TEMPLATE("device decode exchange: a token record whose choices no sender writes is a "
-                   "protocol error",
-                   Space, weave::host_space, weave::emulated_gpu_space) {
-  // The side table follows the header's rows and max_tokens record rows, all of one stride.
-  const auto at =
-      weave::detail::decode_layout::dispatch(2, decode_test::max_tokens, decode_test::k,
-                                             (decode_test::hidden * sizeof(float) + 15) / 16 * 16);
-  const auto side_at = static_cast<std::size_t>(at.header_rows + at.M) * at.stride;
-  check_bad_records(device_run<Space>, side_at, "device_decode_exchange", [](const ending& e) {
-    CHECK(e.code == weave::errc::size_mismatch); // rank 0 returned none of its rows
-  });
-}
-
-TEST_CASE("decode_exchange: a header no sender writes is a protocol error naming the sender") {
-  const auto started = std::chrono::steady_clock::now();
-  for (const bad_header& bad : bad_headers(1)) {
-    CAPTURE(bad.what);
-    const auto got = host_run({0, bad.header});
-    check_refused(got[0], "decode_exchange", bad.says);
-    CHECK(got[1].code == weave::errc::peer_failure); // rank 0 aborted the world
-    CHECK(got[1].origin == 0);
-    CHECK(got[1].origin_code == weave::errc::protocol);
+  } else {
+    CHECK(e.code == weave::errc::size_mismatch);
   }
+}
+
+TEST_CASE_TEMPLATE("decode_exchange: a token record whose choices no sender writes is a protocol "
+                   "error",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // The side table follows the rows of the message's records (rows of hidden floats, a
+  // multiple of 16 bytes): 3, every token of rank 1 has an expert on rank 0 (experts 0-3).
+  const std::size_t side_at =
+      sizeof(weave::decode_header) + 3 * decode_test::hidden * sizeof(float);
+  for (const auto wait : waits) {
+    CAPTURE(static_cast<int>(wait));
+    check_bad_records([wait](const injection& inj) { return run_injected<Space>(inj, wait); },
+                      side_at, check_refused_peer<Space>);
+  }
+}
+
+TEST_CASE_TEMPLATE("decode_exchange: a header no sender writes is a protocol error naming the "
+                   "sender",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  const auto started = std::chrono::steady_clock::now();
+  // (Flag 1 is a failed dispatch plan's, which a failed header may carry.)
+  for (const bad_header& bad : bad_headers(1u << 12))
+    for (const auto wait : waits) {
+      CAPTURE(bad.what);
+      CAPTURE(static_cast<int>(wait));
+      const auto got = run_injected<Space>({0, bad.header}, wait);
+      check_refused(got[0], "decode_exchange", bad.says);
+      check_refused_peer<Space>(got[1]);
+    }
   CHECK(std::chrono::steady_clock::now() - started < 10s);
 }
 
-TEST_CASE_TEMPLATE("device decode exchange: a failed header fails the call on every rank", Space,
-                   weave::host_space, weave::emulated_gpu_space) {
-  check_failed_everywhere(device_run<Space>({-1, failed_header()}));
-  // Sent to rank 0 alone: rank 0 fails with the cause; rank 1 finds that rank 0 returned none
-  // of the rows it sent there.
-  const auto got = device_run<Space>({0, failed_header()});
-  CHECK(got[0].code == weave::errc::peer_failure);
-  CHECK(got[0].origin == 1);
-  CHECK(got[0].message.find("injected: rank 1 failed") != std::string::npos);
-  CHECK(got[1].code == weave::errc::size_mismatch);
-}
-
-TEST_CASE_TEMPLATE("device decode exchange: a header no sender writes is a protocol error naming "
-                   "the sender",
-                   Space, weave::host_space, weave::emulated_gpu_space) {
-  for (const bad_header& bad : bad_headers(1u << 12)) {
-    CAPTURE(bad.what);
-    const auto got = device_run<Space>({0, bad.header});
-    check_refused(got[0], "device_decode_exchange", bad.says);
-    CHECK(got[1].code == weave::errc::size_mismatch); // rank 0 returned none of its rows
-  }
-}
-
 TEST_CASE("decode header checks accept every header the senders write") {
-  // Both exchanges' failed headers (a host refusal, device flags), and ok headers up to full.
+  // The failed headers senders write (a call refused with its cause, or the steps' flags), and
+  // ok headers up to full.
   weave::decode_header flagged;
   flagged.status = weave::decode_status::failed;
   flagged.code = static_cast<std::int32_t>(weave::errc::out_of_range);
-  flagged.flags = 1 | static_cast<std::int32_t>(weave::device_decode_nonfinite);
+  flagged.flags = 1 | static_cast<std::int32_t>(weave::decode_nonfinite_flag);
   flagged.source = 2;
-  const std::uint32_t device_flags = 7 | weave::device_decode_nonfinite;
-  CHECK(weave::detail::decode_header_fault_of(flagged, 2, 8, device_flags) ==
+  const std::uint32_t known_flags = 7 | weave::decode_nonfinite_flag;
+  CHECK(weave::detail::decode_header_fault_of(flagged, 2, 8, known_flags) ==
         weave::decode_header_fault::none);
   CHECK(weave::detail::decode_header_fault_of(flagged, 2, 8, 0) ==
         weave::decode_header_fault::flags);
@@ -355,37 +328,43 @@ TEST_CASE("decode header checks accept every header the senders write") {
   }
 }
 
-TEST_CASE("decode_exchange sends each token once per device and returns exactly its rows") {
-  // Rank r's dispatch message to every other rank has the fixed size; its combine message to
-  // rank d holds one row per (token, expert) pair rank d dispatched to rank r's experts, or per
-  // token with partial sums (the default). Its messages to itself are a header: the rows stay
-  // in the tokens and the expert pool.
+TEST_CASE_TEMPLATE("decode_exchange sends each token once per device and returns exactly its "
+                   "rows",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // Rank r's dispatch message to every other rank is sent whole here (the communicator has no
+  // bounded all-to-all); its combine message to rank d holds one row per (token, expert) pair
+  // rank d dispatched to rank r's experts, or per token with partial sums (the default), sent
+  // exactly on host streams and whole (its room) where host code runs at enqueue time. Its
+  // messages to itself are a header: the rows stay in the tokens and the expert pool.
+  using exchange = decode_test::exchange_in<Space, corrupting_communicator, float>;
   for (const bool partial_sums : {false, true}) {
     CAPTURE(partial_sums);
     weave::decode_options o = decode_test::options();
     o.partial_sums = partial_sums;
     weave::local_world world(2, {20s, {}});
     std::vector<std::vector<std::size_t>> dispatch_sizes(2), combine_sizes(2);
-    std::vector<std::size_t> fixed(2);
+    std::vector<std::size_t> fixed(2), combine_room(2);
     world.run([&](weave::local_communicator& local) {
       const auto r = static_cast<std::size_t>(local.rank());
       corrupting_communicator comm(local, {}, [&, r](int n, int, std::span<std::byte> bytes) {
         (n == 0 ? dispatch_sizes : combine_sizes)[r].push_back(bytes.size());
       });
       weave::host_stream s("decode");
-      weave::decode_exchange<corrupting_communicator, float> ex(comm, where(), o);
+      exchange ex(comm, where(), o);
       fixed[r] = ex.dispatch_bytes_per_peer();
-      using exchange = weave::decode_exchange<corrupting_communicator, float>;
-      CHECK(ex.buffer_bytes() == exchange::buffer_bytes(2, 4, o));
-      weave::decode_options fp8 = o; // the sizes without building agree
+      combine_room[r] = ex.combine_bytes_per_peer();
+      // The workspace's size without building the layer agrees (4 local experts of 2 ranks).
+      CHECK(ex.workspace_size() == exchange::workspace_size(2, 4, o));
+      weave::decode_options fp8 = o;
       fp8.fp8_dispatch = weave::fp8_dispatch_options{weave::dtype::e4m3, {8}, true};
       fp8.max_tokens_per_rank = 5;
-      CHECK(exchange(comm, where(), fp8).buffer_bytes() == exchange::buffer_bytes(2, 4, fp8));
-      weave::decode_options gathered = o; // no pool inputs: smaller with partial sums only
+      CHECK(exchange(comm, where(), fp8).workspace_size() == exchange::workspace_size(2, 4, fp8));
+      // Gathered inputs: no pool of input rows (a row pointer per pool row instead).
+      weave::decode_options gathered = o;
       gathered.gathered_inputs = true;
-      const std::size_t without_pool = exchange(comm, where(), gathered).buffer_bytes();
-      CHECK(without_pool == exchange::buffer_bytes(2, 4, gathered));
-      CHECK((partial_sums ? without_pool < ex.buffer_bytes() : without_pool == ex.buffer_bytes()));
+      const std::size_t without_pool = exchange(comm, where(), gathered).workspace_size();
+      CHECK(without_pool == exchange::workspace_size(2, 4, gathered));
+      CHECK(without_pool < ex.workspace_size());
       (void)decode_test::decode_call(ex, input_of(local.rank()), experts_fn(), s);
     });
     const weave::placement w = where();
@@ -413,16 +392,21 @@ TEST_CASE("decode_exchange sends each token once per device and returns exactly 
           tokens += here > 0;
         }
         CHECK(combine_sizes[r][d] ==
-              sizeof(weave::decode_header) +
-                  (partial_sums ? tokens : pairs) * decode_test::hidden * sizeof(float));
+              (Space::runs_later
+                   ? sizeof(weave::decode_header) +
+                         (partial_sums ? tokens : pairs) * decode_test::hidden * sizeof(float)
+                   : combine_room[r]));
       }
     }
     // The fixed dispatch message: a header, max_tokens rows, min(k, 4) choices per token, and
-    // with partial sums as many f32 weights.
+    // with partial sums as many f32 weights; the combine's: a header and max_tokens rows, or
+    // min(k, 4) rows per token per pair.
     CHECK(fixed[0] ==
-          (sizeof(weave::decode_header) +
-           decode_test::max_tokens * decode_test::hidden * sizeof(float) +
-           (partial_sums ? 2 : 1) * decode_test::max_tokens * 3 * sizeof(std::int32_t) + 15) /
-              16 * 16);
+          sizeof(weave::decode_header) +
+              decode_test::max_tokens * decode_test::hidden * sizeof(float) +
+              (partial_sums ? 2 : 1) * decode_test::max_tokens * 3 * sizeof(std::int32_t));
+    CHECK(combine_room[0] ==
+          sizeof(weave::decode_header) + (partial_sums ? 1 : 3) * decode_test::max_tokens *
+                                             decode_test::hidden * sizeof(float));
   }
 }

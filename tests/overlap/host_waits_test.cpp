@@ -2,12 +2,11 @@
 // with a communicator that fails as NCCL does (an operation whose peer never arrives waits for
 // good; only `synchronize` gives up, after its watch, and aborts), a rank whose peer never shows
 // up ends with a typed error within the watch, not after the world's own (long) timeout. The MoE
-// exchange's cases are written once and run in host_space and in emulated_gpu_space, which
-// blocks the host where cuda_space does: a copy into pageable host memory (a host mirror that is
-// not pinned) would wait for the stuck operation outside the watch. Every host read of the MoE
-// exchange and of the device decode exchange (emulated_gpu_space) is covered: layer
-// construction (the agreement), a dynamic chunk's count exchange, check_errors and stats, the
-// decode layer's check_errors.
+// and decode exchanges' cases are written once and run in host_space and in emulated_gpu_space,
+// which blocks the host where cuda_space does: a copy into pageable host memory (a host mirror
+// that is not pinned) would wait for the stuck operation outside the watch. Every host read of
+// the exchanges is covered: layer construction (the agreement), a dynamic chunk's count
+// exchange, check_errors and stats, the decode layer's check_errors and synchronize.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
@@ -17,13 +16,14 @@
 #include <weave/comm/local_world.hpp>
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
-#include <weave/overlap/device_decode_exchange.hpp>
+#include <weave/overlap/decode_exchange.hpp>
 #include <weave/overlap/moe_exchange.hpp>
 #include <weave/routing/host_quant_moves.hpp>
 #include <weave/routing/host_row_moves.hpp>
 
 #include <chrono>
 #include <future>
+#include <memory>
 #include <random>
 #include <span>
 #include <vector>
@@ -35,8 +35,8 @@ namespace {
 
 template <class Space>
 using exchange = weave::basic_moe_exchange<Space, watched_communicator>;
-using decode =
-    weave::basic_device_decode_exchange<weave::emulated_gpu_space, watched_communicator, float>;
+template <class Space>
+using decode = weave::basic_decode_exchange<Space, watched_communicator, float>;
 
 constexpr auto watch = 300ms;
 constexpr auto world_timeout = 30s; // what a wait outside the watch would take
@@ -163,12 +163,17 @@ TEST_CASE_TEMPLATE("a peer that never calls: check_errors and stats end in the w
   }
 }
 
-TEST_CASE("a peer that never calls: the decode layer's check_errors ends in the watched wait") {
+TEST_CASE_TEMPLATE("a peer that never calls: the decode layer's check_errors and synchronize end "
+                   "in the watched wait",
+                   Space, weave::host_space, weave::emulated_gpu_space) {
+  // The workspace given by `initialize` (its upload waits for the stream: both ranks share it)
+  // or taken at the first call (rank 0's upload, before any collective).
   struct decode_layer {
-    decode_layer(watched_communicator& comm, weave::host_stream& s)
-        : ex(comm, weave::placement::contiguous(4, 2), opts())
-        , ws(ex.workspace_size()) {
-      ex.initialize(ws.ptr, ws.size, s);
+    decode_layer(watched_communicator& comm, weave::host_stream& s, bool given)
+        : ex(comm, weave::placement::contiguous(4, 2), opts()) {
+      ws = std::make_unique<weave_test::aligned_buffer>(ex.workspace_size());
+      if (given)
+        ex.initialize(ws->ptr, ws->size, s);
     }
     static weave::decode_options opts() {
       weave::decode_options o;
@@ -177,20 +182,29 @@ TEST_CASE("a peer that never calls: the decode layer's check_errors ends in the 
       o.max_tokens_per_rank = 4;
       return o;
     }
-    decode ex;
-    weave_test::aligned_buffer ws;
+    std::unique_ptr<weave_test::aligned_buffer> ws; // declared first: destroyed after the layer
+    decode<Space> ex;
   };
-  const auto got = stuck_peer(
-      [](watched_communicator& comm, weave::host_stream& s, weave::host_stream&) {
-        return std::make_unique<decode_layer>(comm, s);
-      },
-      [](watched_communicator&, weave::host_stream& s, weave::host_stream&, decode_layer& l) {
-        std::vector<float> x(4 * 8, 1.0f), y(4 * 8);
-        std::vector<std::int32_t> ids{0, 1, 2, 3, 1, 2, 0, 3};
-        std::vector<float> w(8, 0.5f);
-        auto h = l.ex.dispatch(x, ids, w, s);
-        l.ex.combine(h, std::span<float>(y), s);
-        l.ex.check_errors(s);
-      });
-  expect_watched(got);
+  for (const bool given : {true, false})
+    for (const bool check : {true, false}) {
+      CAPTURE(given);
+      CAPTURE(check);
+      const auto got = stuck_peer(
+          [given](watched_communicator& comm, weave::host_stream& s, weave::host_stream&) {
+            return std::make_unique<decode_layer>(comm, s, given);
+          },
+          [check](watched_communicator&, weave::host_stream& s, weave::host_stream&,
+                  decode_layer& l) {
+            std::vector<float> x(4 * 8, 1.0f), y(4 * 8);
+            std::vector<std::int32_t> ids{0, 1, 2, 3, 1, 2, 0, 3};
+            std::vector<float> w(8, 0.5f);
+            auto h = l.ex.dispatch(x, ids, w, s);
+            l.ex.combine(h, std::span<float>(y), s);
+            if (check)
+              l.ex.check_errors(s);
+            else
+              l.ex.synchronize(s);
+          });
+      expect_watched(got);
+    }
 }

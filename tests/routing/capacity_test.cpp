@@ -1,13 +1,15 @@
-// capacity_filter against a Tutel-style mask + cumsum reference, hand-derived capacities and
-// keep masks for Tutel's semantics, and Lancet's rule: chunk plans built with the capacity used
-// by earlier chunks drop exactly what the whole batch drops, in every order.
+// weave's capacities (`expert_capacity`) against hand-derived values, and the host reference
+// capacity filter (tests/support/host_plans.hpp, the oracle the library's
+// `device_capacity_filter` is checked against) against a Tutel-style mask + cumsum reference,
+// hand-derived keep masks for Tutel's semantics, and Lancet's rule: chunk plans built with the
+// capacity used by earlier chunks drop exactly what the whole batch drops, in every order.
 #include <doctest/doctest.h>
 
+#include "host_plans.hpp"
 #include "routing_reference.hpp"
 
 #include <weave/core/host_matrix.hpp>
 #include <weave/routing/capacity.hpp>
-#include <weave/routing/dispatch_plan.hpp>
 #include <weave/routing/gate.hpp>
 
 #include <cmath>
@@ -51,7 +53,7 @@ const weave::capacity_rounding roundings[] = {weave::capacity_rounding::ceil,
 std::vector<std::uint8_t> decide(int E, int k, const std::vector<std::int32_t>& ids,
                                  const std::vector<float>& priority, weave::capacity_policy policy,
                                  std::int64_t* dropped = nullptr) {
-  weave::capacity_filter filter(E, k, ids.size() / static_cast<std::size_t>(k), policy);
+  oracle::capacity_filter filter(E, k, ids.size() / static_cast<std::size_t>(k), policy);
   std::vector<std::uint8_t> keep(ids.size());
   const std::int64_t d = filter.decide(ids, priority, keep);
   if (dropped != nullptr)
@@ -178,7 +180,7 @@ TEST_CASE("dropless batch-prioritized keeps every pair (where Tutel drops)") {
   }
 }
 
-TEST_CASE("capacity_filter keeps what the mask-based reference keeps, in every order") {
+TEST_CASE("reference capacity_filter keeps what the mask-based reference keeps, in every order") {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 60; ++trial) {
     const int E = 1 + static_cast<int>(rng() % 12);
@@ -189,7 +191,7 @@ TEST_CASE("capacity_filter keeps what the mask-based reference keeps, in every o
       for (int order = 0; order < orders; ++order) {
         const weave::capacity_policy policy{factor, static_cast<weave::drop_order>(order),
                                             roundings[trial % 2]};
-        weave::capacity_filter filter(E, k, T, policy);
+        oracle::capacity_filter filter(E, k, T, policy);
         std::vector<std::uint8_t> keep(b.ids.size());
         const auto dropped = filter.decide(b.ids, b.priority, keep);
         const auto expect = ref::mask_keep(b.ids, k, E, filter.capacity(), order, b.priority);
@@ -222,17 +224,17 @@ TEST_CASE("Lancet's rule: chunked capacity decisions equal the whole batch's") {
       for (int order = 0; order < orders; ++order) {
         const weave::capacity_policy policy{factor, static_cast<weave::drop_order>(order),
                                             roundings[trial % 2]};
-        weave::capacity_filter whole(E, k, T, policy);
+        oracle::capacity_filter whole(E, k, T, policy);
         std::vector<std::uint8_t> keep(b.ids.size());
         whole.decide(b.ids, b.priority, keep);
-        weave::dispatch_plan whole_plan(p, k, 0);
+        oracle::dispatch_plan whole_plan(p, k, 0);
         whole_plan.build(b.ids, b.weights, keep);
 
         // Chunk plans: position order decides each chunk from the used capacity so far;
         // the other orders read their slice of the once-per-batch mask.
-        weave::capacity_filter chunked(E, k, T, policy);
+        oracle::capacity_filter chunked(E, k, T, policy);
         std::vector<std::uint8_t> chunk_keep(b.ids.size());
-        std::vector<weave::dropped_route> dropped;
+        std::vector<oracle::dropped_route> dropped;
         std::vector<std::int64_t> loads(static_cast<std::size_t>(p.num_slots()), 0);
         std::vector<std::int32_t> kept;
         for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
@@ -243,7 +245,7 @@ TEST_CASE("Lancet's rule: chunked capacity decisions equal the whole batch's") {
             chunked.admit(ids, mask);
           else
             std::copy_n(keep.begin() + static_cast<long>(t0 * kk), n * kk, mask.begin());
-          weave::dispatch_plan plan(p, k, 0);
+          oracle::dispatch_plan plan(p, k, 0);
           plan.build(ids, std::span(b.weights).subspan(t0 * kk, n * kk), mask, t0);
           dropped.insert(dropped.end(), plan.dropped().begin(), plan.dropped().end());
           kept.insert(kept.end(), plan.kept_experts().begin(), plan.kept_experts().end());
@@ -268,10 +270,10 @@ TEST_CASE("every routed pair is kept or reported dropped") {
   const std::size_t T = 200;
   const auto b = make_batch(T, E, k, rng);
   const auto p = weave::placement::contiguous(E, 4);
-  weave::capacity_filter filter(E, k, T, {0.5, weave::drop_order::batch_prioritized});
+  oracle::capacity_filter filter(E, k, T, {0.5, weave::drop_order::batch_prioritized});
   std::vector<std::uint8_t> keep(b.ids.size());
   const auto dropped = filter.decide(b.ids, b.priority, keep);
-  weave::dispatch_plan plan(p, k, 1);
+  oracle::dispatch_plan plan(p, k, 1);
   plan.build(b.ids, b.weights, keep);
   std::int64_t routed = 0, kept = 0;
   for (std::size_t q = 0; q < b.ids.size(); ++q) {
@@ -308,12 +310,12 @@ TEST_CASE("capacity rejects bad input with the right error code") {
           weave::expert_capacity(1.0, 4, 1, 2, static_cast<weave::capacity_rounding>(7));
         }) == weave::errc::invalid_argument);
   CHECK(code([&] {
-          weave::capacity_filter(2, 1, 4, {1.0, static_cast<weave::drop_order>(9)});
+          oracle::capacity_filter(2, 1, 4, {1.0, static_cast<weave::drop_order>(9)});
         }) == weave::errc::invalid_argument);
   std::vector<std::int32_t> ids = {0, 1, 2, 4};
   std::vector<std::uint8_t> keep(4);
   std::vector<float> priority = {1.0f, 2.0f};
-  weave::capacity_filter position(4, 2, 2, {1.0, weave::drop_order::position});
+  oracle::capacity_filter position(4, 2, 2, {1.0, weave::drop_order::position});
   CHECK(code([&] { position.admit(ids, keep); }) == weave::errc::out_of_range); // id 4 >= E
   ids[3] = -2;
   CHECK(code([&] { position.admit(ids, keep); }) == weave::errc::out_of_range); // id < -1
@@ -322,7 +324,7 @@ TEST_CASE("capacity rejects bad input with the right error code") {
   for (const auto order :
        {weave::drop_order::batch_prioritized, weave::drop_order::priority_token_major}) {
     priority[1] = 2.0f;
-    weave::capacity_filter prioritized(4, 2, 2, {1.0, order});
+    oracle::capacity_filter prioritized(4, 2, 2, {1.0, order});
     CHECK(code([&] { prioritized.admit(ids, keep); }) == weave::errc::invalid_state);
     CHECK(code([&] { prioritized.decide(ids, std::span(priority).first(1), keep); }) ==
           weave::errc::size_mismatch);

@@ -1,10 +1,13 @@
-// The device plans' steps (shared with the CUDA kernels of `cuda_dispatch_plan`), run on host
-// streams in `host_space` (the serial forms of the steps: a row's entries in one pass, counting
-// sorts) and in `emulated_gpu_space` (the GPU's forms: one index per step call), against the host
-// `dispatch_plan`, `expert_plan` and `capacity_filter` they must equal exactly.
+// weave's plans (`device_dispatch_plan`, `device_expert_plan`, `device_capacity_filter`: one
+// algorithm in every space, its steps shared with the CUDA kernels of `cuda_dispatch_plan`), run
+// on host streams in `host_space` (the serial forms of the steps: a row's entries in one pass,
+// counting sorts) and in `emulated_gpu_space` (the GPU's forms: one index per step call),
+// against the sequential host reference plans of tests/support/host_plans.hpp (`dispatch_plan`,
+// `expert_plan`, `capacity_filter`) they must equal exactly.
 #include <doctest/doctest.h>
 
 #include "aligned_buffer.hpp"
+#include "host_plans.hpp"
 #include "random_choices.hpp"
 #include "routing_reference.hpp"
 
@@ -14,8 +17,6 @@
 #include <weave/routing/device_capacity.hpp>
 #include <weave/routing/device_dispatch_plan.hpp>
 #include <weave/routing/device_expert_plan.hpp>
-#include <weave/routing/dispatch_plan.hpp>
-#include <weave/routing/expert_plan.hpp>
 
 #include <algorithm>
 #include <array>
@@ -41,7 +42,7 @@ std::vector<T> vec(std::span<const T> s) {
 }
 
 template <class Space>
-void expect_equal(const weave::dispatch_plan& host, const weave::device_dispatch_plan<Space>& dev,
+void expect_equal(const oracle::dispatch_plan& host, const weave::device_dispatch_plan<Space>& dev,
                   weave::host_stream& s) {
   s.synchronize();
   const std::int64_t rows = host.rows();
@@ -60,7 +61,7 @@ void expect_equal(const weave::dispatch_plan& host, const weave::device_dispatch
 } // namespace
 
 TEST_CASE_TEMPLATE(
-    "device dispatch plan steps equal the host plan on random placements and choices", Space,
+    "device dispatch plan steps equal the reference plan on random placements and choices", Space,
     weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(11);
   weave::host_stream s("plan");
@@ -84,7 +85,7 @@ TEST_CASE_TEMPLATE(
         std::vector<float> w;
         random_choices(rng, T, E, k, ids, w);
         const std::vector<std::uint8_t> keep = random_keep(rng, ids.size());
-        weave::dispatch_plan host(p, k, source);
+        oracle::dispatch_plan host(p, k, source);
         host.build(ids, w, keep, offset);
 
         weave::device_dispatch_plan<Space> dev(p, k, source, T + rng() % 100);
@@ -92,7 +93,7 @@ TEST_CASE_TEMPLATE(
         dev.initialize(ws.ptr, ws.size, s);
         dev.build(s, ids, w, keep, offset);
         expect_equal(host, dev, s);
-        // A rebuild over poisoned outputs with other choices gives the new host plan.
+        // A rebuild over poisoned outputs with other choices gives the new reference plan.
         random_choices(rng, T, E, k, ids, w);
         host.build(ids, w);
         std::fill(ws.ptr, ws.ptr + ws.size, std::byte{0xFF});
@@ -160,8 +161,8 @@ std::vector<weave::route_entry> random_routes(std::mt19937& rng, int L, int k,
 
 } // namespace
 
-TEST_CASE_TEMPLATE("device expert plan steps equal the host expert plan, compact and with padded "
-                   "slots",
+TEST_CASE_TEMPLATE("device expert plan steps equal the reference expert plan, compact and with "
+                   "padded slots",
                    Space, weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(23);
   weave::host_stream s("expert plan");
@@ -172,7 +173,7 @@ TEST_CASE_TEMPLATE("device expert plan steps equal the host expert plan, compact
     for (auto& c : counts)
       c = rng() % 3 == 0 ? 0 : static_cast<std::int64_t>(rng() % 40);
     const auto routes = random_routes(rng, L, k, counts);
-    weave::expert_plan host(L, k);
+    oracle::expert_plan host(L, k);
     host.build(routes, counts);
     const auto kk = static_cast<std::size_t>(k);
     const auto rows = static_cast<std::size_t>(host.rows());
@@ -247,8 +248,8 @@ TEST_CASE("device expert plan flags bad entries") {
   CHECK_THROWS_AS(weave::device_expert_plan<weave::host_space>(0, 2, 1, 2), weave::error);
 }
 
-TEST_CASE_TEMPLATE("device capacity filter equals the host filter for every order, factor and "
-                   "rounding",
+TEST_CASE_TEMPLATE("device capacity filter equals the reference filter for every order, factor "
+                   "and rounding",
                    Space, weave::host_space, weave::emulated_gpu_space) {
   std::mt19937 rng(31);
   weave::host_stream s("capacity");
@@ -281,7 +282,7 @@ TEST_CASE_TEMPLATE("device capacity filter equals the host filter for every orde
         if (ids[t * k + j] >= 0)
           priority[t] = std::max(priority[t], w[t * k + j]);
     }
-    weave::capacity_filter host(E, k, T, policy);
+    oracle::capacity_filter host(E, k, T, policy);
     std::vector<std::uint8_t> want(ids.size());
     const std::int64_t want_dropped = host.decide(ids, priority, want);
 

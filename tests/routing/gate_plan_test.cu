@@ -1,16 +1,17 @@
 // The CUDA gate and dispatch plan against the host path on fresh random inputs (outputs and
-// workspaces poisoned with 0xFF bytes before every run), the plan against the Tutel-style
-// mask reference, the 16-byte gather/merge paths against the host kernels, and bad input.
+// workspaces poisoned with 0xFF bytes before every run): the gate against `top_k_gate`, the plan
+// against the host reference plan (tests/support/host_plans.hpp) and the Tutel-style mask
+// reference, the 16-byte gather/merge paths against the host kernels, and bad input.
 #include <doctest/doctest.h>
 
 #include <weave/core/host_matrix.hpp>
-#include <weave/routing/dispatch_plan.hpp>
 #include <weave/routing/gate.cuh>
 #include <weave/routing/gate.hpp>
 #include <weave/routing/kernels.cuh>
 #include <weave/routing/plan.cuh>
 
 #include "cuda_buffers.hpp"
+#include "host_plans.hpp"
 #include "mask_routing.cuh"
 #include "random_choices.hpp"
 #include "routing_reference.hpp"
@@ -119,7 +120,7 @@ void gate_trials(std::mt19937& rng, const stream_holder& stream) {
   }
 }
 
-void expect_plan_equal(const weave::dispatch_plan& host, const weave::cuda_dispatch_plan& gpu,
+void expect_plan_equal(const oracle::dispatch_plan& host, const weave::cuda_dispatch_plan& gpu,
                        const stream_holder& stream) {
   stream.ref().synchronize();
   const std::int64_t rows = host.rows();
@@ -222,7 +223,7 @@ TEST_CASE("CUDA top_k_gate flags bad logits and bias, rejects bad arguments") {
                   weave::error);
 }
 
-TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a keep mask)") {
+TEST_CASE("CUDA dispatch plan equals the host reference plan (dropless and with a keep mask)") {
   stream_holder stream;
   std::mt19937 rng(33);
   const int devices[] = {1, 2, 3, 8, 64};
@@ -239,7 +240,7 @@ TEST_CASE("CUDA dispatch plan equals dispatch_plan::build (dropless and with a k
     std::vector<float> w;
     random_choices(rng, T, E, k, ids, w);
     const std::vector<std::uint8_t> keep = random_keep(rng, ids.size());
-    weave::dispatch_plan host(p, k, source);
+    oracle::dispatch_plan host(p, k, source);
     host.build(ids, w, keep, offset);
 
     const std::size_t max_tokens = T + rng() % 100;
@@ -303,7 +304,7 @@ TEST_CASE("CUDA gate + plan + layout moves equal the host pipeline; plan rows eq
     // The host plan from the device gate's own choices is the bitwise expectation.
     const auto ids = to_host(d_ids.cspan());
     const auto w = to_host(d_w.cspan());
-    weave::dispatch_plan host(p, k, 0);
+    oracle::dispatch_plan host(p, k, 0);
     host.build(ids, w);
     expect_plan_equal(host, gpu, stream);
     auto by_mask = to_host(mask_rows.cspan());
@@ -317,8 +318,8 @@ TEST_CASE("CUDA gate + plan + layout moves equal the host pipeline; plan rows eq
         sfd(static_cast<std::size_t>(host.rows()), hidden), out(T, hidden);
     for (auto& v : x.elements())
       v = weave::bfloat16(normal(rng));
-    weave::dispatch_gather(host, x.view(), sfd.view());
-    weave::combine_merge(host, sfd.view(), out.view());
+    oracle::dispatch_gather(host, x.view(), sfd.view());
+    oracle::combine_merge(host, sfd.view(), out.view());
     dev<weave::bfloat16> d_x(
         std::vector<weave::bfloat16>(x.elements().begin(), x.elements().end()));
     dev<weave::bfloat16> d_sfd(sfd.elements().size()), d_out(out.elements().size());
@@ -372,7 +373,7 @@ TEST_CASE("CUDA dispatch plan flags bad choices and rejects bad arguments") {
   CHECK_THROWS_AS(gpu.build(stream.ref(), many.cspan().first(4), many_w.cspan().first(6)),
                   weave::error);
   // Replicated placements are plannable (a replica table is uploaded at initialize); their
-  // plans are checked against the host in the equality test above.
+  // plans are checked against the host reference in the equality test above.
   const weave::placement replicated(4, 2, {0, 1, 2, 3, 0, 1, 2, 3});
   CHECK_NOTHROW(weave::cuda_dispatch_plan(replicated, 2, 0, 8));
   CHECK_THROWS_AS(weave::cuda_dispatch_plan(p, 0, 0, 8), weave::error);

@@ -1,8 +1,12 @@
 // gather_rows / merge_rows against element-by-element loops, for f32, bf16 and f16 rows, packed
 // and strided, directly and on a host_stream; bitwise against the scalar kernels they replaced,
-// special values included; bad input gets the right error code.
+// special values included; the layout moves (`layout_move` in host_space and
+// emulated_gpu_space, `row_moves` merges) and the host reference plans' moves
+// (tests/support/host_plans.hpp) against row-by-row copies and the scalar kernels, over the
+// reference plans' maps; bad input gets the right error code.
 #include <doctest/doctest.h>
 
+#include "host_plans.hpp"
 #include "scalar_kernels.hpp"
 
 #include <weave/core/host_matrix.hpp>
@@ -216,10 +220,11 @@ TEST_CASE("vectorised gathers and merges equal the scalar kernels bitwise, speci
 namespace {
 
 // A random dispatch of T tokens (k of E experts over D devices) and the receiving side of all
-// its rows.
+// its rows, planned by the host reference plans (tests/support/host_plans.hpp): their maps
+// drive both the reference moves and the library's `layout_move` / `row_moves`.
 struct routed_layouts {
-  weave::dispatch_plan plan;
-  weave::expert_plan experts;
+  oracle::dispatch_plan plan;
+  oracle::expert_plan experts;
 };
 
 routed_layouts route(std::size_t T, int E, int D, int k, std::mt19937& rng) {
@@ -239,66 +244,97 @@ routed_layouts route(std::size_t T, int E, int D, int k, std::mt19937& rng) {
       weights[t * k + j] = std::uniform_real_distribution<float>(-1, 1)(rng);
     }
   const auto where = weave::placement::contiguous(E, D);
-  routed_layouts r{weave::dispatch_plan(where, k, 0),
-                   weave::expert_plan(where.slots_per_device(), k)};
+  routed_layouts r{oracle::dispatch_plan(where, k, 0),
+                   oracle::expert_plan(where.slots_per_device(), k)};
   r.plan.build(ids, weights);
   r.experts.build(r.plan.row_routes(), r.plan.send_counts());
   return r;
 }
 
+// `layout_move` in `Space` from `src` into rows [0, n) of `dst` (n + 3 rows, filled with 7s
+// first): host_space scatters through the inverse map `by_src` (counted over the source rows),
+// the emulated GPU gathers through `by_dst` (counted over the destination rows). Returns `dst`;
+// the rows past the count must stay 7s.
+template <class Space, class T>
+weave::host_matrix<T> moved(const weave::host_matrix<T>& src, std::size_t n,
+                            std::span<const std::int64_t> by_dst, const float* scale_by_dst,
+                            std::span<const std::int64_t> by_src, int k,
+                            const float* scale_by_src) {
+  weave::host_matrix<T> dst(n + 3, src.cols());
+  for (auto& v : dst.elements())
+    v = T(7.0f);
+  const auto src_count = static_cast<std::int64_t>(src.rows());
+  const auto dst_count = static_cast<std::int64_t>(n);
+  weave::host_stream st("layout_move");
+  weave::layout_move<Space>(st, src.view(), dst.view(), by_dst.data(), scale_by_dst, &dst_count,
+                            by_src.data(), k, scale_by_src, &src_count);
+  st.synchronize();
+  return dst;
+}
+
+// Rows [0, n) of `got` equal `want` bitwise; the 3 rows after them are untouched 7s.
+template <class T>
+void expect_moved(const weave::host_matrix<T>& got, const weave::host_matrix<T>& want) {
+  const std::size_t n = want.rows(), cols = want.cols();
+  REQUIRE(got.rows() == n + 3);
+  for (std::size_t i = 0; i < n; ++i)
+    REQUIRE(std::memcmp(got.row(i).data(), want.row(i).data(), cols * sizeof(T)) == 0);
+  for (std::size_t i = n; i < n + 3; ++i)
+    REQUIRE(static_cast<float>(got(i, 0)) == 7.0f);
+}
+
 template <class T>
 void check_layout_moves(std::size_t tokens, std::size_t cols, std::mt19937& rng) {
   const int k = 1 + static_cast<int>(rng() % 4);
+  const auto kk = static_cast<std::size_t>(k);
   const auto r = route(tokens, 8, 4, k, rng);
   const auto ori = special_rows<T>(tokens, cols, rng);
   const auto rows = static_cast<std::size_t>(r.plan.rows());
   const auto epd_rows = static_cast<std::size_t>(r.experts.epd_rows());
+  // ORI -> SFD: the reference move against a row-by-row copy, and the library's move (a scatter
+  // over token_rows on the host, a gather over row_token on the emulated GPU) against both.
   weave::host_matrix<T> sfd(rows, cols), want_sfd(rows, cols);
-  weave::dispatch_gather(r.plan, ori.view(), sfd.view());
-  weave::gather_rows(ori.view(), want_sfd.view(), r.plan.row_token());
+  oracle::dispatch_gather(r.plan, ori.view(), sfd.view());
+  for (std::size_t i = 0; i < rows; ++i)
+    std::memcpy(want_sfd.row(i).data(),
+                ori.row(static_cast<std::size_t>(r.plan.row_token()[i])).data(), cols * sizeof(T));
   CHECK(same_bits(sfd, want_sfd));
+  expect_moved(moved<weave::host_space>(ori, rows, r.plan.row_token(), nullptr, r.plan.token_rows(),
+                                        k, nullptr),
+               want_sfd);
+  expect_moved(moved<weave::emulated_gpu_space>(ori, rows, r.plan.row_token(), nullptr,
+                                                r.plan.token_rows(), k, nullptr),
+               want_sfd);
+  // SFD -> EPD, plain and gate-scaled: the reference move against the scalar scaling, and the
+  // library's move (a scatter over row_epd x row_weight, or a gather) against both.
   for (const bool scaled : {false, true}) {
     weave::host_matrix<T> epd(epd_rows, cols), want_epd(epd_rows, cols);
-    weave::expert_scatter(r.experts, sfd.view(), epd.view(), scaled);
-    weave::gather_rows(sfd.view(), want_epd.view(), r.experts.epd_row_source(),
-                       scaled ? r.experts.epd_weight() : std::span<const float>{});
+    oracle::expert_scatter(r.experts, sfd.view(), epd.view(), scaled);
+    for (std::size_t j = 0; j < epd_rows; ++j) {
+      const T* from = sfd.row(static_cast<std::size_t>(r.experts.epd_row_source()[j])).data();
+      if (scaled)
+        scalar::scale_row(from, want_epd.row(j).data(), cols, r.experts.epd_weight()[j]);
+      else
+        std::memcpy(want_epd.row(j).data(), from, cols * sizeof(T));
+    }
     CAPTURE(scaled);
     CHECK(same_bits(epd, want_epd));
-    // `layout_move` in each space: host_space scatters through the inverse map (counted over the
-    // source rows), the emulated GPU gathers (counted over the destination rows); both give the
-    // gather's rows, and leave the rows past the counts untouched.
-    const std::int64_t source_count = static_cast<std::int64_t>(rows),
-                       dest_count = static_cast<std::int64_t>(epd_rows);
-    for (const bool serial : {true, false}) {
-      weave::host_matrix<T> moved(epd_rows + 3, cols);
-      for (auto& v : moved.elements())
-        v = T(7.0f);
-      weave::host_stream st("layout_move");
-      const auto move = [&]<class Space>(Space*) {
-        weave::layout_move<Space>(st, sfd.view(), moved.view(), r.experts.epd_row_source().data(),
-                                  scaled ? r.experts.epd_weight().data() : nullptr, &dest_count,
-                                  r.experts.row_epd().data(), k,
-                                  scaled ? r.experts.row_weight().data() : nullptr, &source_count);
-      };
-      if (serial)
-        move(static_cast<weave::host_space*>(nullptr));
-      else
-        move(static_cast<weave::emulated_gpu_space*>(nullptr));
-      st.synchronize();
-      CAPTURE(serial);
-      for (std::size_t i = 0; i < epd_rows; ++i)
-        REQUIRE(std::memcmp(moved.row(i).data(), want_epd.row(i).data(), cols * sizeof(T)) == 0);
-      for (std::size_t i = epd_rows; i < epd_rows + 3; ++i)
-        REQUIRE(static_cast<float>(moved(i, 0)) == 7.0f);
-    }
+    const float* by_dst = scaled ? r.experts.epd_weight().data() : nullptr;
+    const float* by_src = scaled ? r.experts.row_weight().data() : nullptr;
+    expect_moved(moved<weave::host_space>(sfd, epd_rows, r.experts.epd_row_source(), by_dst,
+                                          r.experts.row_epd(), k, by_src),
+                 epd);
+    expect_moved(moved<weave::emulated_gpu_space>(sfd, epd_rows, r.experts.epd_row_source(), by_dst,
+                                                  r.experts.row_epd(), k, by_src),
+                 epd);
   }
-  // The merges back, against the scalar kernels.
+  // The merges back: the reference moves and the library's (row_moves) against the scalar
+  // kernels.
   const auto epd_out = special_rows<T>(epd_rows, cols, rng);
   weave::host_matrix<T> back(rows, cols), want_back(rows, cols), out(tokens, cols),
-      want_out(tokens, cols);
-  weave::expert_merge(r.experts, epd_out.view(), back.view());
-  weave::combine_merge(r.plan, back.view(), out.view());
-  const auto kk = static_cast<std::size_t>(k);
+      want_out(tokens, cols), lib_back(rows, cols), lib_out(tokens, cols);
+  oracle::expert_merge(r.experts, epd_out.view(), back.view());
+  oracle::combine_merge(r.plan, back.view(), out.view());
   const auto inputs = [&](const weave::host_matrix<T>& src, std::span<const std::int64_t> index,
                           std::size_t i) {
     std::vector<const T*> in(kk, nullptr);
@@ -314,6 +350,15 @@ void check_layout_moves(std::size_t tokens, std::size_t cols, std::mt19937& rng)
     scalar::merge_row(inputs(back, r.plan.token_rows(), t), want_out.row(t).data(), cols, nullptr);
   CHECK(same_bits(back, want_back));
   CHECK(same_bits(out, want_out));
+  weave::host_stream st("merges");
+  weave::row_moves<weave::host_space>::merge(st, epd_out.view(), lib_back.view(),
+                                             r.experts.row_epd().data(), k,
+                                             r.experts.row_weight().data(), nullptr, false);
+  weave::row_moves<weave::host_space>::merge(
+      st, back.view(), lib_out.view(), r.plan.token_rows().data(), k, nullptr, nullptr, false);
+  st.synchronize();
+  CHECK(same_bits(lib_back, want_back));
+  CHECK(same_bits(lib_out, want_out));
 }
 
 } // namespace

@@ -1,6 +1,10 @@
 // The CUDA kernels against the host path on random inputs: raw gather/merge for f32, bf16 and
-// f16 rows, then a whole plan (uploaded maps) through the four layout moves; bitwise equal.
+// f16 rows, then a whole plan (the host reference plans of tests/support, their maps uploaded)
+// through the four layout moves; bitwise equal.
 #include <doctest/doctest.h>
+
+#include "host_plan_upload.hpp"
+#include "host_plans.hpp"
 
 #include <weave/core/host_matrix.hpp>
 #include <weave/routing/gate.hpp>
@@ -109,7 +113,7 @@ TEST_CASE("CUDA gather_rows and merge_rows equal the host path bitwise") {
   WEAVE_CUDA_CHECK(cudaStreamDestroy(raw));
 }
 
-TEST_CASE("CUDA layout moves over uploaded plans equal the host layout moves") {
+TEST_CASE("CUDA layout moves over uploaded reference plans equal the host layout moves") {
   cudaStream_t raw = nullptr;
   WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
   const weave::cuda_stream_ref stream(raw);
@@ -129,25 +133,25 @@ TEST_CASE("CUDA layout moves over uploaded plans equal the host layout moves") {
   weave::gate_options options;
   options.k = k;
   weave::top_k_gate(logits.view(), options, ids, w);
-  weave::dispatch_plan plan(p, k, 1);
+  oracle::dispatch_plan plan(p, k, 1);
   plan.build(ids, w);
   // Treat every SFD row as received by one device holding all local slots of its destination:
   // the receiver plan over the whole SFD buffer with L = slots per device.
-  weave::expert_plan eplan(p.slots_per_device(), k);
+  oracle::expert_plan eplan(p.slots_per_device(), k);
   eplan.build(plan.row_routes(), plan.send_counts());
 
   weave::host_matrix<weave::bfloat16> sfd(static_cast<std::size_t>(plan.rows()), hidden),
       epd(static_cast<std::size_t>(eplan.epd_rows()), hidden), back(sfd.rows(), hidden),
       out(T, hidden);
-  weave::dispatch_gather(plan, x.view(), sfd.view());
-  weave::expert_scatter(eplan, sfd.view(), epd.view());
-  weave::expert_merge(eplan, epd.view(), back.view());
-  weave::combine_merge(plan, back.view(), out.view());
+  oracle::dispatch_gather(plan, x.view(), sfd.view());
+  oracle::expert_scatter(eplan, sfd.view(), epd.view());
+  oracle::expert_merge(eplan, epd.view(), back.view());
+  oracle::combine_merge(plan, back.view(), out.view());
 
-  device_buffer<std::byte> ws_plan(weave::upload_workspace_size(plan)),
-      ws_eplan(weave::upload_workspace_size(eplan));
-  const auto dmaps = weave::upload(plan, ws_plan.ptr, ws_plan.size + 256, stream);
-  const auto emaps = weave::upload(eplan, ws_eplan.ptr, ws_eplan.size + 256, stream);
+  device_buffer<std::byte> ws_plan(oracle::upload_workspace_size(plan)),
+      ws_eplan(oracle::upload_workspace_size(eplan));
+  const auto dmaps = oracle::upload(plan, ws_plan.ptr, ws_plan.size + 256, stream);
+  const auto emaps = oracle::upload(eplan, ws_eplan.ptr, ws_eplan.size + 256, stream);
   device_buffer<weave::bfloat16> d_x(
       std::vector<weave::bfloat16>(x.elements().begin(), x.elements().end())),
       d_sfd(sfd.elements().size()), d_epd(epd.elements().size()), d_back(back.elements().size()),

@@ -79,8 +79,8 @@ inline void radix_sort_pairs(const std::uint32_t* keys_in, std::uint32_t* keys_o
 
 //! Runs device algorithms on `host_stream`s: every step is a task on the stream, or runs at once
 //! when the calling thread is running a task of that stream (`host_stream::runs_here`: a step
-//! enqueued from within the stream's own work is at the stream's point), so `launch(s, f)` runs
-//! all of `f`'s steps as one task.
+//! enqueued from within the stream's own work is at the stream's point) or holds it under its
+//! claim (`host_stream::claim_if_idle`), so `launch(s, f)` runs all of `f`'s steps as one task.
 struct host_space {
   using stream_type = host_stream;
   //! How streams are passed: by reference (a host stream owns its thread).
@@ -151,14 +151,17 @@ struct host_space {
   static void launch(stream_arg s, F f) {
     if (s.runs_here())
       return f(s);
-    s.submit([&s, f = std::move(f)]() mutable { f(s); });
+    enqueue(s, [&s, f = std::move(f)]() mutable { f(s); });
   }
 
-  //! Runs `task` now when the calling thread runs a task of `s`, else submits it.
+  //! Runs `task` now when the calling thread runs a task of `s`, or holds `s` under its
+  //! `claim_if_idle` (as `run_inline_or_submit`: a failure fails the stream); else submits it.
   template <class F>
   static void enqueue(stream_arg s, F&& task) {
     if (s.runs_here())
       std::forward<F>(task)();
+    else if (s.claimed_here())
+      s.run_inline_or_submit(std::forward<F>(task));
     else
       s.submit(std::forward<F>(task));
   }

@@ -375,6 +375,9 @@ class host_stream {
   //! inline): work it enqueues on the stream from there is at the stream's current point, so
   //! `host_space` runs it at once rather than behind the tasks queued since.
   bool runs_here() const noexcept { return running_ == this; }
+  //! True within the calling thread's `claim_if_idle` of this stream, with nothing queued since
+  //! it began: a step run now is in order (`run_inline_or_submit` runs it here).
+  bool claimed_here() const noexcept { return held_here(); }
 
   const std::string& name() const noexcept { return name_; }
 

@@ -47,11 +47,11 @@ struct decode_options {
   //! device the combine messages have room for `max_tokens_per_rank` rows (false:
   //! `max_tokens_per_rank` x min(k, local experts)).
   bool partial_sums = true;
-  //! The experts read their input rows where they arrived, not from copies (the host
-  //! `decode_exchange` only): `decode_experts::input_rows(l)` gives one pointer per row, into
-  //! the received messages or, for this rank's own tokens, into the dispatch's `x` (borrowed
-  //! then until the combine has run), and `input(l)` is refused. Saves one row copy per (token,
-  //! expert) pair received. Not with `fp8_dispatch`; a device exchange refuses it.
+  //! The experts read their input rows where they arrived, not from copies:
+  //! `decode_experts::input_rows(l)` gives one pointer per row, into the received messages or,
+  //! for this rank's own tokens, into the dispatch's `x` (borrowed then until the combine has
+  //! run), and `input(l)` is refused. Saves one row copy per (token, expert) pair received. Not
+  //! with `fp8_dispatch`.
   bool gathered_inputs = false;
 };
 
@@ -245,7 +245,7 @@ decode_headers_verdict check_decode_headers(std::size_t ranks, std::size_t slots
 //! layer's serial on `comm`, agreed by every rank.
 template <class Comm>
 std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_options& o,
-                              dtype element, const char* name, bool host) {
+                              dtype element, const char* name) {
   config_fingerprint f(name);
   f.add("devices", where.num_devices())
       .add("experts", where.num_experts())
@@ -264,8 +264,6 @@ std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_o
                  " exceeds the ", where.num_experts(), " experts");
     WEAVE_EXPECT(where.num_devices() == comm.size(), errc::invalid_argument, "placement of ",
                  where.num_devices(), " devices for a world of ", comm.size());
-    WEAVE_EXPECT(!o.gathered_inputs || host, errc::invalid_argument, name,
-                 ": decode_options.gathered_inputs is an option of the host decode_exchange");
     WEAVE_EXPECT(!o.gathered_inputs || !o.fp8_dispatch, errc::invalid_argument, name,
                  ": decode_options.gathered_inputs with an FP8 dispatch (the experts read codes "
                  "and scales from the pool)");

@@ -1,14 +1,16 @@
 //! \file
-//! `device_capacity_filter<Space>`: the capacity decision of `capacity_filter::decide` made
-//! where the choices live, for a whole batch at once (so every chunk of a pipelined layer reads
-//! its slice of one mask, and drops equal the unchunked batch's: Lancet's rule).
+//! `device_capacity_filter<Space>`: weave's capacity decision, made where the choices live (in
+//! every execution space), for a whole batch at once (so every chunk of a pipelined layer reads
+//! its slice of one mask, and drops equal the unchunked batch's: Lancet's rule) or, in position
+//! order, chunk by chunk (`reset`, `admit`).
 //!
 //! Pairs claim capacity in the policy's order (`drop_order`, see `weave/routing/capacity.hpp`),
 //! with the policy's rounding. Steps: for the prioritized orders, the token priorities and their
 //! stable descending order; one step per pair writing (expert, pair) at the pair's position in
 //! the claiming order; a stable sort by expert; a scan of the per-expert counts; and one step per
-//! sorted pair: its rank within its expert decides it. The result equals the host filter's mask
-//! for the same batch and priorities.
+//! sorted pair: its rank within its expert decides it. A serial space (`host_space`) visits the
+//! pairs once in the claiming order instead, counting per expert. CI checks the masks against a
+//! sequential host reference (tests/support) and a Tutel-style mask + cumsum reference.
 #pragma once
 
 #include "weave/core/checked.hpp"
@@ -135,6 +137,48 @@ struct keep_step {
   }
 };
 
+// Serial spaces: the whole decision in one pass over the pairs in the claiming order (each
+// pair's rank within its expert is the count of that expert's pairs before it), instead of the
+// claim, the sort by expert, the scan and the keep step.
+struct claim_in_order_step {
+  const std::int32_t* ids;
+  const std::int32_t* token_of_rank; // prioritized orders only
+  int k, E;
+  std::int64_t tokens;
+  int order; // drop_order
+  const std::int64_t* used;
+  std::int64_t capacity; // -1: unbounded
+  std::int64_t* counts;
+  std::uint8_t* keep;
+  std::int64_t* dropped;
+
+  WEAVE_HOST_DEVICE void claim(std::int64_t p) const {
+    const std::int32_t e = ids[p];
+    if (e < 0 || e >= E) {
+      keep[p] = 0;
+      return;
+    }
+    const std::int64_t before = (used != nullptr ? used[e] : 0) + counts[e]++;
+    const bool fits = capacity < 0 || before < capacity;
+    keep[p] = fits ? 1 : 0;
+    *dropped += fits ? 0 : 1;
+  }
+
+  WEAVE_HOST_DEVICE void operator()(std::int64_t) const {
+    const auto token = [&](std::int64_t r) { return token_of_rank ? token_of_rank[r] : r; };
+    if (order == static_cast<int>(drop_order::position) ||
+        order == static_cast<int>(drop_order::priority_token_major)) {
+      for (std::int64_t r = 0; r < tokens; ++r)
+        for (int j = 0; j < k; ++j)
+          claim(token(r) * k + j);
+    } else { // choice-major: every token's first choice, then every second choice, ...
+      for (int j = 0; j < k; ++j)
+        for (std::int64_t r = 0; r < tokens; ++r)
+          claim(token(r) * k + j);
+    }
+  }
+};
+
 // Per expert, after a chunk: the rows its chunks have taken so far.
 struct used_step {
   const std::int64_t* counts;
@@ -222,7 +266,16 @@ class device_capacity_filter {
                                             keys_in_, values_in_});
       Space::sort_pairs(stream, keys_in_, keys_out_, values_in_, values_out_, T, 32, temp_,
                         temp_bytes_);
-      Space::for_each(stream, T, detail::rank_of_token_step{values_out_, rank_of_token_});
+      if constexpr (!serial_space<Space>)
+        Space::for_each(stream, T, detail::rank_of_token_step{values_out_, rank_of_token_});
+    }
+    if constexpr (serial_space<Space>) {
+      Space::for_each(stream, 1,
+                      detail::claim_in_order_step{ids.data(), prioritized ? values_out_ : nullptr,
+                                                  k_, E_, T, static_cast<int>(policy_.order),
+                                                  nullptr, capacity_, counts_, keep.data(),
+                                                  dropped_});
+      return;
     }
     Space::for_each(stream, n,
                     detail::claim_step{ids.data(), prioritized ? rank_of_token_ : nullptr, k_, E_,
@@ -263,6 +316,14 @@ class device_capacity_filter {
     Space::fill(stream, counts_, 0, (static_cast<std::size_t>(E_) + 1) * sizeof(std::int64_t));
     if (n == 0)
       return;
+    if constexpr (serial_space<Space>) {
+      Space::for_each(stream, 1,
+                      detail::claim_in_order_step{ids.data(), nullptr, k_, E_, n / k_,
+                                                  static_cast<int>(drop_order::position), used_,
+                                                  capacity_, counts_, keep.data(), dropped_});
+      Space::for_each(stream, E_, detail::used_step{counts_, capacity_, used_});
+      return;
+    }
     Space::for_each(stream, n,
                     detail::claim_step{ids.data(), nullptr, k_, E_, n / k_,
                                        static_cast<int>(drop_order::position), keys_in_, values_in_,

@@ -1,15 +1,16 @@
 //! \file
 //! `device_dispatch_plan<Space>`: the dispatch plan built where the choices live, with no host
-//! round trip. `cuda_dispatch_plan` (`plan.cuh`) is this
-//! class in `cuda_space`; in `host_space` the same steps run as host-stream tasks (what CI
-//! tests against `dispatch_plan::build`).
+//! round trip: weave's one sender plan, in every execution space. `cuda_dispatch_plan`
+//! (`plan.cuh`) is this class in `cuda_space`; in `host_space` the same steps run as
+//! host-stream tasks (at once on the calling thread under the stream's `claim_if_idle`), and
+//! `emulated_gpu_space` runs the GPU's forms of them on host streams.
 //!
-//! From top-k choices (and an optional keep mask) in memory of the space it builds the same
-//! SFD layout as the host plan: per-destination counts and offsets, `row_token`,
-//! `token_rows`, the `route_entry`s of every row, the kept experts and the per-slot loads, all
-//! equal to `dispatch_plan::build` for the same inputs, replicas chosen as
+//! From top-k choices (and an optional keep mask) in memory of the space it builds the SFD
+//! layout: per-destination counts and offsets, `row_token`, `token_rows`, the `route_entry`s of
+//! every row, the kept experts and the per-slot loads, replicas chosen as
 //! `placement::slot_for` does (the one on the source device, else in turn by global token
-//! index). The counting sort is one step per token
+//! index); CI checks every space against a sequential host reference (tests/support). The
+//! counting sort is one step per token
 //! (its distinct devices, ascending), an exclusive scan of the per-device counts and a stable
 //! sort of (device, token-major pair) keys, so rows of a device come out in token order
 //! deterministically (atomics only count). The list of dropped pairs is not built (the keep
@@ -24,7 +25,7 @@
 #include "weave/exec/space.hpp"
 #include "weave/placement/placement.hpp"
 #include "weave/routing/device_maps.hpp"
-#include "weave/routing/dispatch_plan.hpp"
+#include "weave/routing/route_entry.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -45,8 +46,8 @@ enum device_plan_error : std::uint32_t {
 namespace detail {
 
 // Whether choice i of the token whose choices start at ids[base] is routed: false for -1, for an
-// id outside [-1, E) and for a repeat of an earlier choice (each flagged as the host plan
-// rejects it); a non-finite weight is flagged and the choice still routed.
+// id outside [-1, E) and for a repeat of an earlier choice (each flagged: `detail::check_pair`
+// rejects it on the host); a non-finite weight is flagged and the choice still routed.
 WEAVE_HOST_DEVICE inline bool routed_choice(const std::int32_t* ids, const float* weights,
                                             std::int64_t base, int i, int E, std::uint32_t& flags) {
   const std::int32_t e = ids[base + i];
@@ -110,7 +111,7 @@ inline constexpr int plan_local_choices = 16;
 inline constexpr int plan_count_stripes = 32;
 
 // Per token: resolves its pairs to (device, local slot), keeps its distinct devices ascending
-// (as the host plan does) and emits one sort key per (token, device) row.
+// and emits one sort key per (token, device) row.
 struct plan_pairs_step {
   const std::int32_t* ids;
   const float* weights;
@@ -460,7 +461,8 @@ class device_dispatch_plan {
     return rows;
   }
 
-  //! Maps for the layout moves (`dispatch_gather`, `combine_merge`) given the row count.
+  //! Maps for the layout moves (ORI -> SFD over `row_token`, SFD -> ORI over `token_rows`; the
+  //! CUDA `dispatch_gather` / `combine_merge` of `kernels.cuh`) given the row count.
   device_dispatch_maps maps(std::int64_t rows) const noexcept {
     return {{row_token_, static_cast<std::size_t>(rows)}, token_rows(), k_};
   }

@@ -1,14 +1,14 @@
 //! \file
-//! `device_expert_plan<Space>`: the receiver half of a dispatch (`expert_plan`) built where the
-//! received rows live, with no host round trip.
+//! `device_expert_plan<Space>`: the receiver half of a dispatch built where the received rows
+//! live, with no host round trip: weave's one receiver plan, in every execution space.
 //!
 //! The received rows of source s occupy [displs[s], displs[s] + counts[s]) of a buffer of
 //! `max_rows` rows; counts and displacements are in memory of the space (what a count exchange
 //! delivered), and the rows between the sources' ranges are padding (static shapes send
 //! fixed-size slots). From the `k` route entries per row it builds the EPD layout, one row per
 //! (received row, local expert), grouped by local expert and within an expert in received-row
-//! order: the same order as `expert_plan::build`, so for a compact layout every map equals the
-//! host plan's. Steps: one per received row (validate, emit a sort key per entry, count per
+//! order (for a compact layout every map equals the sequential host reference's, checked in
+//! CI). Steps: one per received row (validate, emit a sort key per entry, count per
 //! expert), a stable sort of (local expert, entry) keys, a scan of the counts, one step per EPD
 //! row. Bad entries are flagged in an error word (`device_expert_error` bits).
 #pragma once
@@ -20,7 +20,7 @@
 #include "weave/exec/space.hpp"
 #include "weave/routing/device_dispatch_plan.hpp"
 #include "weave/routing/device_maps.hpp"
-#include "weave/routing/dispatch_plan.hpp"
+#include "weave/routing/route_entry.hpp"
 
 #include <algorithm>
 #include <cstddef>

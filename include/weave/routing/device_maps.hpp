@@ -1,6 +1,7 @@
 //! \file
-//! The maps the device row kernels read, as spans over memory of an execution space: what
-//! `upload` (plan_cuda.hpp) copies from host plans, and what device-built plans expose.
+//! The maps the device row kernels read, as spans over memory of an execution space: what the
+//! device plans expose (`device_dispatch_plan::maps`, `device_expert_plan::maps`) for the CUDA
+//! layout moves of `kernels.cuh`.
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -10,14 +11,14 @@
 
 WEAVE_NAMESPACE_BEGIN
 
-//! Device copies of a `dispatch_plan`'s maps (spans over device memory).
+//! A dispatch plan's maps (spans over device memory).
 struct device_dispatch_maps {
   std::span<const std::int64_t> row_token;  //!< ORI token of each SFD row
   std::span<const std::int64_t> token_rows; //!< k SFD rows per token, -1 padded
   int k = 0;                                //!< entries per token in `token_rows`
 };
 
-//! Device copies of an `expert_plan`'s maps (spans over device memory).
+//! An expert plan's maps (spans over device memory).
 struct device_expert_maps {
   std::span<const std::int64_t> epd_row_source; //!< received row of each EPD row
   std::span<const float> epd_weight;            //!< gate weight of each EPD row

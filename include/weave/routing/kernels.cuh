@@ -13,8 +13,8 @@
 #include "weave/core/cuda_error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/cuda_stream.hpp"
+#include "weave/routing/device_maps.hpp"
 #include "weave/routing/kernels_host.hpp"
-#include "weave/routing/plan_cuda.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -329,27 +329,28 @@ inline void merge_rows(cuda_stream_ref stream, const_token_view src, token_view 
                        static_cast<std::int64_t>(dst.rows()), nullptr, false);
 }
 
-//! CUDA ORI -> SFD gather over uploaded `dispatch_plan` maps.
+//! CUDA ORI -> SFD gather over a dispatch plan's maps (`device_dispatch_plan::maps`).
 inline void dispatch_gather(cuda_stream_ref stream, const device_dispatch_maps& plan,
                             const_token_view ori, token_view sfd) {
   gather_rows(stream, ori, sfd, plan.row_token);
 }
 
-//! CUDA SFD -> EPD scatter over uploaded `expert_plan` maps (optionally gate-scaled).
+//! CUDA SFD -> EPD gather over an expert plan's maps (`device_expert_plan::maps`; optionally
+//! gate-scaled).
 inline void expert_scatter(cuda_stream_ref stream, const device_expert_maps& plan,
                            const_token_view received, token_view epd, bool gate_scaled = false) {
   gather_rows(stream, received, epd, plan.epd_row_source,
               gate_scaled ? plan.epd_weight : std::span<const float>{});
 }
 
-//! CUDA EPD -> SFD weighted local merge over uploaded `expert_plan` maps.
+//! CUDA EPD -> SFD weighted local merge over an expert plan's maps.
 inline void expert_merge(cuda_stream_ref stream, const device_expert_maps& plan,
                          const_token_view expert_out, token_view back, bool weighted = true) {
   merge_rows(stream, expert_out, back, plan.row_epd, plan.k,
              weighted ? plan.row_weight : std::span<const float>{});
 }
 
-//! CUDA SFD -> ORI final merge over uploaded `dispatch_plan` maps.
+//! CUDA SFD -> ORI final merge over a dispatch plan's maps.
 inline void combine_merge(cuda_stream_ref stream, const device_dispatch_maps& plan,
                           const_token_view returned, token_view ori) {
   merge_rows(stream, returned, ori, plan.token_rows, plan.k);

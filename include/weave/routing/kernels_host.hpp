@@ -1,6 +1,6 @@
 //! \file
-//! Host row-movement kernels between the ORI, SFD and EPD layouts, and their layout-named
-//! forms over `dispatch_plan` / `expert_plan`.
+//! Host row-movement kernels between the ORI, SFD and EPD layouts: the two row primitives
+//! every layout move is made of, called directly on host memory.
 //!
 //! Two primitives cover all four moves (the CUDA ones in `weave/routing/kernels.cuh` have the
 //! same arguments plus a stream):
@@ -9,15 +9,15 @@
 //!   weight[i*k+j] * src[index[i*k+j]] (or the plain sum), in j order, fp32 accumulation.
 //! Rows of f32, f16 and bf16 are supported; an unscaled gather copies bytes of any dtype.
 //! Results are bitwise deterministic: fixed order, one rounding per step (the loops, at memory
-//! speed, are in `weave/routing/host_row_kernels.hpp`).
+//! speed, are in `weave/routing/host_row_kernels.hpp`). The layout moves over a plan's maps, in
+//! stream order and in every execution space, are `row_moves<Space>` and `layout_move`
+//! (`weave/routing/row_moves.hpp`; on host streams `weave/routing/host_row_moves.hpp`).
 #pragma once
 
 #include "weave/core/config.hpp"
 #include "weave/core/dtype.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
-#include "weave/routing/dispatch_plan.hpp"
-#include "weave/routing/expert_plan.hpp"
 #include "weave/routing/host_row_kernels.hpp"
 
 #include <cstddef>
@@ -89,72 +89,6 @@ inline void merge_rows(const_token_view src, token_view dst, std::span<const std
   detail::visit_float(src.element_type(), "merge_rows", [](auto*) {});
   detail::merge_rows_host(src, dst, index.data(), static_cast<std::size_t>(k),
                           weight.empty() ? nullptr : weight.data(), dst.rows(), false);
-}
-
-namespace detail {
-
-// The inverse map of a layout move as a scatter: `index` holds k destination rows per source
-// row (a plan's invariant, checked again here), so each destination row is written once.
-inline void scatter_move(const char* what, const_token_view src, token_view dst,
-                         std::span<const std::int64_t> index, std::size_t k,
-                         std::span<const float> scale) {
-  check_rows(src, dst, what);
-  check_host(src, dst, what);
-  WEAVE_EXPECT(index.size() == src.rows() * k && (scale.empty() || scale.size() == index.size()),
-               errc::size_mismatch, what, ": ", index.size(), " destinations and ", scale.size(),
-               " scales for ", src.rows(), " rows with k = ", k);
-  check_index(index, dst.rows(), true, what);
-  if (!scale.empty())
-    visit_float(src.element_type(), what, [](auto*) {});
-  scatter_rows_host(src, dst, index.data(), k, scale.empty() ? nullptr : scale.data(), src.rows());
-}
-
-} // namespace detail
-
-//! ORI -> SFD: the plan's tokens into its send rows (one per token and destination device).
-//! Equals `gather_rows(ori, sfd, plan.row_token())`, done as a scatter over `token_rows()`
-//! (each token read once).
-inline void dispatch_gather(const dispatch_plan& plan, const_token_view ori, token_view sfd) {
-  WEAVE_EXPECT(ori.rows() == plan.tokens(), errc::size_mismatch, "dispatch_gather: ", ori.rows(),
-               " ORI rows for a plan of ", plan.tokens(), " tokens");
-  WEAVE_EXPECT(sfd.rows() == static_cast<std::size_t>(plan.rows()), errc::size_mismatch,
-               "dispatch_gather: ", sfd.rows(), " SFD rows for a plan of ", plan.rows());
-  detail::scatter_move("dispatch_gather", ori, sfd, plan.token_rows(),
-                       static_cast<std::size_t>(plan.k()), {});
-}
-
-//! SFD -> EPD: received rows into one row per local expert choice, grouped by local expert;
-//! `gate_scaled` multiplies each by its gate weight (then merge with `weighted = false`).
-//! Equals `gather_rows(received, epd, plan.epd_row_source(), [plan.epd_weight()])`, done as a
-//! scatter over `row_epd()` (each received row read once).
-inline void expert_scatter(const expert_plan& plan, const_token_view received, token_view epd,
-                           bool gate_scaled = false) {
-  WEAVE_EXPECT(received.rows() == static_cast<std::size_t>(plan.rows()), errc::size_mismatch,
-               "expert_scatter: ", received.rows(), " received rows for a plan of ", plan.rows());
-  WEAVE_EXPECT(epd.rows() == static_cast<std::size_t>(plan.epd_rows()), errc::size_mismatch,
-               "expert_scatter: ", epd.rows(), " EPD rows for a plan of ", plan.epd_rows());
-  detail::scatter_move("expert_scatter", received, epd, plan.row_epd(),
-                       static_cast<std::size_t>(plan.k()),
-                       gate_scaled ? plan.row_weight() : std::span<const float>{});
-}
-
-//! EPD -> SFD: per received row, the sum of its local experts' outputs times their gate
-//! weights (`weighted`), in route-entry order; the result goes back in received order.
-inline void expert_merge(const expert_plan& plan, const_token_view expert_out, token_view back,
-                         bool weighted = true) {
-  WEAVE_EXPECT(expert_out.rows() == static_cast<std::size_t>(plan.epd_rows()), errc::size_mismatch,
-               "expert_merge: ", expert_out.rows(), " expert output rows for a plan of ",
-               plan.epd_rows());
-  merge_rows(expert_out, back, plan.row_epd(), plan.k(),
-             weighted ? plan.row_weight() : std::span<const float>{});
-}
-
-//! SFD -> ORI: per token, the sum of the rows its destination devices returned, in ascending
-//! device order; tokens sent nowhere get zeros.
-inline void combine_merge(const dispatch_plan& plan, const_token_view returned, token_view ori) {
-  WEAVE_EXPECT(returned.rows() == static_cast<std::size_t>(plan.rows()), errc::size_mismatch,
-               "combine_merge: ", returned.rows(), " returned rows for a plan of ", plan.rows());
-  merge_rows(returned, ori, plan.token_rows(), plan.k());
 }
 
 WEAVE_NAMESPACE_END

@@ -1,9 +1,9 @@
 //! \file
-//! `cuda_dispatch_plan`: the device twin of `dispatch_plan::build` (compiled by the consumer's
-//! nvcc): `device_dispatch_plan` (see `device_dispatch_plan.hpp`) in `cuda_space`, replicas
-//! included. The counting sort is one thread per token, a
-//! `cub::DeviceScan` of the per-device counts and a stable `cub::DeviceRadixSort`; the same
-//! steps run on host streams in `host_space`, where CI checks them against the host plan.
+//! `cuda_dispatch_plan` (compiled by the consumer's nvcc): `device_dispatch_plan` (see
+//! `device_dispatch_plan.hpp`) in `cuda_space`, replicas included. The counting sort is one
+//! thread per token, a `cub::DeviceScan` of the per-device counts and a stable
+//! `cub::DeviceRadixSort`; the same steps run on host streams in `host_space` and
+//! `emulated_gpu_space`, where CI checks them against a sequential host reference.
 #pragma once
 
 #include "weave/core/config.hpp"

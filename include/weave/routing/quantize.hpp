@@ -373,50 +373,6 @@ inline void quantize_rows(const_token_view src, token_view dst, token_view scale
                ") holds a NaN or an infinity; its scale and codes are NaN");
 }
 
-//! ORI -> SFD, quantised: the plan's tokens into its send rows as FP8 codes (`codes`) and f32
-//! scales (`scales`, cols / q.block per row), as `quantize_rows` of `gather_rows(ori, sfd,
-//! plan.row_token())` would give, but each token is quantised once, into its first SFD row, and
-//! copied to its other rows. `codes` and `scales` may be two views of one packed buffer
-//! (`quantized_row_layout::views`). Returns the first token (ORI row) holding a NaN or an
-//! infinity, whose blocks are NaN as the file comment says, or -1 when every token is finite.
-//! Throws as `quantize_rows` for bad shapes and settings, `errc::size_mismatch` for row counts
-//! other than the plan's.
-inline std::int64_t dispatch_quantize(const dispatch_plan& plan, const_token_view ori,
-                                      token_view codes, token_view scales,
-                                      const block_quantization& q = {}) {
-  detail::check_quantized(ori, codes, scales, q, "dispatch_quantize");
-  detail::check_host_memory(ori, codes, scales, "dispatch_quantize");
-  WEAVE_EXPECT(ori.rows() == plan.tokens() && codes.rows() == static_cast<std::size_t>(plan.rows()),
-               errc::size_mismatch, "dispatch_quantize: ", ori.rows(), " ORI rows and ",
-               codes.rows(), " SFD rows for a plan of ", plan.tokens(), " tokens and ", plan.rows(),
-               " rows");
-  const auto k = static_cast<std::size_t>(plan.k());
-  const auto token_rows = plan.token_rows();
-  std::int64_t bad = -1;
-  detail::visit_fp8(codes.element_type(), "dispatch_quantize", [&]<class Fp8>(Fp8*) {
-    detail::visit_float(ori.element_type(), "dispatch_quantize", [&]<class T>(T*) {
-      for (std::size_t t = 0; t < ori.rows(); ++t) {
-        const std::int64_t first = token_rows[t * k]; // ascending, -1 padded
-        if (first < 0)
-          continue;
-        const auto r0 = static_cast<std::size_t>(first);
-        std::size_t block = 0;
-        if (!detail::quantize_row(reinterpret_cast<const T*>(ori.row(t)),
-                                  reinterpret_cast<Fp8*>(codes.row(r0)),
-                                  reinterpret_cast<float*>(scales.row(r0)), ori.cols(), q, block) &&
-            bad < 0)
-          bad = static_cast<std::int64_t>(t);
-        for (std::size_t j = 1; j < k && token_rows[t * k + j] >= 0; ++j) {
-          const auto r = static_cast<std::size_t>(token_rows[t * k + j]);
-          std::memcpy(codes.row(r), codes.row(r0), codes.row_bytes());
-          std::memcpy(scales.row(r), scales.row(r0), scales.row_bytes());
-        }
-      }
-    });
-  });
-  return bad;
-}
-
 //! dst[i] = T(float(src[i][c]) * scales[i][c / q.block]) for every row: `src` e4m3 or e5m2,
 //! `dst` f32, f16 or bf16 (same shape). Throws as `quantize_rows` does for bad shapes.
 inline void dequantize_rows(const_token_view src, const_token_view scales, token_view dst,

@@ -9,7 +9,7 @@
 #include "weave/core/tensor.hpp"
 #include "weave/exec/space.hpp"
 #include "weave/routing/device_expert_plan.hpp"
-#include "weave/routing/dispatch_plan.hpp"
+#include "weave/routing/route_entry.hpp"
 
 #include <cstddef>
 #include <cstdint>
