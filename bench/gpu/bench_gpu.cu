@@ -20,8 +20,8 @@
 
 #include <weave/core/cuda_error.hpp>
 #include <weave/placement/placement.hpp>
+#include <weave/routing/cuda_row_moves.cuh>
 #include <weave/routing/gate.cuh>
-#include <weave/routing/kernels.cuh>
 #include <weave/routing/plan.cuh>
 #ifdef WEAVE_BENCH_NCCL
 #include <weave/comm/cuda_local_world.hpp>
@@ -186,9 +186,9 @@ void BM_gather(benchmark::State& state) {
   dev_buffer scale(std::vector<float>(T, 0.5f));
   stream_pair s;
   time_on_stream(state, s.compute, [&](cudaStream_t st) {
-    weave::gather_rows(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
-                       index.span<std::int64_t>(),
-                       scaled ? scale.span<float>() : std::span<const float>{});
+    weave::row_moves<weave::cuda_space>::gather(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
+                                                index.as<std::int64_t>(),
+                                                scaled ? scale.as<float>() : nullptr, nullptr);
   });
   set_bandwidth(state, 2.0 * static_cast<double>(T * row_bytes));
 }
@@ -203,8 +203,9 @@ void BM_merge(benchmark::State& state) {
   dev_buffer weight(std::vector<float>(pairs, 0.5f));
   stream_pair s;
   time_on_stream(state, s.compute, [&](cudaStream_t st) {
-    weave::merge_rows(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
-                      index.span<std::int64_t>(), k, weight.span<float>());
+    weave::row_moves<weave::cuda_space>::merge(weave::cuda_stream_ref(st), src.rows(), dst.rows(),
+                                               index.as<std::int64_t>(), k, weight.as<float>(),
+                                               nullptr, false);
   });
   set_bandwidth(state, static_cast<double>((pairs + T) * row_bytes));
 }
@@ -703,11 +704,13 @@ void BM_exchange_naive(benchmark::State& state) {
     weave::cuda_space::for_each(
         r, static_cast<std::int64_t>(pairs),
         invert_rows{rows.as<std::int64_t>(), exchange_k, row_token.as<std::int64_t>()});
-    weave::gather_rows(r, in.x.rows(), view(expert_rows, pairs), row_token.span<std::int64_t>());
+    weave::row_moves<weave::cuda_space>::gather(r, in.x.rows(), view(expert_rows, pairs),
+                                                row_token.as<std::int64_t>(), nullptr, nullptr);
     WEAVE_CUDA_CHECK(cudaMemcpyAsync(expert_out.ptr, expert_rows.ptr, pairs * row_bytes,
                                      cudaMemcpyDeviceToDevice, st));
-    weave::merge_rows(r, view(expert_out, pairs), in.y.rows(), rows.span<std::int64_t>(),
-                      exchange_k, in.weights.span<float>());
+    weave::row_moves<weave::cuda_space>::merge(r, view(expert_out, pairs), in.y.rows(),
+                                               rows.as<std::int64_t>(), exchange_k,
+                                               in.weights.as<float>(), nullptr, false);
   });
   state.counters["tokens/s"] = benchmark::Counter(
       static_cast<double>(exchange_tokens * state.iterations()), benchmark::Counter::kIsRate);

@@ -232,7 +232,7 @@ TEST_CASE("cuda_decode_exchange: a bad expert id on one rank fails every rank, o
   weave::cuda_local_world world(2);
   std::vector<weave::errc> codes(2, weave::errc::internal);
   std::vector<int> origins(2, -1);
-  std::vector<bool> nan(2, false);
+  std::vector<char> nan(2, false); // not vector<bool>: written per rank thread
   world.run([&](weave::cuda_local_communicator& c) {
     const auto r = static_cast<std::size_t>(c.rank());
     std::mt19937 rng(4 + static_cast<unsigned>(r));

@@ -460,7 +460,7 @@ TEST_CASE("cuda_moe_exchange without tags: two handles' combines in another orde
     const int ranks = 2;
     const std::size_t T = 24, H = 8;
     std::vector<weave::errc> codes(ranks, weave::errc{}), origin_codes(ranks, weave::errc{});
-    std::vector<bool> right(ranks, false);
+    std::vector<char> right(ranks, false); // not vector<bool>: written per rank thread
     weave::cuda_local_world world(ranks);
     world.run([&](weave::cuda_local_communicator& local) {
       untagged_cuda_comm comm(local);

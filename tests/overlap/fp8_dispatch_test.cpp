@@ -509,7 +509,7 @@ TEST_CASE_TEMPLATE("fp8 dispatch: a non-finite token is a typed error and poison
     weave::local_world world(2, {std::chrono::seconds(20), {}});
     std::vector<weave::errc> codes(2);
     std::vector<std::string> messages(2);
-    std::vector<bool> usable(2);
+    std::vector<char> usable(2); // not vector<bool>: each rank thread writes its own element
     std::vector<weave::host_matrix<float>> y(2), again(2);
     world.run([&](weave::local_communicator& comm) {
       const auto r = static_cast<std::size_t>(comm.rank());
@@ -544,7 +544,7 @@ TEST_CASE_TEMPLATE("fp8 dispatch: a non-finite token is a typed error and poison
     CHECK(messages[0].find("token 5 ") != std::string::npos);
     CHECK(messages[0].find("NaN or an infinity") != std::string::npos);
     CHECK(codes[1] == weave::errc{});
-    CHECK(usable == std::vector<bool>{true, true});
+    CHECK(usable == std::vector<char>{true, true});
     // The poisoned token's block is NaN on both of its devices' rows, the rest unchanged.
     for (std::size_t j = 0; j < c.hidden; ++j)
       CHECK(std::isnan(y[0](5, j)) == (j >= 128));

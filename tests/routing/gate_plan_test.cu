@@ -5,9 +5,10 @@
 #include <doctest/doctest.h>
 
 #include <weave/core/host_matrix.hpp>
+#include <weave/routing/cuda_row_moves.cuh>
 #include <weave/routing/gate.cuh>
 #include <weave/routing/gate.hpp>
-#include <weave/routing/kernels.cuh>
+#include <weave/routing/kernels_host.hpp>
 #include <weave/routing/plan.cuh>
 
 #include "cuda_buffers.hpp"
@@ -329,8 +330,12 @@ TEST_CASE("CUDA gate + plan + layout moves equal the host pipeline; plan rows eq
     };
     //! [moves]
     const auto maps = gpu.maps(host.rows()); // the row count: gpu.read_rows(stream), or known
-    weave::dispatch_gather(stream.ref(), maps, view(d_x), view(d_sfd));
-    weave::combine_merge(stream.ref(), maps, view(d_sfd), view(d_out));
+    weave::layout_move<weave::cuda_space>(stream.ref(), view(d_x), view(d_sfd),
+                                          maps.row_token.data(), nullptr, nullptr,
+                                          maps.token_rows.data(), maps.k, nullptr, nullptr);
+    weave::row_moves<weave::cuda_space>::merge(stream.ref(), view(d_sfd), view(d_out),
+                                               maps.token_rows.data(), maps.k, nullptr, nullptr,
+                                               false);
     //! [moves]
     stream.ref().synchronize();
     CHECK(to_host(d_sfd.cspan()) ==
@@ -418,18 +423,19 @@ TEST_CASE("CUDA 16-byte and scalar gather/merge paths equal the host kernels bit
       for (int mode = 0; mode < 4; ++mode) {
         weave::host_matrix<weave::bfloat16> expect(n_dst, cols);
         d_out.poison();
+        using moves = weave::row_moves<weave::cuda_space>;
         if (mode == 0) {
           weave::gather_rows(src.view(), expect.view(), index);
-          weave::gather_rows(stream.ref(), in, out, d_index.cspan());
+          moves::gather(stream.ref(), in, out, d_index.ptr, nullptr, nullptr);
         } else if (mode == 1) {
           weave::gather_rows(src.view(), expect.view(), index, scale);
-          weave::gather_rows(stream.ref(), in, out, d_index.cspan(), d_scale.cspan());
+          moves::gather(stream.ref(), in, out, d_index.ptr, d_scale.ptr, nullptr);
         } else if (mode == 2) {
           weave::merge_rows(src.view(), expect.view(), pairs, k, weight);
-          weave::merge_rows(stream.ref(), in, out, d_pairs.cspan(), k, d_weight.cspan());
+          moves::merge(stream.ref(), in, out, d_pairs.ptr, k, d_weight.ptr, nullptr, false);
         } else {
           weave::merge_rows(src.view(), expect.view(), pairs, k);
-          weave::merge_rows(stream.ref(), in, out, d_pairs.cspan(), k);
+          moves::merge(stream.ref(), in, out, d_pairs.ptr, k, nullptr, nullptr, false);
         }
         stream.ref().synchronize();
         const auto got = to_host(std::span<const weave::bfloat16>(d_out.ptr + shift, n_dst * cols));

@@ -1,9 +1,9 @@
 // gather_rows / merge_rows against element-by-element loops, for f32, bf16 and f16 rows, packed
-// and strided, directly and on a host_stream; bitwise against the scalar kernels they replaced,
-// special values included; the layout moves (`layout_move` in host_space and
-// emulated_gpu_space, `row_moves` merges) and the host reference plans' moves
-// (tests/support/host_plans.hpp) against row-by-row copies and the scalar kernels, over the
-// reference plans' maps; bad input gets the right error code.
+// and strided, directly and in stream order (`row_moves<host_space>` on a host_stream); bitwise
+// against the scalar kernels they replaced, special values included; the layout moves
+// (`layout_move` in host_space and emulated_gpu_space, `row_moves` merges) and the host
+// reference plans' moves (tests/support/host_plans.hpp) against row-by-row copies and the scalar
+// kernels, over the reference plans' maps; bad input gets the right error code.
 #include <doctest/doctest.h>
 
 #include "host_plans.hpp"
@@ -13,12 +13,13 @@
 #include <weave/exec/emulated_gpu_space.hpp>
 #include <weave/exec/host_space.hpp>
 #include <weave/routing/host_row_moves.hpp>
-#include <weave/routing/kernels_async.hpp>
+#include <weave/routing/kernels_host.hpp>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <random>
 #include <vector>
@@ -440,29 +441,52 @@ TEST_CASE("the CPU's bf16 conversion equals bfloat16(float) on every 2^-8-spaced
 }
 #endif
 
-TEST_CASE("kernels read and write strided views and run in order on a host_stream") {
+TEST_CASE("row moves read and write strided views and run in order on a host_stream") {
   std::mt19937 rng(4);
   auto wide = random_rows<float>(10, 12, rng);
   // Columns 2..9 of each row, as a strided view.
   const weave::const_token_view src(reinterpret_cast<const std::byte*>(wide.data() + 2), 10, 8,
                                     weave::dtype::f32, weave::memory_space::host, -1,
                                     12 * sizeof(float));
-  weave::host_matrix<float> dst_wide(4, 16, 9.0f);
+  // Columns 4..11 of each destination row, as strided views: one gathered into, one scattered.
+  weave::host_matrix<float> dst_wide(4, 16, 9.0f), scattered_wide(4, 16, 9.0f);
   const weave::token_view dst(reinterpret_cast<std::byte*>(dst_wide.data() + 4), 4, 8,
                               weave::dtype::f32, weave::memory_space::host, -1, 16 * sizeof(float));
+  const weave::token_view scattered(reinterpret_cast<std::byte*>(scattered_wide.data() + 4), 4, 8,
+                                    weave::dtype::f32, weave::memory_space::host, -1,
+                                    16 * sizeof(float));
   const std::vector<std::int64_t> index = {9, 0, 3, 3};
+  // The same move by its inverse map: the destinations of each source row (k = 2, -1 none).
+  std::vector<std::int64_t> by_src(10 * 2, -1);
+  by_src[9 * 2] = 0;
+  by_src[0 * 2] = 1;
+  by_src[3 * 2] = 2;
+  by_src[3 * 2 + 1] = 3;
   weave::host_matrix<float> merged(2, 8);
   const std::vector<std::int64_t> pairs = {0, 2, -1, 1};
   {
+    using moves = weave::row_moves<weave::host_space>;
     weave::host_stream stream;
-    weave::gather_rows(stream, src, dst, index);
-    weave::merge_rows(stream, dst, merged.view(), pairs, 2); // reads the gather's output
+    std::promise<void> open;
+    stream.submit([gate = open.get_future().share()] { gate.wait(); });
+    moves::gather(stream, src, dst, index.data(), nullptr, nullptr);
+    // The merge reads the gather's output.
+    moves::merge(stream, dst, merged.view(), pairs.data(), 2, nullptr, nullptr, false);
+    moves::scatter(stream, src, scattered, by_src.data(), 2, nullptr, nullptr);
+    // Enqueued behind the held task, not run by the caller.
+    for (const float v : dst_wide.elements())
+      CHECK(v == 9.0f);
+    for (const float v : scattered_wide.elements())
+      CHECK(v == 9.0f);
+    open.set_value();
     stream.synchronize();
   }
   for (std::size_t i = 0; i < 4; ++i)
-    for (std::size_t c = 0; c < 16; ++c)
+    for (std::size_t c = 0; c < 16; ++c) {
       CHECK(dst_wide(i, c) ==
             (c >= 4 && c < 12 ? wide(static_cast<std::size_t>(index[i]), c - 2) : 9.0f));
+      CHECK(scattered_wide(i, c) == dst_wide(i, c));
+    }
   for (std::size_t c = 0; c < 8; ++c) {
     CHECK(merged(0, c) == wide(9, c + 2) + wide(3, c + 2));
     CHECK(merged(1, c) == wide(0, c + 2));

@@ -1,14 +1,16 @@
-// The CUDA kernels against the host path on random inputs: raw gather/merge for f32, bf16 and
-// f16 rows, then a whole plan (the host reference plans of tests/support, their maps uploaded)
-// through the four layout moves; bitwise equal.
+// The CUDA row moves (`row_moves<cuda_space>`, `layout_move<cuda_space>`) against the host path
+// on random inputs: gather/merge for f32, bf16 and f16 rows, then a whole plan (the host
+// reference plans of tests/support, their maps uploaded) through the four layout moves; bitwise
+// equal.
 #include <doctest/doctest.h>
 
 #include "host_plan_upload.hpp"
 #include "host_plans.hpp"
 
 #include <weave/core/host_matrix.hpp>
+#include <weave/routing/cuda_row_moves.cuh>
 #include <weave/routing/gate.hpp>
-#include <weave/routing/kernels.cuh>
+#include <weave/routing/kernels_host.hpp>
 
 #include <cuda_runtime.h>
 
@@ -81,18 +83,19 @@ void compare_raw(std::mt19937& rng, cudaStream_t raw) {
       device_buffer<T> d_out(n_dst * cols);
       const auto out_view = device_view(d_out, cols);
       const weave::const_token_view in_view = device_view(d_src, cols);
+      using moves = weave::row_moves<weave::cuda_space>;
       if (mode == 0) {
         weave::gather_rows(src.view(), expect.view(), index);
-        weave::gather_rows(stream, in_view, out_view, d_index.span());
+        moves::gather(stream, in_view, out_view, d_index.ptr, nullptr, nullptr);
       } else if (mode == 1) {
         weave::gather_rows(src.view(), expect.view(), index, scale);
-        weave::gather_rows(stream, in_view, out_view, d_index.span(), d_scale.span());
+        moves::gather(stream, in_view, out_view, d_index.ptr, d_scale.ptr, nullptr);
       } else if (mode == 2) {
         weave::merge_rows(src.view(), expect.view(), pairs, k, weight);
-        weave::merge_rows(stream, in_view, out_view, d_pairs.span(), k, d_weight.span());
+        moves::merge(stream, in_view, out_view, d_pairs.ptr, k, d_weight.ptr, nullptr, false);
       } else {
         weave::merge_rows(src.view(), expect.view(), pairs, k);
-        weave::merge_rows(stream, in_view, out_view, d_pairs.span(), k);
+        moves::merge(stream, in_view, out_view, d_pairs.ptr, k, nullptr, nullptr, false);
       }
       stream.synchronize();
       const auto got = d_out.to_host();
@@ -103,7 +106,7 @@ void compare_raw(std::mt19937& rng, cudaStream_t raw) {
 
 } // namespace
 
-TEST_CASE("CUDA gather_rows and merge_rows equal the host path bitwise") {
+TEST_CASE("CUDA row_moves gather and merge equal the host path bitwise") {
   cudaStream_t raw = nullptr;
   WEAVE_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
   std::mt19937 rng(3);
@@ -156,10 +159,20 @@ TEST_CASE("CUDA layout moves over uploaded reference plans equal the host layout
       std::vector<weave::bfloat16>(x.elements().begin(), x.elements().end())),
       d_sfd(sfd.elements().size()), d_epd(epd.elements().size()), d_back(back.elements().size()),
       d_out(out.elements().size());
-  weave::dispatch_gather(stream, dmaps, device_view(d_x, hidden), device_view(d_sfd, hidden));
-  weave::expert_scatter(stream, emaps, device_view(d_sfd, hidden), device_view(d_epd, hidden));
-  weave::expert_merge(stream, emaps, device_view(d_epd, hidden), device_view(d_back, hidden));
-  weave::combine_merge(stream, dmaps, device_view(d_back, hidden), device_view(d_out, hidden));
+  // The four moves over the maps, as the exchanges run them: ORI -> SFD and SFD -> EPD as layout
+  // moves (a GPU gathers), EPD -> SFD gate-weighted and SFD -> ORI as merges.
+  using space = weave::cuda_space;
+  weave::layout_move<space>(stream, device_view(d_x, hidden), device_view(d_sfd, hidden),
+                            dmaps.row_token.data(), nullptr, nullptr, dmaps.token_rows.data(),
+                            dmaps.k, nullptr, nullptr);
+  weave::layout_move<space>(stream, device_view(d_sfd, hidden), device_view(d_epd, hidden),
+                            emaps.epd_row_source.data(), nullptr, nullptr, emaps.row_epd.data(),
+                            emaps.k, nullptr, nullptr);
+  weave::row_moves<space>::merge(stream, device_view(d_epd, hidden), device_view(d_back, hidden),
+                                 emaps.row_epd.data(), emaps.k, emaps.row_weight.data(), nullptr,
+                                 false);
+  weave::row_moves<space>::merge(stream, device_view(d_back, hidden), device_view(d_out, hidden),
+                                 dmaps.token_rows.data(), dmaps.k, nullptr, nullptr, false);
   stream.synchronize();
   CHECK(d_sfd.to_host() ==
         std::vector<weave::bfloat16>(sfd.elements().begin(), sfd.elements().end()));

@@ -2,9 +2,14 @@
 //! The engine behind `local_world`: its options, and the rendezvous every operation of its ranks
 //! meets at (`detail::local_world_state`: posts, matching, copies, the emulated link's delays,
 //! timeouts and aborts). See `local_world.hpp` for the behaviour it gives.
+//!
+//! What a rank posts is `detail::local_post` (`detail/local_world_posts.hpp`); how the ranks'
+//! posts are checked and their data moved once all arrived is in
+//! `detail/local_world_transfer.hpp` (included at the end of this header).
 #pragma once
 
 #include "weave/comm/communicator.hpp"
+#include "weave/comm/detail/local_world_posts.hpp"
 #include "weave/comm/emulated_link.hpp"
 #include "weave/comm/local_world_shrink.hpp"
 #include "weave/core/config.hpp"
@@ -45,65 +50,6 @@ struct local_world_options {
 };
 
 namespace detail {
-
-enum class local_op : int {
-  none,
-  all_to_all_v,
-  all_to_all_v_bounded,
-  send_recv,
-  exchange_counts,
-  all_reduce,
-  barrier
-};
-
-constexpr const char* to_string(local_op op) noexcept {
-  switch (op) {
-  case local_op::all_to_all_v:
-    return "all_to_all_v";
-  case local_op::all_to_all_v_bounded:
-    return "all_to_all_v_bounded";
-  case local_op::send_recv:
-    return "send_recv";
-  case local_op::exchange_counts:
-    return "exchange_counts";
-  case local_op::all_reduce:
-    return "all_reduce";
-  case local_op::barrier:
-    return "barrier";
-  case local_op::none:
-    break;
-  }
-  return "none";
-}
-
-template <class T>
-constexpr int reduce_type_id() noexcept {
-  if constexpr (std::is_same_v<T, float>)
-    return 1;
-  else if constexpr (std::is_same_v<T, double>)
-    return 2;
-  else if constexpr (std::is_same_v<T, std::int32_t>)
-    return 3;
-  else
-    return 4;
-}
-
-//! What one rank posts for one operation; every pointer stays valid until all ranks finished.
-struct local_post {
-  std::uint64_t order = 0; // place in the enqueue order of its communicator (from 1)
-  std::uint64_t seq = 0;   // place in the order operations ran on its rank (0: none yet)
-  local_op op = local_op::none;
-  const std::byte* send = nullptr;
-  std::byte* recv = nullptr;
-  std::span<const std::int64_t> send_counts, send_displs, recv_counts, recv_displs;
-  std::span<std::int64_t> received;         // all_to_all_v_bounded: each block's length (units)
-  std::size_t unit = 1;                     // all_to_all_v unit; exchange_counts: counts per peer
-  std::span<const peer_transfer> transfers; // send_recv
-  std::size_t count = 0;                    // all_reduce elements
-  int type = 0;                             // all_reduce element type
-  reduce_op reduction = reduce_op::sum;
-  call_tag tag{}; // the call it belongs to (every rank's must be equal)
-};
 
 class local_world_state {
  public:
@@ -268,177 +214,14 @@ class local_world_state {
     }
   }
 
-  void check_own(const local_post& post) const {
-    switch (post.op) {
-    case local_op::all_to_all_v:
-    case local_op::all_to_all_v_bounded:
-      check_layout(size_, post.send_counts, post.send_displs, post.unit, "send");
-      check_layout(size_, post.recv_counts, post.recv_displs, post.unit, "receive");
-      WEAVE_EXPECT(post.op == local_op::all_to_all_v ||
-                       post.received.size() == static_cast<std::size_t>(size_),
-                   errc::size_mismatch, "all_to_all_v_bounded: ", post.received.size(),
-                   " received lengths for ", size_, " ranks");
-      break;
-    case local_op::exchange_counts:
-      WEAVE_EXPECT(post.unit > 0 && post.send_counts.size() == post.unit * std::size_t(size_) &&
-                       post.recv_counts.size() == post.send_counts.size(),
-                   errc::size_mismatch, "exchange_counts: ", post.send_counts.size(), " send and ",
-                   post.recv_counts.size(), " receive counts for ", size_,
-                   " ranks (need the same non-zero multiple of the group size)");
-      break;
-    case local_op::send_recv:
-      for (std::size_t i = 0; i < post.transfers.size(); ++i) {
-        const peer_transfer& t = post.transfers[i];
-        WEAVE_EXPECT(t.peer >= 0 && t.peer < size_, errc::out_of_range, "send_recv: peer ", t.peer,
-                     " outside a group of ", size_);
-        WEAVE_EXPECT(t.send_bytes >= 0 && t.recv_bytes >= 0, errc::invalid_argument,
-                     "send_recv: negative size with peer ", t.peer);
-        for (std::size_t k = 0; k < i; ++k)
-          WEAVE_EXPECT(post.transfers[k].peer != t.peer, errc::invalid_argument, "send_recv: peer ",
-                       t.peer, " appears twice in one group");
-      }
-      break;
-    default:
-      break;
-    }
-  }
-
-  static const peer_transfer* find(std::span<const peer_transfer> group, int peer) {
-    for (const peer_transfer& t : group)
-      if (t.peer == peer)
-        return &t;
-    return nullptr;
-  }
-
-  void transfer(int rank, const local_post& post) {
-    const auto r = static_cast<std::size_t>(rank);
-    for (int peer = 0; peer < size_; ++peer) {
-      const local_post& other = posts_[static_cast<std::size_t>(peer)];
-      if (other.tag != post.tag) // another call: nothing of it may be delivered
-        detail::throw_call_mismatch("local_world", rank, post.tag, peer, other.tag);
-      WEAVE_EXPECT(other.op == post.op, errc::invalid_state, "local_world: collective #", post.seq,
-                   " is ", to_string(post.op), " on rank ", rank, " but ", to_string(other.op),
-                   " on rank ", peer);
-    }
-    const auto start = std::chrono::steady_clock::now();
-    auto arrival = start;
-    auto arrive = [&](int peer, std::int64_t bytes) {
-      if (peer != rank)
-        arrival = std::max(arrival, start + link(peer, rank).transfer_time(bytes));
-    };
-    switch (post.op) {
-    case local_op::all_to_all_v:
-    case local_op::all_to_all_v_bounded: { // bounded: a block up to its room, its length reported
-      const bool bounded = post.op == local_op::all_to_all_v_bounded;
-      const auto unit = static_cast<std::int64_t>(post.unit);
-      for (int peer = 0; peer < size_; ++peer) {
-        const auto p = static_cast<std::size_t>(peer);
-        const local_post& from = posts_[p];
-        const std::int64_t sent = from.send_counts[r] * static_cast<std::int64_t>(from.unit);
-        const std::int64_t room = post.recv_counts[p] * unit;
-        if (bounded)
-          WEAVE_EXPECT(sent <= room && sent % unit == 0, errc::size_mismatch,
-                       "all_to_all_v_bounded #", post.seq, ": rank ", peer, " sends ", sent,
-                       " bytes to rank ", rank, ", which has room for ", room, " in units of ",
-                       unit);
-        else
-          WEAVE_EXPECT(sent == room, errc::size_mismatch, "all_to_all_v #", post.seq, ": rank ",
-                       peer, " sends ", sent, " bytes to rank ", rank, " but rank ", rank,
-                       " expects ", room, " bytes from it");
-        if (sent > 0)
-          std::memcpy(post.recv + post.recv_displs[p] * unit,
-                      from.send + from.send_displs[r] * static_cast<std::int64_t>(from.unit),
-                      static_cast<std::size_t>(sent));
-        if (bounded)
-          post.received[p] = sent / unit;
-        arrive(peer, sent);
-      }
-      break;
-    }
-    case local_op::exchange_counts:
-      for (int peer = 0; peer < size_; ++peer) {
-        const auto p = static_cast<std::size_t>(peer);
-        const local_post& from = posts_[p];
-        WEAVE_EXPECT(from.unit == post.unit, errc::size_mismatch, "exchange_counts #", post.seq,
-                     ": rank ", peer, " sends ", from.unit, " counts per peer but rank ", rank,
-                     " receives ", post.unit);
-        const std::size_t k = post.unit;
-        std::memcpy(post.recv + p * k * sizeof(std::int64_t), from.send_counts.data() + r * k,
-                    k * sizeof(std::int64_t));
-        arrive(peer, static_cast<std::int64_t>(k * sizeof(std::int64_t)));
-      }
-      break;
-    case local_op::send_recv:
-      for (int peer = 0; peer < size_; ++peer) {
-        const peer_transfer* mine = find(post.transfers, peer);
-        const peer_transfer* theirs = find(posts_[static_cast<std::size_t>(peer)].transfers, rank);
-        const std::int64_t sent = theirs ? theirs->send_bytes : 0;
-        const std::int64_t expected = mine ? mine->recv_bytes : 0;
-        WEAVE_EXPECT(sent == expected, errc::size_mismatch, "send_recv #", post.seq, ": rank ",
-                     peer, " sends ", sent, " bytes to rank ", rank, " but rank ", rank,
-                     " expects ", expected, " bytes from it");
-        if (sent > 0)
-          std::memcpy(mine->recv, theirs->send, static_cast<std::size_t>(sent));
-        if (mine || theirs)
-          arrive(peer, sent);
-      }
-      break;
-    case local_op::all_reduce:
-      for (int peer = 0; peer < size_; ++peer) {
-        const local_post& other = posts_[static_cast<std::size_t>(peer)];
-        WEAVE_EXPECT(other.count == post.count && other.type == post.type &&
-                         other.reduction == post.reduction,
-                     errc::size_mismatch, "all_reduce #", post.seq, ": rank ", peer, " reduces ",
-                     other.count, " elements (type ", other.type, ", ", to_string(other.reduction),
-                     ") but rank ", rank, " reduces ", post.count, " (type ", post.type, ", ",
-                     to_string(post.reduction), ")");
-      }
-      switch (post.type) {
-      case 1:
-        reduce_slice<float>(rank, post);
-        break;
-      case 2:
-        reduce_slice<double>(rank, post);
-        break;
-      case 3:
-        reduce_slice<std::int32_t>(rank, post);
-        break;
-      default:
-        reduce_slice<std::int64_t>(rank, post);
-        break;
-      }
-      for (int peer = 0; peer < size_; ++peer)
-        arrive(peer, static_cast<std::int64_t>(post.count * 8 / std::size_t(size_)));
-      break;
-    case local_op::barrier:
-      for (int peer = 0; peer < size_; ++peer)
-        arrive(peer, 0);
-      break;
-    case local_op::none:
-      break;
-    }
-    if (arrival > std::chrono::steady_clock::now())
-      std::this_thread::sleep_until(arrival); // the emulated wire is busy; the CPU is not
-  }
-
-  //! Rank r reduces elements [r*count/n, (r+1)*count/n) of every rank's input, in rank order,
-  //! and writes the result to every rank's output. Each element is read from all inputs before
-  //! any output is written, so in-place reductions (in == out) are safe.
+  // What the ranks moved, out of the class (detail/local_world_transfer.hpp): the checks of
+  // a rank's own post, the copies between the posts (with the emulated link's delays), and
+  // the reductions.
+  void check_own(const local_post& post) const;
+  static const peer_transfer* find(std::span<const peer_transfer> group, int peer);
+  void transfer(int rank, const local_post& post);
   template <class T>
-  void reduce_slice(int rank, const local_post& post) {
-    const std::size_t n = static_cast<std::size_t>(size_);
-    const std::size_t begin = post.count * static_cast<std::size_t>(rank) / n;
-    const std::size_t end = post.count * (static_cast<std::size_t>(rank) + 1) / n;
-    for (std::size_t e = begin; e < end; ++e) {
-      T acc = reinterpret_cast<const T*>(posts_[0].send)[e];
-      for (std::size_t peer = 1; peer < n; ++peer) {
-        const T v = reinterpret_cast<const T*>(posts_[peer].send)[e];
-        acc = post.reduction == reduce_op::sum ? static_cast<T>(acc + v) : std::max(acc, v);
-      }
-      for (std::size_t peer = 0; peer < n; ++peer)
-        reinterpret_cast<T*>(posts_[peer].recv)[e] = acc;
-    }
-  }
+  void reduce_slice(int rank, const local_post& post);
 
   int size_;
   local_world_options options_; // its `link` is every link's start; `links_` holds them
@@ -477,3 +260,5 @@ struct local_task {
 } // namespace detail
 
 WEAVE_NAMESPACE_END
+
+#include "weave/comm/detail/local_world_transfer.hpp" // the data moves, out of the class

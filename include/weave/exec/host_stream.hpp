@@ -10,6 +10,9 @@
 //!
 //! `begin_capture` / `end_capture` check CUDA's stream-capture rules (`host_capture.hpp`): what
 //! a CUDA graph capture of the same calls would refuse throws here.
+//!
+//! The queue and its worker thread are defined in `detail/host_stream_queue.hpp`, the capture
+//! checks in `detail/host_stream_capture.hpp` (both included at the end of this header).
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -22,7 +25,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdio>
 #include <deque>
 #include <exception>
 #include <memory>
@@ -100,12 +102,8 @@ class host_event {
     detail::host_capture_clock depends;
   };
 
-  void check_not_captured(const char* call) const {
-    std::lock_guard lock(detail::host_capture::lock());
-    if (state_->capture)
-      state_->capture->refuse(detail::concat("cudaErrorCapturedEvent: ", call,
-                                             " of an event last recorded in a stream capture"));
-  }
+  // Refuses `call` for an event last recorded in a capture (`detail/host_stream_capture.hpp`).
+  void check_not_captured(const char* call) const;
 
   std::shared_ptr<state> state_;
 };
@@ -125,25 +123,7 @@ class host_stream {
 
   //! Drains the queue and joins the worker. Never throws: a failure nobody synchronized on is
   //! reported on stderr rather than lost.
-  ~host_stream() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    work_ready_.notify_one();
-    worker_.join();
-    if (failure_) {
-      try {
-        std::rethrow_exception(failure_);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "weave: host_stream '%s' destroyed with an unobserved failure: %s\n",
-                     name_.c_str(), e.what());
-      } catch (...) {
-        std::fprintf(stderr, "weave: host_stream '%s' destroyed with an unobserved failure\n",
-                     name_.c_str());
-      }
-    }
-  }
+  ~host_stream();
 
   //! Enqueues `task` to run after everything submitted before it.
   void submit(unique_task task) {
@@ -170,25 +150,7 @@ class host_stream {
   //! than the task. The stream's order holds: later tasks queue behind it, and the worker starts
   //! none until it returns. A task that throws fails the stream (the caller does not see it),
   //! and on a failed stream the task is skipped, as on the worker.
-  bool run_inline_or_submit(unique_task task) {
-    const bool held = held_here(); // within this thread's `claim_if_idle`: claimed already
-    if (!held && !try_begin_inline()) {
-      submit(std::move(task));
-      return false;
-    }
-    if (!current_failure()) {
-      const running_guard running(this);
-      try {
-        task();
-      } catch (...) {
-        fail(std::current_exception());
-      }
-    }
-    task.reset();
-    if (!held)
-      end_inline();
-    return true;
-  }
+  bool run_inline_or_submit(unique_task task);
 
   //! `submit_always` with `run_inline_or_submit`'s choice: `task(failure)` runs now on the
   //! calling thread when the stream is idle, not capturing, and `choose()` agrees. `choose` is
@@ -198,35 +160,7 @@ class host_stream {
   requires std::is_invocable_r_v<std::exception_ptr, F&, std::exception_ptr> &&
       std::is_invocable_r_v<bool, Choose&>
   bool run_inline_or_submit_always(
-      F task, Choose choose = [] { return true; }) {
-    const bool held = held_here();
-    if (!held && !try_begin_inline()) {
-      submit_always(std::move(task));
-      return false;
-    }
-    bool here = false;
-    try {
-      here = choose();
-    } catch (...) {
-      if (!held)
-        end_inline();
-      throw;
-    }
-    if (!here) {
-      submit_always(std::move(task)); // the worker starts it once this claim ends
-      if (!held)
-        end_inline();
-      return false;
-    }
-    {
-      F claimed = std::move(task); // released before the stream is idle again, as on the worker
-      const running_guard running(this);
-      run_always(claimed);
-    }
-    if (!held)
-      end_inline();
-    return true;
-  }
+      F task, Choose choose = [] { return true; });
 
   //! The calling thread's hold on an idle stream (`claim_if_idle`); empty when the stream was
   //! busy or capturing. The claim that took the stream ends the hold (the worker may start
@@ -268,14 +202,7 @@ class host_stream {
   //! wait for itself). Within this thread's own hold it joins it (a layer called inside a
   //! caller's claim: its `all_ran_here` still says whether anything was queued). Empty (every
   //! step claims or queues as usual) when the stream is busy or capturing.
-  inline_claim claim_if_idle() {
-    if (owner_.load(std::memory_order_relaxed) == std::this_thread::get_id())
-      return inline_claim(this, false);
-    if (!try_begin_inline())
-      return {};
-    owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
-    return inline_claim(this, true);
-  }
+  inline_claim claim_if_idle();
 
   //! A new event at the current end of the queue.
   host_event record() {
@@ -285,75 +212,15 @@ class host_stream {
   }
 
   //! Moves `e` to the current end of the queue (earlier waits on `e` keep their point).
-  void record(host_event& e) {
-    {
-      std::lock_guard capture_lock(detail::host_capture::lock());
-      e.state_->capture = capture_;
-      e.state_->depends = capture_ ? capture_->snapshot(this) : detail::host_capture_clock{};
-    }
-    std::uint64_t point = 0;
-    {
-      std::lock_guard lock(e.state_->mutex);
-      point = ++e.state_->recorded;
-    }
-    auto reach = [this, state = e.state_, point] {
-      std::exception_ptr failure = current_failure();
-      {
-        std::lock_guard lock(state->mutex);
-        if (state->completed < point) {
-          state->completed = point;
-          state->completed_at = host_event::clock::now();
-          state->failure = std::move(failure);
-        }
-      }
-      state->reached.notify_all();
-    };
-    if (try_begin_inline()) { // everything before the point has run: reached now
-      reach();
-      end_inline();
-      return;
-    }
-    push(unique_task(std::move(reach)), /*is_marker=*/true);
-  }
+  void record(host_event& e);
 
   //! Makes every later task wait until `e`'s current record point is reached. If the producer
   //! failed before that point, this stream takes on the failure.
-  void wait(const host_event& e) {
-    check_wait(e);
-    std::uint64_t point = 0;
-    {
-      std::lock_guard lock(e.state_->mutex);
-      point = e.state_->recorded;
-    }
-    push(unique_task([this, state = e.state_, point] {
-           std::exception_ptr failure;
-           {
-             std::unique_lock lock(state->mutex);
-             state->reached.wait(lock, [&] { return state->completed >= point; });
-             failure = state->failure;
-           }
-           if (failure)
-             fail(std::move(failure));
-         }),
-         /*is_marker=*/true);
-  }
+  void wait(const host_event& e);
 
   //! Blocks until every task submitted so far has finished, then rethrows the first failure
   //! (clearing it, so the stream is usable again).
-  void synchronize() {
-    check_not_capturing("synchronize");
-    WEAVE_EXPECT(owner_.load(std::memory_order_relaxed) != std::this_thread::get_id(),
-                 errc::invalid_state, "host_stream '", name_,
-                 "': synchronize while this thread holds the stream (claim_if_idle)");
-    std::unique_lock lock(mutex_);
-    drained_.wait(lock, [&] { return pending_ == 0; });
-    if (failure_) {
-      std::exception_ptr failure = std::exchange(failure_, nullptr);
-      has_failure_.store(false, std::memory_order_relaxed);
-      lock.unlock();
-      std::rethrow_exception(failure);
-    }
-  }
+  void synchronize();
 
   //! True when every submitted task has finished.
   bool query() const {
@@ -383,49 +250,19 @@ class host_stream {
 
   //! Begins checking CUDA's stream-capture rules on this stream and the streams that join it
   //! (`cudaStreamBeginCapture` in global mode; see `host_capture.hpp`). Work still runs.
-  void begin_capture() {
-    std::lock_guard lock(detail::host_capture::lock());
-    WEAVE_EXPECT(!capture_, errc::invalid_state, "host_stream '", name_,
-                 "': begin_capture on a stream that is already capturing");
-    capture_ = std::make_shared<detail::host_capture>(this, name_);
-    capturing_ = true;
-  }
+  void begin_capture();
 
   //! Ends the capture begun on this stream; throws `errc::invalid_state` if it was invalidated,
   //! if a stream that joined it was not joined back, or if this stream did not begin it. Every
   //! stream of the capture leaves it.
-  void end_capture() {
-    std::lock_guard lock(detail::host_capture::lock());
-    WEAVE_EXPECT(capture_ && capture_->origin == this, errc::invalid_state, "host_stream '", name_,
-                 "': end_capture on a stream that did not begin a capture");
-    const std::shared_ptr<detail::host_capture> c = capture_;
-    for (auto& [member, _] : c->members) {
-      auto* s = static_cast<host_stream*>(const_cast<void*>(member));
-      s->capture_.reset();
-      s->capturing_ = false;
-    }
-    c->ended = true;
-    WEAVE_EXPECT(c->invalid.empty(), errc::invalid_state, "host_stream '", name_,
-                 "': the capture was invalidated: ", c->invalid);
-    if (const void* open = c->unjoined())
-      WEAVE_THROW(errc::invalid_state, "cudaErrorStreamCaptureUnjoined: stream '",
-                  static_cast<const host_stream*>(open)->name_, "' joined the capture of '", name_,
-                  "' and its work was not joined back before end_capture");
-  }
+  void end_capture();
 
   //! True while this stream belongs to a capture (`cudaStreamIsCapturing`).
   bool capturing() const noexcept { return capturing_; }
 
   //! Refuses `what` (a copy from pageable memory, an allocation) while this stream captures,
   //! as the CUDA runtime does: throws `errc::invalid_state` naming `cuda_error`.
-  void refuse_while_capturing(const char* cuda_error, const std::string& what) {
-    if (!capturing_)
-      return;
-    std::lock_guard lock(detail::host_capture::lock());
-    if (capture_)
-      capture_->refuse(
-          detail::concat(cuda_error, ": ", what, " on capturing stream '", name_, "'"));
-  }
+  void refuse_while_capturing(const char* cuda_error, const std::string& what);
 
  private:
   // Marks the calling thread as running a task of `s` (see `runs_here`) while it lives.
@@ -447,88 +284,16 @@ class host_stream {
     bool is_marker; // events and waits run even on a failed stream, so nothing deadlocks
   };
 
-  void count_captured_work() {
-    if (!capturing_)
-      return;
-    std::lock_guard lock(detail::host_capture::lock());
-    if (capture_)
-      ++capture_->members[this].work;
-  }
+  // The capture rules (detail/host_stream_capture.hpp).
+  void count_captured_work();
+  void check_not_capturing(const char* call) const;
+  void check_wait(const host_event& e);
 
-  void check_not_capturing(const char* call) const {
-    if (!capturing_)
-      return;
-    std::lock_guard lock(detail::host_capture::lock());
-    if (capture_)
-      capture_->refuse(detail::concat("cudaErrorStreamCaptureUnsupported: ", call,
-                                      " of capturing stream '", name_, "'"));
-  }
-
-  // The capture rules of a wait for `e` (see host_capture.hpp); joins its capture if this stream
-  // captures nothing and `e` was recorded in one that is still open.
-  void check_wait(const host_event& e) {
-    std::lock_guard lock(detail::host_capture::lock());
-    const std::shared_ptr<detail::host_capture>& theirs = e.state_->capture;
-    if (capture_) {
-      if (!theirs)
-        capture_->refuse(detail::concat("cudaErrorStreamCaptureIsolation: capturing stream '",
-                                        name_,
-                                        "' waits for an event recorded outside the capture"));
-      if (theirs != capture_)
-        capture_->refuse(detail::concat("cudaErrorStreamCaptureMerge: capturing stream '", name_,
-                                        "' waits for an event of another capture"));
-      capture_->merge(this, e.state_->depends);
-    } else if (theirs && !theirs->ended) {
-      capture_ = theirs; // joins
-      capturing_ = true;
-      capture_->merge(this, e.state_->depends);
-    } else if (theirs) {
-      WEAVE_THROW(errc::invalid_state, "cudaErrorCapturedEvent: stream '", name_,
-                  "' waits for an event last recorded in a capture that has ended");
-    }
-  }
-
-  // Runs a `submit_always` task with the stream's pending failure; what it returns or throws
-  // becomes the failure.
+  // The queue, its worker and the runs on a calling thread (detail/host_stream_queue.hpp).
   template <class F>
-  void run_always(F& task) {
-    std::exception_ptr after;
-    try {
-      after = task(take_failure());
-    } catch (...) {
-      after = std::current_exception();
-    }
-    if (after)
-      fail(std::move(after));
-  }
-
-  // Claims an idle stream (nothing queued or running, not capturing) for work on the calling
-  // thread: until `end_inline`, the worker starts nothing and later tasks queue behind it.
-  bool try_begin_inline() {
-    if (capturing_)
-      return false;
-    std::lock_guard lock(mutex_);
-    if (pending_ != 0 || stopping_)
-      return false;
-    pending_ = 1;
-    inline_running_ = true;
-    return true;
-  }
-
-  void end_inline() {
-    bool queued = false;
-    bool drained = false;
-    {
-      std::lock_guard lock(mutex_);
-      inline_running_ = false;
-      queued = !queue_.empty();
-      drained = --pending_ == 0;
-    }
-    if (queued)
-      work_ready_.notify_one();
-    if (drained)
-      drained_.notify_all();
-  }
+  void run_always(F& task);
+  bool try_begin_inline();
+  void end_inline();
 
   // Inside this thread's claim, with nothing queued since it began (`claim_if_idle`).
   bool held_here() const noexcept {
@@ -540,67 +305,11 @@ class host_stream {
     end_inline();
   }
 
-  void push(unique_task task, bool is_marker = false) {
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back({std::move(task), is_marker});
-      queued_.store(queue_.size(), std::memory_order_release);
-      ++pending_;
-    }
-    work_ready_.notify_one();
-  }
-
-  // The failure reads skip the lock while the stream has none (the common case): a failure is
-  // set by this stream's own tasks, which run one at a time, so the task reading it next was
-  // ordered after the set by the claim or the queue (both under `mutex_`).
-  std::exception_ptr current_failure() const {
-    if (!has_failure_.load(std::memory_order_acquire))
-      return nullptr;
-    std::lock_guard lock(mutex_);
-    return failure_;
-  }
-
-  std::exception_ptr take_failure() {
-    if (!has_failure_.load(std::memory_order_acquire))
-      return nullptr;
-    std::lock_guard lock(mutex_);
-    has_failure_.store(false, std::memory_order_relaxed);
-    return std::exchange(failure_, nullptr);
-  }
-
-  void fail(std::exception_ptr failure) {
-    std::lock_guard lock(mutex_);
-    if (!failure_) {
-      failure_ = std::move(failure);
-      has_failure_.store(true, std::memory_order_release);
-    }
-  }
-
-  void run() {
-    std::unique_lock lock(mutex_);
-    for (;;) {
-      work_ready_.wait(lock, [&] { return !inline_running_ && (stopping_ || !queue_.empty()); });
-      if (queue_.empty())
-        return; // stopping and drained
-      entry next = std::move(queue_.front());
-      queue_.pop_front();
-      queued_.store(queue_.size(), std::memory_order_release);
-      const bool skip = failure_ && !next.is_marker;
-      lock.unlock();
-      if (!skip) {
-        const running_guard running(this);
-        try {
-          next.task();
-        } catch (...) {
-          fail(std::current_exception());
-        }
-      }
-      next.task.reset(); // release captures before reporting completion
-      lock.lock();
-      if (--pending_ == 0)
-        drained_.notify_all();
-    }
-  }
+  void push(unique_task task, bool is_marker = false);
+  std::exception_ptr current_failure() const;
+  std::exception_ptr take_failure();
+  void fail(std::exception_ptr failure);
+  void run();
 
   std::string name_;
   mutable std::mutex mutex_;
@@ -623,3 +332,6 @@ class host_stream {
 static_assert(stream<host_stream> && host_executor<host_stream>);
 
 WEAVE_NAMESPACE_END
+
+#include "weave/exec/detail/host_stream_capture.hpp" // the capture rules, out of the class
+#include "weave/exec/detail/host_stream_queue.hpp"   // the queue and its worker, out of the class

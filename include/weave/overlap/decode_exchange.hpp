@@ -5,9 +5,8 @@
 //! T>` on CUDA streams (`weave/overlap/cuda_decode_exchange.cuh`). DeepEP's low-latency shape
 //! (fixed buffers, counts inside the messages), sending what is routed:
 //! - one message per (source rank, destination device) and phase, in a fixed room for
-//!   `max_tokens_per_rank` token records (`detail/decode_wire.hpp`); a record is the token's
-//!   row, sent once to each device it is routed to, and its local expert choices there (a side
-//!   table after the rows: `min(k, local experts)` slots, -1 after the last);
+//!   `max_tokens_per_rank` token records (`detail/decode_wire.hpp`): a token's row, sent once to
+//!   each device it is routed to, with its local expert choices there;
 //! - the record count travels in the message's header (`decode_header`), so a dispatch is one
 //!   all-to-all and the combine another, with no count exchange and no allocation per call;
 //! - the combine returns one row per record (`decode_options::partial_sums`, the default: the
@@ -63,6 +62,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <span>
@@ -114,24 +114,29 @@ class basic_decode_exchange {
   const placement& where() const noexcept { return where_; }
   //! Bytes this rank sends a peer in a dispatch at most (a whole message: header, records of
   //! `max_tokens_per_rank` tokens, their side table); FP8 rows with an FP8 dispatch.
-  std::size_t dispatch_bytes_per_peer() const noexcept { return dispatch_at_.room_bytes(); }
+  std::size_t dispatch_bytes_per_peer() const noexcept { return at_.dispatch.room_bytes(); }
   //! Bytes this rank sends a peer in a combine at most (rows of T).
-  std::size_t combine_bytes_per_peer() const noexcept { return combine_at_.room_bytes(); }
+  std::size_t combine_bytes_per_peer() const noexcept { return at_.combine.room_bytes(); }
 
   //! Bytes of memory of the space the layer's workspace takes: its messages' buffers, the
   //! expert pool and the call's arrays (`workspace_size(ranks, local_experts, options)`: the
   //! same without building the layer).
-  std::size_t workspace_size() const {
-    workspace_carver measure;
-    return carve(*this, measure).used();
-  }
+  std::size_t workspace_size() const { return carve(options_, at_, nullptr); }
   static std::size_t workspace_size(std::size_t ranks, std::size_t local_experts,
-                                    const decode_options& options);
+                                    const decode_options& options) {
+    return carve(options, shape(ranks, local_experts, options), nullptr);
+  }
 
   //! Optional, before the first call: carves every buffer out of `workspace` (`workspace_size()`
   //! bytes, 256-byte aligned) and initialises it on `stream`, in stream order. Without it the
   //! first call takes the workspace from the space's stream-ordered allocation, on its stream.
-  void initialize(void* workspace, std::size_t bytes, stream_arg stream);
+  void initialize(void* workspace, std::size_t bytes, stream_arg stream) {
+    WEAVE_EXPECT(workspace != nullptr, errc::invalid_argument, "null workspace");
+    WEAVE_EXPECT(!held_, errc::invalid_state, "decode_exchange::initialize with a handle alive");
+    if (workspace != owned_.data())
+      owned_.release(&static_cast<stream_type&>(stream));
+    carve_and_initialize(workspace, bytes, stream);
+  }
 
   //! Enqueues the dispatch of `x` (tokens x hidden rows of T) routed by `ids` / `weights` (k per
   //! token, id -1 = none) on `s`: one all-to-all. Bad inputs do not throw here: they fail the
@@ -153,7 +158,7 @@ class basic_decode_exchange {
   //! The one wait: waits for `s` (through the communicator: a dead peer ends in its timeout)
   //! and throws the root cause of what failed since the last check (`check_errors`; on host
   //! streams the stream's own failure first).
-  void synchronize(stream_arg s);
+  void synchronize(stream_arg s) { check_errors(s); }
 
   //! Waits for `s`, then throws for what failed since the last check: this rank's own failure
   //! first (a call refused with its typed error; flagged ids or weights: `errc::out_of_range` /
@@ -176,11 +181,37 @@ class basic_decode_exchange {
   static constexpr bool exact = Space::runs_later;
   static constexpr bool bounded = exact && has_bounded_all_to_all<Comm>;
 
+  // What a layer's sizes follow from: ranks, local slots and options (no layer needed).
+  struct shape {
+    detail::decode_wire dispatch, combine; // the two phases' messages
+    quantized_row_layout wire;             // FP8 dispatch: a row's codes, then its scales
+    std::size_t L;                         // local slots
+    shape(std::size_t ranks, std::size_t local_slots, const decode_options& o);
+    std::size_t pool_rows() const noexcept {
+      return static_cast<std::size_t>(dispatch.D * dispatch.M * dispatch.choices);
+    }
+  };
+  // The workspace's arrays, taken from `c` in order (pointed to from `self` unless it is null):
+  // returns the bytes they take.
+  static std::size_t carve(const decode_options& o, const shape& s, basic_decode_exchange* self,
+                           workspace_carver c = {});
+
   experts_view experts_of(std::uint64_t call) const { return {this, call, life_}; }
-  void release_handle(std::uint64_t call) noexcept;
+  void release_handle(std::uint64_t call) noexcept {
+    if (held_ && !combined_ && failed_call_.load(std::memory_order_acquire) != call)
+      if constexpr (requires { comm_->abort(std::string()); })
+        comm_->abort("a decode_exchange handle was released without its combine");
+    held_ = false;
+  }
 
   // --- the phases (detail/decode_phases.hpp) -------------------------------------------------
-  void ensure_initialized(stream_arg s);
+  void ensure_initialized(stream_arg s) {
+    if (initialized_)
+      return;
+    const std::size_t bytes = workspace_size();
+    owned_.replace(allocator_, bytes, s);
+    carve_and_initialize(owned_.data(), bytes, s);
+  }
   void carve_and_initialize(void* workspace, std::size_t bytes, stream_arg s);
   // The checks of a call (a dispatch: no handle alive), its stream bound, the workspace taken.
   void begin_call(stream_arg s, bool dispatching);
@@ -189,58 +220,90 @@ class basic_decode_exchange {
   template <class Pack, class Exchange, class Unpack>
   void issue(stream_arg s, Pack&& pack, Exchange&& exchange, Unpack&& unpack);
   void pack_dispatch(stream_arg s, std::span<const T> x, std::span<const std::int32_t> ids,
-                     std::span<const float> weights, std::uint64_t call);
+                     std::span<const float> weights);
   // Routes a call (host code and steps): the records, their rows, the headers (`rejected`: a
   // call refused on the host, sent instead). Throws for bad shapes (and on host streams for a
   // bad pair or a non-finite FP8 token, named).
   void route(stream_arg s, std::span<const T> x, std::span<const std::int32_t> ids,
              std::span<const float> weights, const decode_header& rejected);
-  void exchange_dispatch(stream_arg s);
   void unpack_dispatch(stream_arg s, std::uint64_t call);
   void deliver(stream_arg s);
   void pack_combine(stream_arg s, std::span<T> y, std::uint64_t call);
-  void exchange_combine(stream_arg s);
   void unpack_combine(stream_arg s, std::span<T> y);
   // The headers of a phase's messages (`rows` per destination).
   void send_headers(stream_arg s, const detail::decode_wire& at, const decode_header& rejected,
                     const std::int64_t* rows);
   // Host streams: throws for what the received headers (and records) of a phase say, after
   // this rank's own failure in its pack; aborts the peers where they may not know it.
-  void throw_received(stream_arg s, bool dispatch);
-  decode_header reject(std::exception_ptr failure);
-  void throw_flagged(std::uint32_t flags) const;
-  failure_record peer_record(const decode_header& h) const;
+  void throw_received(bool dispatch);
+  // A call refused on the host: keeps its error (host streams: raised at the unpack; CUDA: at
+  // the next check, the first one kept) and returns the header sent instead.
+  decode_header reject(std::exception_ptr failure) {
+    const failure_record r = record_of(failure, rank_);
+    if constexpr (exact)
+      local_failure_ = std::move(failure);
+    else if (!pending_)
+      pending_ = std::move(failure);
+    return detail::failed_header(rank_, r.code, r.message);
+  }
+  void throw_flagged(std::uint32_t flags) const {
+    device_dispatch_plan<Space>::throw_plan_errors(flags & 0xFFu, where_.num_experts());
+    WEAVE_EXPECT((flags & decode_nonfinite_flag) == 0, errc::invalid_argument,
+                 "a token holds a NaN or an infinity: the FP8 dispatch "
+                 "(decode_options::fp8_dispatch) cannot scale it, and the call failed");
+  }
+  // A failed header's sender and cause (its flags' error when it has no cause).
+  failure_record peer_record(const decode_header& h) const {
+    const std::size_t n = ::strnlen(h.cause, sizeof h.cause);
+    if (n > 0 || h.flags == 0)
+      return {h.source, static_cast<errc>(h.code), true, std::string(h.cause, n)};
+    return record_of_call(h.source, [&] { throw_flagged(static_cast<std::uint32_t>(h.flags)); });
+  }
 
   // --- what the view reads ------------------------------------------------------------------
   const detail::decode_call_arrays& arrays() const noexcept { return a_; }
-  void expect_arrived(std::uint64_t call) const;
-  void check_local(int l) const;
-  void check_source(int source) const;
-  int expert_of_local(int l) const;
-  std::int64_t world() const noexcept { return dispatch_at_.D; }
+  void expect_arrived([[maybe_unused]] std::uint64_t call) const {
+    if constexpr (exact)
+      WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
+                   "decode_exchange: the dispatch has not run (read the expert rows in a task "
+                   "enqueued after it, or after synchronizing its stream), or it failed, or its "
+                   "combine has been issued");
+  }
+  void check_local(int l) const {
+    WEAVE_EXPECT(l >= 0 && l < spd(), errc::out_of_range, "local slot ", l, " outside [0, ", spd(),
+                 ")");
+  }
+  void check_source(int source) const {
+    WEAVE_EXPECT(source >= 0 && source < world(), errc::out_of_range, "source rank ", source,
+                 " outside [0, ", world(), ")");
+  }
+  int expert_of_local(int l) const {
+    check_local(l);
+    return where_.expert_of_slot(rank_ * where_.slots_per_device() + l);
+  }
+  std::int64_t world() const noexcept { return at_.dispatch.D; }
   const T* pool_in() const noexcept {
     return has_inputs() ? reinterpret_cast<const T*>(pool_in_) : nullptr;
   }
   T* pool_out() const noexcept { return reinterpret_cast<T*>(pool_out_); }
+  // Local slot `l`'s pool rows: [first, first + n).
+  std::pair<std::size_t, std::size_t> slot(int l) const {
+    check_local(l);
+    return {static_cast<std::size_t>(a_.first[l]), static_cast<std::size_t>(a_.slot_rows[l])};
+  }
   std::span<const T> expert_input(int l) const;
   std::span<const T* const> expert_input_rows(int l) const;
   std::pair<const_token_view, const_token_view> expert_wire(int l) const;
-  std::span<T> expert_output(int l) const;
+  std::span<T> expert_output(int l) const {
+    const auto [first, n] = slot(l);
+    return {pool_out() + first * options_.hidden, n * options_.hidden};
+  }
 
   // --- sizes and views ----------------------------------------------------------------------
-  template <class Self>
-  static workspace_carver& carve(Self& self, workspace_carver& c);
   bool has_inputs() const noexcept {
     return !options_.fp8_dispatch || options_.fp8_dispatch->dequantized_inputs;
   }
-  std::size_t row_bytes() const noexcept { return options_.hidden * sizeof(T); }
   std::int64_t spd() const noexcept { return where_.slots_per_device(); }
-  std::size_t pool_rows() const noexcept {
-    return static_cast<std::size_t>(dispatch_at_.D * dispatch_at_.M * dispatch_at_.choices);
-  }
-  std::size_t buffer_bytes() const noexcept {
-    return std::max(dispatch_at_.buffer_bytes(), combine_at_.buffer_bytes());
-  }
   template <class Byte>
   basic_token_view<Byte> rows(Byte* p, std::size_t n) const {
     return basic_token_view<Byte>(p, n, options_.hidden, dtype_of_v<T>, Space::memory);
@@ -248,10 +311,9 @@ class basic_decode_exchange {
   token_view buffer(std::byte* p, const detail::decode_wire& at) const {
     return token_view(p, at.rows(), options_.hidden, dtype_of_v<T>, Space::memory, -1, at.row);
   }
-  std::pair<token_view, token_view> wire_views(std::byte* p, std::size_t n,
-                                               std::size_t stride) const;
-  detail::decode_received received() const noexcept {
-    return {dispatch_at_, recv_, send_, rank_, words_ + call_failed};
+  // FP8 dispatch: `n` packed rows at `p` as their codes and scales.
+  std::pair<token_view, token_view> wire_views(std::byte* p, std::size_t n) const {
+    return at_.wire.views(p, n, options_.fp8_dispatch->format, Space::memory);
   }
 
   Comm* comm_;
@@ -260,9 +322,8 @@ class basic_decode_exchange {
   placement where_;
   decode_options options_;
   int rank_ = 0;
-  detail::decode_wire dispatch_at_, combine_at_; // the two phases' messages
-  quantized_row_layout wire_;                    // FP8 dispatch: a row's codes, then its scales
-  std::vector<std::int32_t> table_host_, local_experts_;
+  shape at_;
+  std::vector<std::int32_t> table_host_;
   // The all-to-alls' bytes per peer (counts set per call on host streams) and displacements.
   std::vector<std::int64_t> dispatch_send_, dispatch_recv_, combine_send_, combine_recv_,
       dispatch_displs_, combine_displs_, received_;
@@ -276,7 +337,7 @@ class basic_decode_exchange {
   std::int64_t* scratch_ = nullptr;   // serial steps: per-device and per-slot counters
   std::uint64_t* fed_ = nullptr;      // serial steps: the fed slots' bits
   std::byte* scan_temp_ = nullptr;    // the slots' scan (CUB's scratch on CUDA)
-  const T* x_ = nullptr;              // the call's tokens (this rank's own records' rows)
+  const std::byte* x_ = nullptr;      // the call's tokens (this rank's own records' rows)
   detail::decode_call_arrays a_;
   struct checked_words { // what `check_errors` reads back
     detail::decode_kept kept;

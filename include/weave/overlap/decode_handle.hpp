@@ -139,10 +139,7 @@ template <class Exchange>
 class decode_handle {
  public:
   decode_handle() = default;
-  decode_handle(decode_handle&& o) noexcept
-      : ex_(std::exchange(o.ex_, nullptr))
-      , call_(o.call_)
-      , life_(std::move(o.life_)) {}
+  decode_handle(decode_handle&& o) noexcept { *this = std::move(o); }
   decode_handle& operator=(decode_handle&& o) noexcept {
     if (this != &o) {
       reset();

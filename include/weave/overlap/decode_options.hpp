@@ -1,10 +1,6 @@
 //! \file
-//! Options and the wire format of `decode_exchange`, the low-latency exchange for decoding.
-//!
-//! Every (local expert slot, source rank) pair owns one fixed-size message: a 128-byte
-//! `decode_header` (row count, status word, the cause of a failure) followed by room for
-//! `max_tokens_per_rank` rows. The counts travel inside these messages, so a layer needs one
-//! all-to-all for its dispatch and one for its combine and no count exchange.
+//! Options and message headers of `decode_exchange`, the low-latency exchange for decoding (its
+//! messages: `detail/decode_wire.hpp`).
 #pragma once
 
 #include "weave/comm/agreement.hpp"
@@ -93,13 +89,6 @@ inline void check_decode_options(const decode_options& o) {
   if (o.fp8_dispatch)
     check_quantization(o.hidden, o.fp8_dispatch->format, o.fp8_dispatch->blocks,
                        "decode_options.fp8_dispatch");
-}
-
-//! Bytes of one dispatched row on the wire: `row_bytes`, or the packed FP8 row (codes, then
-//! scales, 16-byte aligned) with an FP8 dispatch.
-inline std::size_t decode_wire_row_bytes(const decode_options& o, std::size_t row_bytes) {
-  return o.fp8_dispatch ? quantized_row_layout::of(o.hidden, o.fp8_dispatch->blocks.block).stride
-                        : row_bytes;
 }
 
 //! The tokens of a call of `who` with `elements` input elements and `ids` / `weights` entries:
@@ -240,9 +229,8 @@ decode_headers_verdict check_decode_headers(std::size_t ranks, std::size_t slots
   return {};
 }
 
-//! The construction's agreement of a decode layer named `name` (both decode exchanges): the
-//! options valid on this rank, then the same on every rank (`agree_on_config`). Returns the
-//! layer's serial on `comm`, agreed by every rank.
+//! The construction's agreement of a decode layer named `name`: the options valid on this rank,
+//! then the same on every rank (`agree_on_config`). Returns the layer's serial on `comm`.
 template <class Comm>
 std::uint32_t agree_on_decode(Comm& comm, const placement& where, const decode_options& o,
                               dtype element, const char* name) {

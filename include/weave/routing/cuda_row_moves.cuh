@@ -1,13 +1,17 @@
 //! \file
 //! `row_moves<cuda_space>`: the row primitives of `weave/routing/row_moves.hpp` as CUDA kernels
-//! (the kernels of `kernels.cuh`, with device-resident row counts and padding rows).
+//! (the kernels of `detail/cuda_row_kernels.cuh`, with device-resident row counts and padding
+//! rows), and with them `layout_move` in `cuda_space` (a gather). The one form of the row moves
+//! on CUDA streams: the plans' maps (`device_dispatch_plan::maps`, `device_expert_plan::maps`)
+//! feed it.
 #pragma once
 
 #include "weave/core/config.hpp"
 #include "weave/core/error.hpp"
 #include "weave/core/tensor.hpp"
 #include "weave/exec/cuda_space.cuh"
-#include "weave/routing/kernels.cuh"
+#include "weave/routing/detail/cuda_row_kernels.cuh"
+#include "weave/routing/kernels_host.hpp"
 #include "weave/routing/row_moves.hpp"
 
 #include <cstdint>

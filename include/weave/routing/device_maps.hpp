@@ -1,7 +1,7 @@
 //! \file
 //! The maps the device row kernels read, as spans over memory of an execution space: what the
 //! device plans expose (`device_dispatch_plan::maps`, `device_expert_plan::maps`) for the CUDA
-//! layout moves of `kernels.cuh`.
+//! layout moves (`layout_move` and `row_moves<cuda_space>`, `cuda_row_moves.cuh`).
 #pragma once
 
 #include "weave/core/config.hpp"

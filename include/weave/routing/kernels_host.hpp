@@ -2,8 +2,7 @@
 //! Host row-movement kernels between the ORI, SFD and EPD layouts: the two row primitives
 //! every layout move is made of, called directly on host memory.
 //!
-//! Two primitives cover all four moves (the CUDA ones in `weave/routing/kernels.cuh` have the
-//! same arguments plus a stream):
+//! Two primitives cover all four moves:
 //! - `gather_rows(src, dst, index, scale)`: dst[i] = src[index[i]], times scale[i] if given;
 //! - `merge_rows(src, dst, index, k, weight)`: dst[i] = sum over j < k with index[i*k+j] >= 0 of
 //!   weight[i*k+j] * src[index[i*k+j]] (or the plain sum), in j order, fp32 accumulation.
@@ -11,7 +10,8 @@
 //! Results are bitwise deterministic: fixed order, one rounding per step (the loops, at memory
 //! speed, are in `weave/routing/host_row_kernels.hpp`). The layout moves over a plan's maps, in
 //! stream order and in every execution space, are `row_moves<Space>` and `layout_move`
-//! (`weave/routing/row_moves.hpp`; on host streams `weave/routing/host_row_moves.hpp`).
+//! (`weave/routing/row_moves.hpp`; on host streams `weave/routing/host_row_moves.hpp`, on CUDA
+//! streams `weave/routing/cuda_row_moves.cuh`).
 #pragma once
 
 #include "weave/core/config.hpp"

@@ -17,7 +17,7 @@
 #include "weave/core/tensor.hpp"
 #include "weave/exec/cuda_space.cuh"
 #include "weave/exec/cuda_stream.hpp"
-#include "weave/routing/kernels.cuh"
+#include "weave/routing/detail/cuda_row_kernels.cuh"
 #include "weave/routing/quantize.hpp"
 
 #include <cuda_fp8.h>

@@ -4,6 +4,10 @@
 //! top-k choices the entries are made from (`detail::check_pair`, `detail::check_routing`):
 //! the rule every plan applies (an id in [-1, E), no expert twice per token, finite weights),
 //! with an error that names the first bad pair.
+//!
+//! The same rule on the device, where a plan cannot throw: `device_plan_error`, the bits a
+//! device plan sets in its error word, and `detail::routed_choice`, which each of its steps
+//! asks of a choice (a bad one flagged and not routed).
 #pragma once
 
 #include "weave/core/config.hpp"
@@ -24,7 +28,38 @@ struct route_entry {
 };
 static_assert(sizeof(route_entry) == 8, "route_entry is sent as 8 raw bytes");
 
+//! Bits a device plan sets in its error word.
+enum device_plan_error : std::uint32_t {
+  device_plan_bad_expert = 1, //!< an id outside [-1, E) (treated as -1)
+  device_plan_duplicate = 2,  //!< a token choosing one expert twice (the repeat is ignored)
+  device_plan_bad_weight = 4, //!< a non-finite gate weight
+};
+
 namespace detail {
+
+// Whether choice i of the token whose choices start at ids[base] is routed: false for -1, for an
+// id outside [-1, E) and for a repeat of an earlier choice (each flagged: `detail::check_pair`
+// rejects it on the host); a non-finite weight is flagged and the choice still routed.
+WEAVE_HOST_DEVICE inline bool routed_choice(const std::int32_t* ids, const float* weights,
+                                            std::int64_t base, int i, int E, std::uint32_t& flags) {
+  const std::int32_t e = ids[base + i];
+  if (e == -1)
+    return false;
+  if (e < 0 || e >= E) {
+    flags |= device_plan_bad_expert;
+    return false;
+  }
+  bool twice = false;
+  for (int j = 0; j < i; ++j)
+    twice = twice || ids[base + j] == e;
+  if (twice) {
+    flags |= device_plan_duplicate;
+    return false;
+  }
+  if (!is_finite(weights[base + i]))
+    flags |= device_plan_bad_weight;
+  return true;
+}
 
 // Checks pair p of `ids` / `weights` (k per token; ids[p] != -1): an id in [0, E), not chosen
 // twice by its token, a finite weight (read on its bits, so fast math keeps the check). Token

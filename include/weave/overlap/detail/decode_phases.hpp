@@ -21,40 +21,27 @@ WEAVE_NAMESPACE_BEGIN
 template <execution_space Space, decode_communicator<Space> Comm, class T>
 void basic_decode_exchange<Space, Comm, T>::pack_dispatch(stream_arg s, std::span<const T> x,
                                                           std::span<const std::int32_t> ids,
-                                                          std::span<const float> weights,
-                                                          std::uint64_t call) {
-  (void)call;
+                                                          std::span<const float> weights) {
+  decode_header rejected;
   if constexpr (exact) {
     // A failure of the pack sends every header failed instead, with its cause (the rows after
     // are not read); this rank raises it at the unpack, where its peers raise theirs.
     local_failure_ = nullptr;
-    std::exception_ptr failed;
-    errc code = errc::internal;
-    std::string what;
     try {
-      route(s, x, ids, weights, decode_header{});
-    } catch (const error& e) {
-      failed = std::current_exception();
-      code = e.code();
-      what = e.message();
-    } catch (const std::exception& e) {
-      failed = std::current_exception();
-      what = e.what();
-    }
-    if (failed) {
-      local_failure_ = failed;
+      route(s, x, ids, weights, rejected);
+    } catch (...) {
+      rejected = reject(std::current_exception());
       words_[call_flags] = 0; // raised here, named: not flags for a later check
       if (bad_token_ != nullptr)
         *bad_token_ = -1;
-      send_headers(s, dispatch_at_, detail::failed_header(rank_, code, what), a_.records);
+      send_headers(s, at_.dispatch, rejected, a_.records);
     }
     if constexpr (bounded) // a message's occupied part; a failed one's header alone
       for (std::int64_t d = 0; d < world(); ++d)
         if (d != rank_)
           dispatch_send_[static_cast<std::size_t>(d)] = static_cast<std::int64_t>(
-              failed ? sizeof(decode_header) : dispatch_at_.message_bytes(a_.records[d]));
+              local_failure_ ? sizeof(decode_header) : at_.dispatch.message_bytes(a_.records[d]));
   } else {
-    decode_header rejected;
     try {
       (void)detail::decode_call_tokens(options_, x.size(), ids.size(), weights.size(),
                                        "decode_exchange");
@@ -80,12 +67,12 @@ void basic_decode_exchange<Space, Comm, T>::route(stream_arg s, std::span<const 
   const bool fp8 = options_.fp8_dispatch.has_value();
   tokens_ = tokens;
   weights_ = weights.data();
-  x_ = x.data();
+  x_ = reinterpret_cast<const std::byte*>(x.data());
   static_assert(call_failed == call_flags + 1); // the two per-call words, cleared together
   Space::fill(s, words_ + call_flags, 0, 2 * sizeof(std::uint32_t));
   Space::fill(s, a_.token_rows, 0xFF, tokens * static_cast<std::size_t>(k) * sizeof(std::int64_t));
   if (fp8 || !serial_space<Space>) // the gather's map (a serial space scatters by token_rows)
-    Space::fill(s, a_.send_index, 0xFF, dispatch_at_.rows() * sizeof(std::int64_t));
+    Space::fill(s, a_.send_index, 0xFF, at_.dispatch.rows() * sizeof(std::int64_t));
   if (fp8)
     Space::fill(s, bad_token_, 0xFF, sizeof(std::int64_t)); // -1: every token finite
   if (n > 0)
@@ -99,21 +86,11 @@ void basic_decode_exchange<Space, Comm, T>::route(stream_arg s, std::span<const 
       device_dispatch_plan<Space>::throw_plan_errors(flagged, E);
     }
   }
-  const detail::decode_position_step position{dispatch_at_,
-                                              n,
-                                              k,
-                                              spd(),
-                                              rank_,
-                                              fp8,
-                                              a_.pair_slot,
-                                              options_.partial_sums ? weights.data() : nullptr,
-                                              send_,
-                                              a_.pair_pos,
-                                              a_.records,
-                                              a_.pairs_to,
-                                              a_.send_index,
-                                              a_.token_rows,
-                                              a_.own_token};
+  const float* partial = options_.partial_sums ? weights.data() : nullptr; // beside the slots
+  const detail::decode_position_step position{
+      at_.dispatch, n,     k,           spd(),      rank_,       fp8,           a_.pair_slot,
+      partial,      send_, a_.pair_pos, a_.records, a_.pairs_to, a_.send_index, a_.token_rows,
+      a_.own_token};
   if constexpr (serial_space<Space>)
     Space::launch(s, [position, last = scratch_, next = scratch_ + world()](stream_arg) {
       detail::decode_position_serial(position, last, next);
@@ -121,19 +98,18 @@ void basic_decode_exchange<Space, Comm, T>::route(stream_arg s, std::span<const 
   else
     Space::for_each(s, world(), position);
   if (fp8) { // each record quantised (this rank's own too: the pool reads them from `send_`)
-    const auto [codes, scales] = wire_views(send_, dispatch_at_.rows(), dispatch_at_.row);
-    quant::quantize(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens), codes, scales,
-                    a_.send_index, nullptr, options_.fp8_dispatch->blocks, bad_token_);
+    const auto [codes, scales] = wire_views(send_, at_.dispatch.rows());
+    quant::quantize(s, rows(x_, tokens), codes, scales, a_.send_index, nullptr,
+                    options_.fp8_dispatch->blocks, bad_token_);
     if constexpr (exact)
       WEAVE_EXPECT(*bad_token_ < 0, errc::invalid_argument, "token ", *bad_token_,
                    " holds a NaN or an infinity: the FP8 dispatch (decode_options::fp8_dispatch) "
                    "cannot quantise it");
   } else if (n > 0) { // each record's row from its token (serial spaces: each token once)
-    layout_move<Space>(s, rows(reinterpret_cast<const std::byte*>(x.data()), tokens),
-                       buffer(send_, dispatch_at_), a_.send_index, nullptr, nullptr, a_.token_rows,
-                       k, nullptr, nullptr);
+    layout_move<Space>(s, rows(x_, tokens), buffer(send_, at_.dispatch), a_.send_index, nullptr,
+                       nullptr, a_.token_rows, k, nullptr, nullptr);
   }
-  send_headers(s, dispatch_at_, rejected, a_.records);
+  send_headers(s, at_.dispatch, rejected, a_.records);
 }
 
 template <execution_space Space, decode_communicator<Space> Comm, class T>
@@ -141,7 +117,7 @@ void basic_decode_exchange<Space, Comm, T>::send_headers(stream_arg s,
                                                          const detail::decode_wire& at,
                                                          const decode_header& rejected,
                                                          const std::int64_t* counts) {
-  const bool dispatch = &at == &dispatch_at_;
+  const bool dispatch = &at == &at_.dispatch;
   Space::for_each(s, at.D,
                   detail::decode_header_step{
                       at, send_, rejected, counts, words_ + call_flags,
@@ -150,24 +126,14 @@ void basic_decode_exchange<Space, Comm, T>::send_headers(stream_arg s,
 }
 
 template <execution_space Space, decode_communicator<Space> Comm, class T>
-void basic_decode_exchange<Space, Comm, T>::exchange_dispatch(stream_arg s) {
-  if constexpr (bounded)
-    comm_->all_to_all_v_bounded(s, send_, dispatch_send_, dispatch_displs_, recv_, dispatch_recv_,
-                                dispatch_displs_, std::span<std::int64_t>(received_), 1);
-  else
-    weave::all_to_all_v(*comm_, s, send_, dispatch_send_, dispatch_displs_, recv_, dispatch_recv_,
-                        dispatch_displs_, 1);
-}
-
-template <execution_space Space, decode_communicator<Space> Comm, class T>
 void basic_decode_exchange<Space, Comm, T>::unpack_dispatch(stream_arg s, std::uint64_t call) {
   Space::for_each(s, world(),
-                  detail::decode_receive_step{dispatch_at_, recv_, send_, rank_, known_flags, spd(),
+                  detail::decode_receive_step{at_.dispatch, recv_, send_, rank_, known_flags, spd(),
                                               nullptr, a_.arrived, words_ + call_failed,
                                               words_ + sticky_error, kept_});
   if constexpr (exact) {
     try {
-      throw_received(s, true);
+      throw_received(true);
     } catch (...) {
       failed_call_.store(call, std::memory_order_release); // every rank knows: no combine
       throw;
@@ -182,34 +148,23 @@ template <execution_space Space, decode_communicator<Space> Comm, class T>
 void basic_decode_exchange<Space, Comm, T>::deliver(stream_arg s) {
   const std::int64_t L = spd();
   const bool fp8 = options_.fp8_dispatch.has_value(), gathered = options_.gathered_inputs;
-  const detail::decode_received in = received();
-  const detail::decode_pool_maps m{dispatch_at_,
-                                   combine_at_,
-                                   rank_,
-                                   options_.partial_sums,
-                                   gathered,
-                                   !fp8 && !gathered, // a peer's one row read where it arrived
-                                   fp8,
-                                   row_bytes(),
-                                   reinterpret_cast<const std::byte*>(x_),
-                                   recv_,
-                                   send_,
-                                   a_};
+  const detail::decode_received in{at_.dispatch, recv_, send_, rank_, words_ + call_failed};
+  const bool in_place = !fp8 && !gathered; // a peer's one row read where it arrived
+  const detail::decode_pool_maps m{at_.dispatch, at_.combine, rank_, options_.partial_sums,
+                                   gathered,     in_place,    fp8,   options_.hidden * sizeof(T),
+                                   x_,           recv_,       send_, a_};
   if constexpr (serial_space<Space>) {
     Space::launch(s, [in, m, L, fed = fed_, cursor = scratch_ + 2 * world()](stream_arg) {
       detail::decode_slots_serial(in, m, L, fed, cursor);
     });
   } else {
-    const std::size_t choices = static_cast<std::size_t>(dispatch_at_.choices);
-    if (options_.partial_sums) {
-      Space::fill(s, a_.merge_index, 0xFF, combine_at_.rows() * choices * sizeof(std::int64_t));
-      Space::fill(s, a_.own_index, 0xFF,
-                  static_cast<std::size_t>(dispatch_at_.M) * choices * sizeof(std::int64_t));
-    } else {
-      Space::fill(s, a_.return_index, 0xFF, combine_at_.rows() * sizeof(std::int64_t));
-      Space::fill(s, a_.own_index, 0xFF,
-                  static_cast<std::size_t>(dispatch_at_.M) * choices * sizeof(std::int64_t));
-    }
+    const std::size_t choices = static_cast<std::size_t>(at_.dispatch.choices);
+    if (options_.partial_sums)
+      Space::fill(s, a_.merge_index, 0xFF, at_.combine.rows() * choices * sizeof(std::int64_t));
+    else
+      Space::fill(s, a_.return_index, 0xFF, at_.combine.rows() * sizeof(std::int64_t));
+    Space::fill(s, a_.own_index, 0xFF,
+                static_cast<std::size_t>(at_.dispatch.M) * choices * sizeof(std::int64_t));
     Space::for_each(
         s, L, detail::decode_slot_count_step{in, a_.slot_rows, a_.source_rows, a_.source_first});
     Space::exclusive_scan(s, a_.slot_rows, a_.first, L + 1, scan_temp_,
@@ -218,24 +173,23 @@ void basic_decode_exchange<Space, Comm, T>::deliver(stream_arg s) {
     Space::for_each(s, L, detail::decode_place_step{in, m});
   }
   const std::int64_t* count = a_.first + L; // the pool's rows
-  const auto pool = pool_rows();
+  const auto pool = at_.pool_rows();
   if (gathered)
     return;
   if (!fp8) { // the peers' rows from their messages, this rank's own from its tokens
-    moves::gather(s, buffer(recv_, dispatch_at_), rows(pool_in_, pool), a_.from_peer, nullptr,
+    moves::gather(s, buffer(recv_, at_.dispatch), rows(pool_in_, pool), a_.from_peer, nullptr,
                   count);
-    moves::gather(s, rows(reinterpret_cast<const std::byte*>(x_), tokens_), rows(pool_in_, pool),
-                  a_.from_own, nullptr, count);
+    moves::gather(s, rows(x_, tokens_), rows(pool_in_, pool), a_.from_own, nullptr, count);
     return;
   }
   const auto wire = [&](std::byte* p, std::size_t n) {
-    return token_view(p, n, wire_.stride, dtype::u8, Space::memory, -1, dispatch_at_.row);
+    return token_view(p, n, at_.wire.stride, dtype::u8, Space::memory, -1, at_.dispatch.row);
   };
-  const token_view pool_wire(pool_wire_, pool, wire_.stride, dtype::u8, Space::memory);
-  moves::gather(s, wire(recv_, dispatch_at_.rows()), pool_wire, a_.from_peer, nullptr, count);
-  moves::gather(s, wire(send_, dispatch_at_.rows()), pool_wire, a_.from_own, nullptr, count);
+  const token_view pool_wire(pool_wire_, pool, at_.wire.stride, dtype::u8, Space::memory);
+  moves::gather(s, wire(recv_, at_.dispatch.rows()), pool_wire, a_.from_peer, nullptr, count);
+  moves::gather(s, wire(send_, at_.dispatch.rows()), pool_wire, a_.from_own, nullptr, count);
   if (options_.fp8_dispatch->dequantized_inputs) {
-    const auto [codes, scales] = wire_views(pool_wire_, pool, wire_.stride);
+    const auto [codes, scales] = wire_views(pool_wire_, pool);
     quant::dequantize(s, codes, scales, rows(pool_in_, pool), nullptr, count,
                       options_.fp8_dispatch->blocks);
   }
@@ -252,100 +206,85 @@ void basic_decode_exchange<Space, Comm, T>::pack_combine(stream_arg s, std::span
     for (std::int64_t d = 0; d < D; ++d)
       if (d != own) {
         combine_send_[static_cast<std::size_t>(d)] =
-            static_cast<std::int64_t>(combine_at_.message_bytes(a_.arrived[d]));
+            static_cast<std::int64_t>(at_.combine.message_bytes(a_.arrived[d]));
         combine_recv_[static_cast<std::size_t>(d)] =
-            static_cast<std::int64_t>(combine_at_.message_bytes(expected[d]));
+            static_cast<std::int64_t>(at_.combine.message_bytes(expected[d]));
       }
     local_failure_ = nullptr;
-    try {
+  }
+  try {
+    if constexpr (exact)
       WEAVE_EXPECT(arrived_.load(std::memory_order_acquire) == call, errc::invalid_state,
                    "decode_exchange::combine after a dispatch that failed");
-      WEAVE_EXPECT(y.size() == tokens_ * H, errc::size_mismatch,
-                   "decode_exchange::combine: an output of ", y.size(), " elements for ", tokens_,
-                   " tokens of hidden = ", H);
-    } catch (const error& e) {
-      local_failure_ = std::current_exception();
-      rejected = detail::failed_header(rank_, e.code(), e.message());
-    }
-  } else {
-    (void)call;
-    try {
-      WEAVE_EXPECT(rejected_ || y.size() == tokens_ * H, errc::size_mismatch,
-                   "decode_exchange::combine: an output of ", y.size(), " elements for ", tokens_,
-                   " tokens of hidden = ", H);
-    } catch (...) {
-      rejected = reject(std::current_exception());
-    }
-    Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
+    WEAVE_EXPECT(rejected_ || y.size() == tokens_ * H, errc::size_mismatch,
+                 "decode_exchange::combine: an output of ", y.size(), " elements for ", tokens_,
+                 " tokens of hidden = ", H);
+  } catch (...) {
+    rejected = reject(std::current_exception());
   }
+  if constexpr (!exact)
+    Space::fill(s, words_ + call_flags, 0, sizeof(std::uint32_t));
   if (rejected.status == decode_status::ok) {
-    const auto pool = pool_rows();
-    const token_view out = rows(pool_out_, pool), sent = buffer(send_, combine_at_),
-                     mine = buffer(recv_, combine_at_)
-                                .subrows(static_cast<std::size_t>(combine_at_.payload_row(own, 0)),
-                                         static_cast<std::size_t>(combine_at_.M));
-    const int choices = static_cast<int>(dispatch_at_.choices);
+    const token_view out = rows(pool_out_, at_.pool_rows()), sent = buffer(send_, at_.combine),
+                     mine = buffer(recv_, at_.combine)
+                                .subrows(static_cast<std::size_t>(at_.combine.payload_row(own, 0)),
+                                         static_cast<std::size_t>(at_.combine.M));
+    const int choices = static_cast<int>(at_.dispatch.choices);
     const bool partial = options_.partial_sums;
+    // Combine rows `to` from the pool's outputs by their entries (`index`, `weight`), at most
+    // `*count` rows where `count` is given.
+    const auto put = [=](stream_arg ls, token_view to, const std::int64_t* index,
+                         const float* weight, const std::int64_t* count) {
+      if (partial)
+        moves::merge(ls, out, to, index, choices, weight, count, true);
+      else
+        moves::gather(ls, out, to, index, nullptr, count);
+    };
+    const std::int64_t* index = partial ? a_.merge_index : a_.return_index;
     if constexpr (serial_space<Space>) { // each source's rows, exactly (no pass over the rooms)
       Space::launch(s, [=, this](stream_arg ls) {
-        for (std::int64_t d = 0; d < D; ++d) {
-          if (d == own || a_.arrived[d] == 0)
-            continue;
-          const auto first = static_cast<std::size_t>(combine_at_.payload_row(d, 0));
-          const token_view to = sent.subrows(first, static_cast<std::size_t>(a_.arrived[d]));
-          if (partial)
-            moves::merge(ls, out, to, a_.merge_index + first * static_cast<std::size_t>(choices),
-                         choices, a_.merge_weight + first * static_cast<std::size_t>(choices),
-                         nullptr, true);
-          else
-            moves::gather(ls, out, to, a_.return_index + first, nullptr, nullptr);
-        }
+        for (std::int64_t d = 0; d < D; ++d)
+          if (d != own && a_.arrived[d] != 0) {
+            const auto first = static_cast<std::size_t>(at_.combine.payload_row(d, 0));
+            const std::size_t entry = first * (partial ? static_cast<std::size_t>(choices) : 1);
+            put(ls, sent.subrows(first, static_cast<std::size_t>(a_.arrived[d])), index + entry,
+                partial ? a_.merge_weight + entry : nullptr, nullptr);
+          }
       });
-    } else if (partial) { // every room's rows: the ones without records have no entry
-      moves::merge(s, out, sent, a_.merge_index, choices, a_.merge_weight, nullptr, true);
-    } else {
-      moves::gather(s, out, sent, a_.return_index, nullptr, nullptr);
+    } else { // every room's rows: the ones without records have no entry
+      put(s, sent, index, a_.merge_weight, nullptr);
     }
-    if (partial) // this rank's own records summed where it reads them
-      moves::merge(s, out, mine, a_.own_index, choices, a_.own_weight, a_.arrived + own, true);
-    else
-      moves::gather(s, out, mine, a_.own_index, nullptr, a_.arrived + own);
+    put(s, mine, a_.own_index, a_.own_weight, a_.arrived + own); // own records, where they are
   }
-  send_headers(s, combine_at_, rejected, a_.arrived);
-}
-
-template <execution_space Space, decode_communicator<Space> Comm, class T>
-void basic_decode_exchange<Space, Comm, T>::exchange_combine(stream_arg s) {
-  weave::all_to_all_v(*comm_, s, send_, combine_send_, combine_displs_, recv_, combine_recv_,
-                      combine_displs_, 1);
+  send_headers(s, at_.combine, rejected, a_.arrived);
 }
 
 template <execution_space Space, decode_communicator<Space> Comm, class T>
 void basic_decode_exchange<Space, Comm, T>::unpack_combine(stream_arg s, std::span<T> y) {
   const auto expected = options_.partial_sums ? a_.records : a_.pairs_to;
   Space::for_each(s, world(),
-                  detail::decode_receive_step{combine_at_, recv_, send_, rank_, known_flags, spd(),
+                  detail::decode_receive_step{at_.combine, recv_, send_, rank_, known_flags, spd(),
                                               expected, nullptr, words_ + call_failed,
                                               words_ + sticky_error, kept_});
   if constexpr (exact)
-    throw_received(s, false);
+    throw_received(false);
   const auto tokens = static_cast<std::int64_t>(tokens_);
   const bool sums = !rejected_ && tokens > 0 && y.size() == tokens_ * options_.hidden;
   const token_view out = rows(reinterpret_cast<std::byte*>(y.data()), sums ? tokens_ : 0);
-  if (sums && options_.partial_sums) {
-    const int per_token = std::min(static_cast<int>(world()), options_.k);
-    Space::for_each(s, tokens,
-                    detail::decode_token_rows_step{combine_at_, spd(), options_.k, per_token,
-                                                   a_.pair_slot, a_.pair_pos, words_ + call_failed,
-                                                   a_.final_rows});
-    moves::merge(s, buffer(recv_, combine_at_), out, a_.final_rows, per_token, nullptr, nullptr,
-                 false);
-  } else if (sums) {
-    Space::for_each(s, tokens * options_.k,
-                    detail::decode_pair_row_step{combine_at_, spd(), a_.pair_slot, a_.pair_pos,
-                                                 words_ + call_failed, a_.final_rows});
-    moves::merge(s, buffer(recv_, combine_at_), out, a_.final_rows, options_.k, weights_, nullptr,
-                 false);
+  if (sums) { // each token's returned rows (per device, or per pair), summed
+    const bool partial = options_.partial_sums;
+    const int per_token = partial ? std::min(static_cast<int>(world()), options_.k) : options_.k;
+    if (partial)
+      Space::for_each(s, tokens,
+                      detail::decode_token_rows_step{at_.combine, spd(), options_.k, per_token,
+                                                     a_.pair_slot, a_.pair_pos,
+                                                     words_ + call_failed, a_.final_rows});
+    else
+      Space::for_each(s, tokens * options_.k,
+                      detail::decode_pair_row_step{at_.combine, spd(), a_.pair_slot, a_.pair_pos,
+                                                   words_ + call_failed, a_.final_rows});
+    moves::merge(s, buffer(recv_, at_.combine), out, a_.final_rows, per_token,
+                 partial ? nullptr : weights_, nullptr, false);
   }
   if constexpr (!exact) // no stream fails here: a failed call's output is NaN
     Space::for_each(s, 1,
@@ -355,7 +294,7 @@ void basic_decode_exchange<Space, Comm, T>::unpack_combine(stream_arg s, std::sp
 }
 
 template <execution_space Space, decode_communicator<Space> Comm, class T>
-void basic_decode_exchange<Space, Comm, T>::throw_received(stream_arg, bool dispatch) {
+void basic_decode_exchange<Space, Comm, T>::throw_received(bool dispatch) {
   // Host memory, after the receive step ran here: this rank's own failure first (the root
   // cause), then a header no sender writes (the peers may not know: told by abort), a failed
   // peer (every rank saw its failed headers), a record no sender writes (abort), and in the
@@ -366,44 +305,36 @@ void basic_decode_exchange<Space, Comm, T>::throw_received(stream_arg, bool disp
   words_[sticky_error] &= ~decode_bad_message_flag;
   if (local_failure_)
     std::rethrow_exception(std::exchange(local_failure_, nullptr));
-  const auto abort_with = [&](std::exception_ptr failure) {
+  const auto abort_with = [&](const error& e) {
+    const std::exception_ptr failure = std::make_exception_ptr(e);
     abort_peers(*comm_, failure);
     std::rethrow_exception(failure);
   };
   if (kept.bad_claimed != 0)
-    abort_with(std::make_exception_ptr(error(
-        errc::protocol,
-        detail::concat(
-            "decode_exchange: rank ", kept.bad_sender, " sent a header no weave rank writes (",
-            detail::describe_header_fault(static_cast<decode_header_fault>(kept.bad_fault),
-                                          kept.bad, kept.bad_limit),
-            ")"))));
+    abort_with(kept.bad_header());
   if (kept.peer_claimed != 0)
     throw peer_error(peer_record(kept.peer), "decode_exchange");
   if (kept.record_claimed != 0)
-    abort_with(std::make_exception_ptr(detail::bad_decode_record(
-        "decode_exchange", static_cast<std::size_t>(kept.record_sender),
-        static_cast<std::size_t>(kept.record), static_cast<std::size_t>(kept.record_choice),
-        kept.record_value, static_cast<std::size_t>(spd()))));
+    abort_with(kept.bad_record(spd()));
   if (dispatch) {
     if constexpr (bounded) // each message as long as its header's records make it
       for (std::int64_t d = 0; d < world(); ++d) {
         if (d == rank_)
           continue;
-        const std::int64_t n = dispatch_at_.header(recv_, d)->rows;
-        const auto want = static_cast<std::int64_t>(dispatch_at_.message_bytes(n));
+        const std::int64_t n = at_.dispatch.header(recv_, d)->rows;
+        const auto want = static_cast<std::int64_t>(at_.dispatch.message_bytes(n));
         if (received_[static_cast<std::size_t>(d)] != want)
-          abort_with(std::make_exception_ptr(
+          abort_with(
               error(errc::protocol,
                     detail::concat("decode_exchange: rank ", d, " sent a dispatch message of ",
                                    received_[static_cast<std::size_t>(d)], " bytes for ", n,
-                                   " records (", want, " bytes)"))));
+                                   " records (", want, " bytes)")));
       }
     return;
   }
   const auto expected = options_.partial_sums ? a_.records : a_.pairs_to;
   for (std::int64_t d = 0; d < world(); ++d) {
-    const std::int64_t returned = combine_at_.header(recv_, d)->rows;
+    const std::int64_t returned = at_.combine.header(recv_, d)->rows;
     WEAVE_EXPECT(returned == expected[d], errc::size_mismatch, "decode_exchange::combine: rank ", d,
                  " returned ", returned, " rows for the ", expected[d],
                  options_.partial_sums ? " token records" : " pairs", " sent to it");

@@ -42,19 +42,9 @@ inline void decode_position_serial(const decode_position_step& st, std::int64_t*
         for (std::int64_t c = 0; c < at.choices; ++c)
           side[r * at.choices + c] = -1;
         next_choice[d] = 0;
-        if (d != st.own || st.own_rows) {
-          st.token_rows[p] = at.payload_row(d, r);
-          st.send_index[at.payload_row(d, r)] = t;
-        }
-        if (d == st.own)
-          st.own_token[r] = t;
       }
-      const std::int64_t r = st.records[d] - 1, c = next_choice[d]++;
-      side[r * at.choices + c] = static_cast<std::int32_t>(s - d * st.spd);
-      if (st.weights != nullptr)
-        at.side_weights(st.send, d, at.M)[r * at.choices + c] = st.weights[p];
-      st.pair_pos[p] = st.weights != nullptr ? r : st.pairs_to[d];
-      ++st.pairs_to[d];
+      st.add(d, st.records[d] - 1, next_choice[d]++, t, p, st.pairs_to[d]++, side,
+             st.weights != nullptr ? at.side_weights(st.send, d, at.M) : nullptr);
     }
   for (std::int64_t d = 0; d < at.D; ++d) { // the side tables after the rows
     const std::int64_t n = st.records[d];
@@ -126,26 +116,9 @@ inline void decode_slots_serial(const decode_received& in, const decode_pool_map
     const bool own = d == m.own;
     std::int64_t pair = 0;
     for (std::int64_t r = 0; r < n; ++r) {
-      const std::int64_t row = at.payload_row(d, r);
       std::int64_t c = 0;
-      for (; c < at.choices && side[r * at.choices + c] >= 0; ++c) {
-        const std::int64_t p = cursor[side[r * at.choices + c]]++;
-        a.from_peer[p] = own ? -1 : row;
-        a.from_own[p] = !own ? -1 : m.own_rows ? row : a.own_token[r];
-        if (m.gathered)
-          a.row_ptr[p] = own ? m.x + static_cast<std::size_t>(a.from_own[p]) * m.x_row
-                             : m.recv + static_cast<std::size_t>(row) * at.row;
-        if (m.partial) {
-          const std::int64_t back_row = own ? r : m.back.payload_row(d, r);
-          (own ? a.own_index : a.merge_index)[back_row * at.choices + c] = p;
-          (own ? a.own_weight : a.merge_weight)[back_row * at.choices + c] =
-              weights[r * at.choices + c];
-        } else if (own) {
-          a.own_index[pair + c] = p;
-        } else {
-          a.return_index[m.back.payload_row(d, pair + c)] = p;
-        }
-      }
+      for (; c < at.choices && side[r * at.choices + c] >= 0; ++c)
+        m.place(cursor[side[r * at.choices + c]]++, d, r, c, pair + c, weights);
       if (m.partial) // the record's other entries: none (only the rows with records are read)
         for (std::int64_t rest = c; rest < at.choices; ++rest)
           (own ? a.own_index
@@ -154,13 +127,8 @@ inline void decode_slots_serial(const decode_received& in, const decode_pool_map
     }
   }
   if (m.in_place)
-    for (std::int64_t i = 0; i < busy; ++i) {
-      const std::int64_t l = a.busy[i], p = a.first[l];
-      const bool one = a.slot_rows[l] == 1 && a.from_peer[p] >= 0;
-      a.block[l] = one ? m.recv + static_cast<std::size_t>(a.from_peer[p]) * at.row : nullptr;
-      if (one)
-        a.from_peer[p] = -1;
-    }
+    for (std::int64_t i = 0; i < busy; ++i)
+      m.read_in_place(a.busy[i], a.first[a.busy[i]], a.slot_rows[a.busy[i]]);
 }
 
 } // namespace detail

@@ -102,36 +102,37 @@ struct decode_position_step {
         }
     std::int32_t* side = at.side_table(send, d, n);
     float* side_w = weights != nullptr ? at.side_weights(send, d, n) : nullptr;
-    const bool rows = d != own || own_rows;
     std::int64_t r = 0, pairs = 0;
     for (std::int64_t t = 0; t < tokens; ++t) {
       std::int64_t c = 0;
-      for (int j = 0; j < k; ++j) {
-        const std::int64_t p = t * k + j;
-        const std::int32_t s = pair_slot[p];
-        if (s < 0 || s / spd != d)
-          continue;
-        if (c == 0 && rows)
-          token_rows[p] = at.payload_row(d, r);
-        side[r * at.choices + c] = static_cast<std::int32_t>(s - d * spd);
-        if (side_w != nullptr)
-          side_w[r * at.choices + c] = weights[p];
-        pair_pos[p] = side_w != nullptr ? r : pairs;
-        ++c;
-        ++pairs;
-      }
+      for (int j = 0; j < k; ++j)
+        if (pair_slot[t * k + j] >= 0 && pair_slot[t * k + j] / spd == d)
+          add(d, r, c++, t, t * k + j, pairs++, side, side_w);
       if (c == 0)
         continue;
       for (std::int64_t rest = c; rest < at.choices; ++rest)
         side[r * at.choices + rest] = -1;
-      if (rows)
-        send_index[at.payload_row(d, r)] = t;
-      if (d == own)
-        own_token[r] = t;
       ++r;
     }
     records[d] = n;
     pairs_to[d] = pairs;
+  }
+
+  // Pair p (of token t; d's pairs before it: `pairs`) becomes entry c of record r in d's side
+  // table (`side`, and `side_w` with partial sums); the record's first also places its row.
+  WEAVE_HOST_DEVICE void add(std::int64_t d, std::int64_t r, std::int64_t c, std::int64_t t,
+                             std::int64_t p, std::int64_t pairs, std::int32_t* side,
+                             float* side_w) const {
+    if (c == 0 && (d != own || own_rows)) {
+      token_rows[p] = at.payload_row(d, r);
+      send_index[at.payload_row(d, r)] = t;
+    }
+    if (c == 0 && d == own)
+      own_token[r] = t;
+    side[r * at.choices + c] = static_cast<std::int32_t>(pair_slot[p] - d * spd);
+    if (weights != nullptr)
+      side_w[r * at.choices + c] = weights[p];
+    pair_pos[p] = weights != nullptr ? r : pairs;
   }
 };
 
@@ -187,6 +188,21 @@ struct decode_kept {
   std::uint32_t peer_claimed = 0;   // 1 once `peer` is kept
   std::uint32_t bad_claimed = 0;    // 1 once `bad` is kept
   std::uint32_t record_claimed = 0; // 1 once a bad record is kept
+
+  // The errors of `bad`, and of the bad record (of a rank with `slots` local slots).
+  error bad_header() const {
+    return error(
+        errc::protocol,
+        concat("decode_exchange: rank ", bad_sender, " sent a header no weave rank writes (",
+               describe_header_fault(static_cast<decode_header_fault>(bad_fault), bad, bad_limit),
+               ")"));
+  }
+  error bad_record(std::int64_t slots) const {
+    return error(errc::protocol,
+                 concat("decode_exchange: rank ", record_sender,
+                        " sent a token record no weave rank writes (record ", record, ", choice ",
+                        record_choice, ": local slot ", record_value, " of ", slots, ")"));
+  }
 };
 
 // Per source rank d, after a phase's all-to-all: the header of d's message (this rank's own side
@@ -321,21 +337,51 @@ struct decode_pool_maps {
   std::size_t x_row;                          // bytes of a token row of the caller's x
   const std::byte *x, *recv, *send;
   detail::decode_call_arrays a;
+
+  // Pool row p gets choice c of source d's record r (`weights`: its side table's; `pair`: the
+  // choice's pair among d's): its input (`from_peer`: a received row; `from_own`: this rank's
+  // token, or with an FP8 dispatch its row in `send`; with gathered inputs a pointer to where it
+  // arrived) and its return (partial sums: entry c of the record's combine row, and the
+  // choice's weight; else the pair's combine row).
+  WEAVE_HOST_DEVICE void place(std::int64_t p, std::int64_t d, std::int64_t r, std::int64_t c,
+                               std::int64_t pair, const float* weights) const {
+    const bool mine = d == own;
+    const std::int64_t row = at.payload_row(d, r);
+    a.from_peer[p] = mine ? -1 : row;
+    a.from_own[p] = !mine ? -1 : own_rows ? row : a.own_token[r];
+    if (gathered)
+      a.row_ptr[p] = mine ? x + static_cast<std::size_t>(a.from_own[p]) * x_row
+                          : recv + static_cast<std::size_t>(row) * at.row;
+    if (partial) {
+      const std::int64_t entry = (mine ? r : back.payload_row(d, r)) * at.choices + c;
+      (mine ? a.own_index : a.merge_index)[entry] = p;
+      (mine ? a.own_weight : a.merge_weight)[entry] = weights[r * at.choices + c];
+    } else if (mine) {
+      a.own_index[pair] = p;
+    } else {
+      a.return_index[back.payload_row(d, pair)] = p;
+    }
+  }
+  // With `in_place`: slot l, fed `rows` rows from pool row `first`, reads a peer's one row where
+  // it arrived (`block`), not copied.
+  WEAVE_HOST_DEVICE void read_in_place(std::int64_t l, std::int64_t first,
+                                       std::int64_t rows) const {
+    const bool one = rows == 1 && a.from_peer[first] >= 0;
+    a.block[l] = one ? recv + static_cast<std::size_t>(a.from_peer[first]) * at.row : nullptr;
+    if (one)
+      a.from_peer[first] = -1;
+  }
 };
 
-// Per local slot l, after the counts: each of l's rows gets its pool row (first[l] + q) and, from
-// the record it comes from, its input (`from_peer`: a received row; `from_own`: this rank's
-// token, or with an FP8 dispatch its row in `send`; with gathered inputs a pointer to where it
-// arrived; a slot fed one row by a peer reads it in place) and its return (partial sums: entry
-// c of the record's combine row, and the choice's weight; else the pair's combine row).
+// Per local slot l, after the counts: each of l's rows, source by source and record by record,
+// gets its pool row (first[l] + q) and is placed there (`decode_pool_maps::place`).
 struct decode_place_step {
   decode_received in;
   decode_pool_maps m;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t l) const {
     const decode_wire& at = in.at;
-    const decode_call_arrays& a = m.a;
-    const std::int64_t first = a.first[l];
+    const std::int64_t first = m.a.first[l];
     std::int64_t q = 0;
     for (std::int64_t d = 0; d < at.D; ++d) {
       const std::int64_t n = in.records(d);
@@ -347,44 +393,13 @@ struct decode_place_step {
         std::int64_t c = 0;
         for (; c < at.choices && side[r * at.choices + c] >= 0; ++c)
           if (side[r * at.choices + c] == l)
-            place(l, first + q++, d, r, c, pair + c, weights);
+            m.place(first + q++, d, r, c, pair + c, weights);
         pair += c;
       }
     }
-    if (m.in_place) { // a block of one peer row: read where it arrived, not copied
-      const bool one = q == 1 && a.from_peer[first] >= 0;
-      a.block[l] = one ? m.recv + static_cast<std::size_t>(a.from_peer[first]) * at.row : nullptr;
-      if (one)
-        a.from_peer[first] = -1;
-    }
+    if (m.in_place)
+      m.read_in_place(l, first, q);
   }
-
- private:
-  WEAVE_HOST_DEVICE void place(std::int64_t l, std::int64_t p, std::int64_t d, std::int64_t r,
-                               std::int64_t c, std::int64_t pair, const float* weights) const {
-    const decode_call_arrays& a = m.a;
-    const bool own = d == m.own;
-    const std::int64_t row = at().payload_row(d, r);
-    a.from_peer[p] = own ? -1 : row;
-    a.from_own[p] = !own ? -1 : m.own_rows ? row : a.own_token[r];
-    if (m.gathered)
-      a.row_ptr[p] = own ? m.x + static_cast<std::size_t>(a.from_own[p]) * m.x_row
-                         : m.recv + static_cast<std::size_t>(row) * at().row;
-    const std::int64_t back_row = m.partial ? r : pair; // in the combine message to d
-    if (m.partial) {
-      std::int64_t* index = own ? a.own_index : a.merge_index;
-      float* weight = own ? a.own_weight : a.merge_weight;
-      const std::int64_t at_row = own ? back_row : m.back.payload_row(d, back_row);
-      index[at_row * at().choices + c] = p;
-      weight[at_row * at().choices + c] = weights[r * at().choices + c];
-    } else if (own) {
-      a.own_index[back_row] = p;
-    } else {
-      a.return_index[m.back.payload_row(d, back_row)] = p;
-    }
-    (void)l;
-  }
-  WEAVE_HOST_DEVICE const decode_wire& at() const { return in.at; }
 };
 
 // Per (token, choice): the returned row it sums, or -1 (not routed, or the call failed).
@@ -415,21 +430,17 @@ struct decode_token_rows_step {
   std::int64_t* index;
 
   WEAVE_HOST_DEVICE void operator()(std::int64_t t) const {
-    std::int64_t* rows = index + t * per_token;
-    if (*call_failed != 0) {
-      for (int n = 0; n < per_token; ++n)
-        rows[n] = -1;
-      return;
-    }
     const std::int32_t* slot = pair_slot + t * k;
     const std::int64_t* record = pair_pos + t * k;
     const std::int64_t slots = spd;
-    const auto device = [slot, record, slots](int j) -> std::int64_t {
-      return slot[j] < 0 || record[j] < 0 ? -1 : slot[j] / slots;
+    const bool failed = *call_failed != 0;
+    const auto device = [slot, record, slots, failed](int j) -> std::int64_t {
+      return failed || slot[j] < 0 || record[j] < 0 ? -1 : slot[j] / slots;
     };
     const decode_wire at = back;
     rows_by_device(
-        k, per_token, device, [&](int j) { return at.payload_row(device(j), record[j]); }, rows);
+        k, per_token, device, [&](int j) { return at.payload_row(device(j), record[j]); },
+        index + t * per_token);
   }
 };
 

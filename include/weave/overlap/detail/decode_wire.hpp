@@ -43,19 +43,23 @@ struct decode_wire {
   //! their side table.
   static decode_wire dispatch(int ranks, std::size_t max_records, std::size_t choices,
                               std::size_t row_bytes, bool weights) {
-    decode_wire w = of(ranks, max_records, choices, row_bytes, weights);
-    const std::size_t side = w.side_bytes(w.M);
+    decode_wire w;
+    w.D = ranks;
+    w.M = static_cast<std::int64_t>(max_records);
+    w.choices = static_cast<std::int64_t>(choices);
+    w.weights = weights;
+    w.row = checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16;
+    w.head_rows = static_cast<std::int64_t>((sizeof(decode_header) + w.row - 1) / w.row);
     w.room_rows = checked_add(static_cast<std::size_t>(w.head_rows + w.M),
-                              (side + w.row - 1) / w.row, "decode message rows");
-    w.check();
+                              (w.side_bytes(w.M) + w.row - 1) / w.row, "decode message rows");
+    (void)checked_mul(checked_mul(static_cast<std::size_t>(ranks),
+                                  static_cast<std::size_t>(w.room_rows), "decode message rows"),
+                      w.row, "decode message bytes");
     return w;
   }
-  //! The combine's messages: `max_rows` rows of `row_bytes` each.
+  //! The combine's messages: `max_rows` rows of `row_bytes` each (no side table).
   static decode_wire combine(int ranks, std::size_t max_rows, std::size_t row_bytes) {
-    decode_wire w = of(ranks, max_rows, 0, row_bytes, false);
-    w.room_rows = w.head_rows + w.M;
-    w.check();
-    return w;
+    return dispatch(ranks, max_rows, 0, row_bytes, false);
   }
 
   //! Bytes of the side table of n records.
@@ -92,24 +96,6 @@ struct decode_wire {
   WEAVE_HOST_DEVICE float* side_weights(std::byte* buffer, std::int64_t d,
                                         std::int64_t n) const noexcept {
     return reinterpret_cast<float*>(side_table(buffer, d, n) + n * choices);
-  }
-
- private:
-  static decode_wire of(int ranks, std::size_t max_rows, std::size_t choices, std::size_t row_bytes,
-                        bool weights) {
-    decode_wire w;
-    w.D = ranks;
-    w.M = static_cast<std::int64_t>(max_rows);
-    w.choices = static_cast<std::int64_t>(choices);
-    w.weights = weights;
-    w.row = checked_add(row_bytes, std::size_t{15}, "row bytes") / 16 * 16;
-    w.head_rows = static_cast<std::int64_t>((sizeof(decode_header) + w.row - 1) / w.row);
-    return w;
-  }
-  void check() const {
-    (void)checked_mul(checked_mul(static_cast<std::size_t>(D), static_cast<std::size_t>(room_rows),
-                                  "decode message rows"),
-                      row, "decode message bytes");
   }
 };
 
@@ -180,16 +166,6 @@ WEAVE_HOST_DEVICE void rows_by_device(int k, int per_token, Device&& device, Row
     rows[m] = row(static_cast<int>(rows[m] & 0xffffffff));
   for (; n < per_token; ++n)
     rows[n] = -1;
-}
-
-//! The error of a received token record no weave rank writes: record `r` of rank `d`'s message
-//! names, as its choice `c`, local slot `l` of a rank with `slots` (`who`: the exchange).
-inline error bad_decode_record(const char* who, std::size_t d, std::size_t r, std::size_t c,
-                               std::int32_t l, std::size_t slots) {
-  return error(errc::protocol, concat(who, ": rank ", d,
-                                      " sent a token record no weave rank writes "
-                                      "(record ",
-                                      r, ", choice ", c, ": local slot ", l, " of ", slots, ")"));
 }
 
 } // namespace detail
