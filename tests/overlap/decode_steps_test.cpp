@@ -9,8 +9,8 @@
 #include <doctest/doctest.h>
 
 #include <weave/overlap/decode_options.hpp>
+#include <weave/overlap/detail/decode_pool_steps.hpp>
 #include <weave/overlap/detail/decode_serial_steps.hpp>
-#include <weave/overlap/detail/decode_steps.hpp>
 #include <weave/overlap/detail/decode_wire.hpp>
 
 #include <algorithm>

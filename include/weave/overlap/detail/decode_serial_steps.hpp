@@ -7,7 +7,7 @@
 #pragma once
 
 #include "weave/core/config.hpp"
-#include "weave/overlap/detail/decode_steps.hpp"
+#include "weave/overlap/detail/decode_pool_steps.hpp"
 
 #include <bit>
 #include <cstddef>
